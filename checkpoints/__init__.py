@@ -1,0 +1,28 @@
+"""HF safetensors checkpoints <-> our flat parameters: layout, streamed loading, saving, random checkpoints.
+
+This package maps names and shapes; it does not import the model (`cfg` is duck-typed). Names are imported
+lazily, so `python -m checkpoints.random` neither imports jax nor runs into its own module half-imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "ParamSpec": "layout", "param_specs": "layout", "is_mtp_key": "layout",
+    "CheckpointError": "safetensors_io", "SafetensorsFile": "safetensors_io", "SafetensorsWriter": "safetensors_io",
+    "HFCheckpoint": "loader", "load_hf_params": "loader",
+    "save_hf_params": "writer", "write_hf_tensors": "writer",
+    "write_random_checkpoint": "random",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,136 @@
+"""The parameter layout: our flat parameter paths and shapes, and how each maps to HF safetensors keys (SPEC §8).
+
+A parameter path is a dot-separated string (`layers.3.attn.q_b_proj`). Every entry knows its global shape,
+whether it stays float32 whatever the compute dtype, and how to build it from HF tensors (`from_hf`) or
+split it back into them (`to_hf`). HF linear weights are [out, in]; ours are [in, out], with heads made an
+explicit axis so that tensor parallelism shards one axis. Routed experts are stacked on a leading axis.
+
+`cfg` is duck-typed (any object with the GlmDsaConfig fields), so this package does not import the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: its path, global shape, the HF keys it comes from and the two conversions."""
+
+    path: str
+    shape: tuple[int, ...]
+    hf_keys: tuple[str, ...]
+    from_hf: Callable[..., np.ndarray]  # (*hf arrays in hf_keys order) -> ours
+    to_hf: Callable[[np.ndarray], tuple[np.ndarray, ...]]  # ours -> hf arrays in hf_keys order
+    hf_shapes: tuple[tuple[int, ...], ...]
+    fp32: bool = False  # kept in float32 whatever the compute dtype (router, indexer weights_proj)
+
+
+def _identity(shape):
+    return dict(from_hf=lambda a: a, to_hf=lambda a: (a,), hf_shapes=(shape,))
+
+
+def _linear(n_in, n_out, out_split=None):
+    """HF [out, in] -> ours [in, *out_split] (out_split factors `out`, e.g. (heads, head_dim))."""
+    out_split = out_split or (n_out,)
+
+    def from_hf(w):
+        return w.T.reshape(n_in, *out_split)
+
+    def to_hf(a):
+        return (np.ascontiguousarray(a.reshape(n_in, n_out).T),)
+
+    return dict(from_hf=from_hf, to_hf=to_hf, hf_shapes=((n_out, n_in),))
+
+
+def _linear_heads_in(heads, head_dim, n_out):
+    """HF [out, heads*head_dim] -> ours [heads, head_dim, out] (o_proj)."""
+
+    def from_hf(w):
+        return w.T.reshape(heads, head_dim, n_out)
+
+    def to_hf(a):
+        return (np.ascontiguousarray(a.reshape(heads * head_dim, n_out).T),)
+
+    return dict(from_hf=from_hf, to_hf=to_hf, hf_shapes=((n_out, heads * head_dim),))
+
+
+def _stacked_experts(n_experts, n_in, n_out):
+    """HF per-expert [out, in] weights -> ours [E, in, out]."""
+
+    def from_hf(*ws):
+        return np.stack([w.T for w in ws])
+
+    def to_hf(a):
+        return tuple(np.ascontiguousarray(a[e].T) for e in range(n_experts))
+
+    return dict(from_hf=from_hf, to_hf=to_hf, hf_shapes=((n_out, n_in),) * n_experts)
+
+
+def param_specs(cfg) -> dict[str, ParamSpec]:
+    """Every parameter of the model `cfg` describes, keyed by path, in a stable order."""
+    D, V = cfg.hidden_size, cfg.vocab_size
+    H, Dn, Dr, Dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    Rq, Rkv = cfg.q_lora_rank, cfg.kv_lora_rank
+    Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+    E, Im = cfg.n_routed_experts, cfg.moe_intermediate_size
+    Is = Im * cfg.n_shared_experts
+    specs: dict[str, ParamSpec] = {}
+
+    def add(path, shape, hf_keys, conv, fp32=False):
+        specs[path] = ParamSpec(path, tuple(shape), tuple(hf_keys), fp32=fp32, **conv)
+
+    add("embed", (V, D), ["model.embed_tokens.weight"], _identity((V, D)))
+    for i in range(cfg.num_hidden_layers):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        add(p + "input_norm", (D,), [h + "input_layernorm.weight"], _identity((D,)), fp32=True)
+        add(p + "post_norm", (D,), [h + "post_attention_layernorm.weight"], _identity((D,)), fp32=True)
+        a, ha = p + "attn.", h + "self_attn."
+        add(a + "q_a_proj", (D, Rq), [ha + "q_a_proj.weight"], _linear(D, Rq))
+        add(a + "q_a_norm", (Rq,), [ha + "q_a_layernorm.weight"], _identity((Rq,)), fp32=True)
+        add(a + "q_b_proj", (Rq, H, Dn + Dr), [ha + "q_b_proj.weight"], _linear(Rq, H * (Dn + Dr), (H, Dn + Dr)))
+        add(a + "kv_a_proj", (D, Rkv + Dr), [ha + "kv_a_proj_with_mqa.weight"], _linear(D, Rkv + Dr))
+        add(a + "kv_a_norm", (Rkv,), [ha + "kv_a_layernorm.weight"], _identity((Rkv,)), fp32=True)
+        add(a + "kv_b_proj", (Rkv, H, Dn + Dv), [ha + "kv_b_proj.weight"],
+            _linear(Rkv, H * (Dn + Dv), (H, Dn + Dv)))
+        add(a + "o_proj", (H, Dv, D), [ha + "o_proj.weight"], _linear_heads_in(H, Dv, D))
+        if cfg.indexer_types[i] == "full":
+            x, hx = a + "indexer.", ha + "indexer."
+            add(x + "wq_b", (Rq, Hi, Di), [hx + "wq_b.weight"], _linear(Rq, Hi * Di, (Hi, Di)))
+            add(x + "wk", (D, Di), [hx + "wk.weight"], _linear(D, Di))
+            add(x + "k_norm_w", (Di,), [hx + "k_norm.weight"], _identity((Di,)), fp32=True)
+            add(x + "k_norm_b", (Di,), [hx + "k_norm.bias"], _identity((Di,)), fp32=True)
+            add(x + "weights_proj", (D, Hi), [hx + "weights_proj.weight"], _linear(D, Hi), fp32=True)
+        if cfg.mlp_layer_types[i] == "dense":
+            m, hm, inter = p + "mlp.", h + "mlp.", cfg.intermediate_size
+            add(m + "gate", (D, inter), [hm + "gate_proj.weight"], _linear(D, inter))
+            add(m + "up", (D, inter), [hm + "up_proj.weight"], _linear(D, inter))
+            add(m + "down", (inter, D), [hm + "down_proj.weight"], _linear(inter, D))
+        else:
+            m, hm = p + "moe.", h + "mlp."
+            add(m + "router", (D, E), [hm + "gate.weight"], _linear(D, E), fp32=True)
+            add(m + "router_bias", (E,), [hm + "gate.e_score_correction_bias"], _identity((E,)), fp32=True)
+            for name in ("gate", "up"):
+                add(m + f"experts_{name}", (E, D, Im), [hm + f"experts.{e}.{name}_proj.weight" for e in range(E)],
+                    _stacked_experts(E, D, Im))
+            add(m + "experts_down", (E, Im, D), [hm + f"experts.{e}.down_proj.weight" for e in range(E)],
+                _stacked_experts(E, Im, D))
+            if Is:
+                add(m + "shared_gate", (D, Is), [hm + "shared_experts.gate_proj.weight"], _linear(D, Is))
+                add(m + "shared_up", (D, Is), [hm + "shared_experts.up_proj.weight"], _linear(D, Is))
+                add(m + "shared_down", (Is, D), [hm + "shared_experts.down_proj.weight"], _linear(Is, D))
+    add("final_norm", (D,), ["model.norm.weight"], _identity((D,)), fp32=True)
+    lm_key = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    add("lm_head", (D, V), [lm_key], _linear(D, V))
+    return specs
+
+
+def is_mtp_key(key: str, cfg) -> bool:
+    """Keys of the multi-token-prediction layers (`model.layers.{>= num_hidden_layers}.*`): skipped on load."""
+    if not key.startswith("model.layers."):
+        return False
+    idx = key.split(".")[2]
+    return idx.isdigit() and int(idx) >= cfg.num_hidden_layers

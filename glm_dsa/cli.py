@@ -1,0 +1,206 @@
+"""`python -m glm_dsa {generate,info,demo,random-checkpoint}`: the command line, with vLLM-style flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"token ids must be integers separated by commas or spaces: {text!r}")
+
+
+def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
+    g.add_argument("--dcp-q-replicate", dest="dcp_q_replicate", action="store_true", default=None)
+    g.add_argument("--no-dcp-q-replicate", dest="dcp_q_replicate", action="store_false")
+    g.add_argument("--dcp-comm-backend", choices=["ag_rs", "a2a"], default=None)
+    g.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
+
+
+def _parallel(args):
+    from sharding import ParallelConfig
+    return ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                          decode_context_parallel_size=args.decode_context_parallel_size,
+                          dcp_q_replicate=args.dcp_q_replicate, dcp_comm_backend=args.dcp_comm_backend,
+                          cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size)
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "fp8_ds_mla"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--impl", default="xla", help="op implementation: xla (reference; CPU default)")
+    _add_parallel_flags(p)
+
+
+def _generate_and_report(eng, prompts, args, out=sys.stdout) -> list[list[int]]:
+    kw = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+              stop_token_ids=[] if args.ignore_eos else None)
+    eng.generate(prompts, max_new_tokens=1, **kw)  # compile the prefill and first-step shapes
+    t0 = time.perf_counter()
+    new = eng.generate(prompts, max_new_tokens=args.max_new_tokens, **kw)
+    dt = time.perf_counter() - t0
+    n = sum(len(x) for x in new)
+    for i, (p, toks) in enumerate(zip(prompts, new)):
+        print(f"prompt {i} ({len(p)} tokens): {p}", file=out)
+        print(f"  generated {len(toks)}: {toks}", file=out)
+    print(f"{n} tokens in {dt:.3f} s: {n / dt:.1f} tokens/s (prefill included, after warm-up)", file=out)
+    return new
+
+
+def cmd_generate(args) -> int:
+    import glm_dsa
+    if not args.prompt_ids:
+        raise SystemExit("generate: give at least one --prompt-ids")
+    eng = glm_dsa.load(args.checkpoint, parallel=_parallel(args), dtype=args.dtype,
+                       kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, impl=args.impl)
+    _generate_and_report(eng, args.prompt_ids, args)
+    return 0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def cmd_info(args) -> int:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from checkpoints.layout import param_specs
+    from glm_dsa import configs
+    from glm_dsa.config import GlmDsaConfig
+    from glm_dsa.paged_cache import cache_bytes_per_token
+    from sharding import param_spec
+
+    cfg = configs.get(args.preset) if args.preset else GlmDsaConfig.from_pretrained(args.checkpoint)
+    parallel = _parallel(args)
+    parallel.check_model(cfg)
+    item = jnp.dtype(args.dtype).itemsize
+    total = per_device = count = 0
+    for path, spec in param_specs(cfg).items():
+        nbytes = int(np.prod(spec.shape)) * (4 if spec.fp32 else item)
+        count += int(np.prod(spec.shape))
+        total += nbytes
+        split = parallel.tp if any(a is not None for a in param_spec(path)) else 1
+        per_device += nbytes // split
+    info = {
+        "source": args.checkpoint or f"preset {args.preset}",
+        "layers": cfg.num_hidden_layers,
+        "full_indexer_layers": list(cfg.full_layers),
+        "shared_indexer_layers": [i for i in range(cfg.num_hidden_layers) if not cfg.is_full(i)],
+        "dense_layers": [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe(i)],
+        "parameters": count,
+        "param_bytes": _human(total),
+        "param_bytes_per_device": _human(per_device),
+        "kv_cache_bytes_per_token": cache_bytes_per_token(cfg, args.dtype),
+        "mesh": parallel.mesh_shape,
+        "rope_theta": cfg.rope_theta,
+        "index_topk": cfg.index_topk,
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for k, v in info.items():
+            print(f"{k:>26}: {v}")
+    return 0
+
+
+def cmd_random_checkpoint(args) -> int:
+    from checkpoints.random import write_random_checkpoint
+    from glm_dsa import configs
+    cfg = configs.get(args.preset)
+    if args.num_layers:
+        cfg = cfg.replace(num_hidden_layers=args.num_layers)
+    write_random_checkpoint(cfg, args.out, seed=args.seed, dtype=args.dtype,
+                            max_shard_bytes=int(args.max_shard_mb * 2**20) if args.max_shard_mb else None)
+    print(f"wrote a random {args.preset} checkpoint ({cfg.num_hidden_layers} layers) to {args.out}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    import glm_dsa
+    from checkpoints.random import write_random_checkpoint
+    from glm_dsa import configs
+    cfg = configs.get(args.preset)
+    path = args.out or tempfile.mkdtemp(prefix="glm_dsa_demo_")
+    print(f"writing a random '{args.preset}' checkpoint (GLM-5.2 layout: dense + MoE layers, full/shared indexer "
+          f"layers {list(cfg.indexer_types)}) to {path}")
+    write_random_checkpoint(cfg, path, seed=args.seed, dtype="bfloat16")
+    eng = glm_dsa.load(path, dtype="bfloat16", max_model_len=256)
+    import numpy as np
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (5, 11, 23)]
+    _generate_and_report(eng, prompts, args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m glm_dsa", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="load a checkpoint and continue prompts given as token ids")
+    g.add_argument("--checkpoint", required=True, help="HF safetensors directory")
+    g.add_argument("--prompt-ids", type=_ids, action="append", default=[],
+                   help="one prompt as comma- or space-separated token ids (repeat for a batch)")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS ids")
+    _add_model_flags(g)
+    g.set_defaults(fn=cmd_generate)
+
+    i = sub.add_parser("info", help="config, layer schedule and memory per device, without loading weights")
+    src = i.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint")
+    src.add_argument("--preset", choices=["glm5", "glm52", "tiny", "bench", "demo"])
+    i.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    i.add_argument("--json", action="store_true")
+    _add_parallel_flags(i)
+    i.set_defaults(fn=cmd_info)
+
+    r = sub.add_parser("random-checkpoint", help="write a random checkpoint in the HF layout")
+    r.add_argument("--preset", default="tiny", choices=["glm5", "glm52", "tiny", "bench", "demo"])
+    r.add_argument("--out", required=True)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    r.add_argument("--num-layers", type=int, default=None)
+    r.add_argument("--max-shard-mb", type=float, default=None)
+    r.set_defaults(fn=cmd_random_checkpoint)
+
+    d = sub.add_parser("demo", help="write a small random GLM-5.2-shaped checkpoint, load it and generate")
+    d.add_argument("--preset", default="demo", choices=["demo", "tiny"])
+    d.add_argument("--out", default=None, help="where to write the checkpoint (default: a temp dir)")
+    d.add_argument("--max-new-tokens", type=int, default=32)
+    d.add_argument("--temperature", type=float, default=0.0)
+    d.add_argument("--top-p", type=float, default=1.0)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--ignore-eos", action="store_true", default=True)
+    d.set_defaults(fn=cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

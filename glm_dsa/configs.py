@@ -1,0 +1,91 @@
+"""Preset configurations: the real geometries, a tiny one for tests and a reduced-depth one for benchmarks."""
+
+from __future__ import annotations
+
+from .config import GlmDsaConfig, indexer_schedule
+
+#: GLM-5 / GLM-5.1: every layer owns an indexer; theta 1e6.
+glm5 = GlmDsaConfig(
+    rope_theta=1e6,
+    max_position_embeddings=202752,
+    indexer_types=indexer_schedule(78, freq=1, offset=2),
+)
+
+#: GLM-5.2: IndexShare (freq 4, offset 3) -> 21 full layers and 57 shared; theta 8e6; 1M context.
+glm52 = GlmDsaConfig(
+    rope_theta=8e6,
+    max_position_embeddings=1048576,
+    indexer_types=indexer_schedule(78, freq=4, offset=3),
+)
+
+#: Tiny model for CPU tests: a dense layer, full and shared indexer layers, grouped routing.
+tiny = GlmDsaConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    q_lora_rank=48,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=24,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    index_n_heads=16,
+    index_head_dim=32,
+    index_topk=8,
+    indexer_types=("full", "full", "shared", "shared"),
+    rope_theta=10000.0,
+    max_position_embeddings=4096,
+    eos_token_id=(1,),
+    pad_token_id=0,
+)
+
+#: GLM-5.2 widths at reduced depth for benchmarks: a dense layer, a full-indexer MoE layer, two shared layers.
+bench = glm52.replace(
+    num_hidden_layers=4,
+    first_k_dense_replace=1,
+    indexer_types=("full", "full", "shared", "shared"),
+)
+
+#: A small model with GLM-5.2's structure (IndexShare schedule, 3 dense layers then MoE) for the demo.
+demo = GlmDsaConfig(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    q_lora_rank=128,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=32,
+    v_head_dim=32,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    first_k_dense_replace=3,
+    index_n_heads=16,
+    index_head_dim=64,
+    index_topk=16,
+    indexer_types=indexer_schedule(8, freq=4, offset=3),
+    rope_theta=8e6,
+    max_position_embeddings=4096,
+    eos_token_id=(1,),
+    pad_token_id=0,
+)
+
+PRESETS = {"glm5": glm5, "glm52": glm52, "tiny": tiny, "bench": bench, "demo": demo}
+
+
+def get(name: str) -> GlmDsaConfig:
+    """Look a preset up by name."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise KeyError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}") from None

@@ -1,0 +1,233 @@
+"""The GLM-5.2 decoder in Flax NNX, written per shard (SPEC §2).
+
+Every module computes on the local shard of its parameters inside `jax.shard_map`: head counts and widths
+come from the local shapes, and the one reduction a tensor-parallel split needs is a `psum` over the TP
+axes after `o_proj` and after each MLP. On a single device those collectives are no-ops.
+Parameter shapes come from `checkpoints.layout`, the single source of truth for names and shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from checkpoints.layout import param_specs
+from kernels import fused_norm_rope, indexer, rope, sparse_mla
+from kernels.norms import rms_norm
+from sharding import TP_AXES
+
+from .config import GlmDsaConfig
+from .paged_cache import positions_to_slots
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One ragged step: T token rows (prefill chunks and decode rows mixed) of R requests.
+
+    token_ids, positions, slot_mapping (-1 = write nothing), token_req (the row's request): int32 [T];
+    block_tables: int32 [R, pages]; logits_indices: int32 [L], the rows whose logits are returned.
+    """
+
+    token_ids: jax.Array
+    positions: jax.Array
+    slot_mapping: jax.Array
+    token_req: jax.Array
+    block_tables: jax.Array
+    logits_indices: jax.Array
+
+
+jax.tree_util.register_dataclass(StepBatch, data_fields=[f.name for f in dataclasses.fields(StepBatch)],
+                                 meta_fields=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """Static per-step settings shared by the layers."""
+
+    cfg: GlmDsaConfig
+    block_size: int
+    impl: str = "xla"
+
+
+def _declare(module: nnx.Module, prefix: str, names, specs, dtype) -> None:
+    """Give `module` a zero Param per name, shaped and typed from the layout (`fp32` params stay float32)."""
+    for name in names:
+        spec = specs[prefix + name]
+        setattr(module, name, nnx.Param(jnp.zeros(spec.shape, jnp.float32 if spec.fp32 else dtype)))
+
+
+def _swiglu(x, gate, up, down):
+    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+
+
+class Indexer(nnx.Module):
+    """Lightning indexer of a full layer: picks the top-k cached positions for every query row."""
+
+    def __init__(self, specs, prefix, dtype):
+        _declare(self, prefix, ("wq_b", "wk", "k_norm_w", "k_norm_b", "weights_proj"), specs, dtype)
+
+    def head_weights(self, h):
+        """w[t, h] = weights_proj(h) * Hi^-0.5, times the score scale Di^-0.5 (folded: both > 0)."""
+        n_heads, head_dim = self.wq_b.shape[1], self.wq_b.shape[2]
+        w = h.astype(jnp.float32) @ self.weights_proj[...]
+        return w * (n_heads ** -0.5) * (head_dim ** -0.5)
+
+    def __call__(self, h, q_n, index_cache, batch: StepBatch, ctx: StepContext):
+        cfg = ctx.cfg
+        qi = jnp.einsum("tr,rhd->thd", q_n, self.wq_b[...])
+        cos, sin = rope.rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+        rot = rope.apply_rope(qi[..., : cfg.qk_rope_head_dim], cos[:, None], sin[:, None],
+                                 interleave=cfg.indexer_rope_interleave)
+        qi = jnp.concatenate([rot, qi[..., cfg.qk_rope_head_dim:]], axis=-1)
+        return indexer.indexer_topk(
+            qi, self.head_weights(h), index_cache, batch.token_req, batch.positions, batch.block_tables,
+            block_size=ctx.block_size, topk=cfg.index_topk, impl=ctx.impl)
+
+
+class MLA(nnx.Module):
+    """Multi-head latent attention in the absorbed form over the paged cache, sparse over the indexer's top-k."""
+
+    def __init__(self, cfg: GlmDsaConfig, layer: int, specs, dtype):
+        p = f"layers.{layer}.attn."
+        _declare(self, p, ("q_a_proj", "q_a_norm", "q_b_proj", "kv_a_proj", "kv_a_norm", "kv_b_proj", "o_proj"),
+                 specs, dtype)
+        self.indexer = Indexer(specs, p + "indexer.", dtype) if cfg.is_full(layer) else None
+
+    def __call__(self, h, mla_cache, index_cache, topk_prev, batch: StepBatch, ctx: StepContext):
+        cfg = ctx.cfg
+        dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        index_k = h @ self.indexer.wk[...] if self.indexer is not None else None
+        q_n, mla_cache, index_cache, _ = fused_norm_rope.fused_norm_rope_cache(
+            h @ self.q_a_proj[...], h @ self.kv_a_proj[...], batch.positions, batch.slot_mapping,
+            self.q_a_norm[...], self.kv_a_norm[...], mla_cache.reshape(-1, mla_cache.shape[-1]),
+            rope_theta=cfg.rope_theta, rope_interleave=cfg.rope_interleave,
+            index_k=index_k,
+            index_norm_w=None if self.indexer is None else self.indexer.k_norm_w[...],
+            index_norm_b=None if self.indexer is None else self.indexer.k_norm_b[...],
+            index_cache=None if index_cache is None else index_cache.reshape(-1, index_cache.shape[-1]),
+            index_rope_interleave=cfg.indexer_rope_interleave, impl=ctx.impl)
+
+        # Absorbed query row per head: [q_nope @ W_UK | rope(q_pe)], matching cache rows [kv | k_pe].
+        q = jnp.einsum("tr,rhd->thd", q_n, self.q_b_proj[...])
+        cos, sin = rope.rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+        q_pe = rope.apply_rope(q[..., dn:], cos[:, None], sin[:, None], interleave=cfg.rope_interleave)
+        w_uk, w_uv = self.kv_b_proj[:, :, :dn], self.kv_b_proj[:, :, dn:]
+        q_lat = jnp.einsum("thd,rhd->thr", q[..., :dn], w_uk)
+        q_row = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)
+
+        if self.indexer is not None:
+            topk = self.indexer(h, q_n, index_cache, batch, ctx)
+        else:
+            topk = topk_prev  # IndexShare: reuse the nearest full layer's selection
+        slots = positions_to_slots(topk, batch.token_req, batch.block_tables, ctx.block_size)
+        o, _lse = sparse_mla.sparse_mla(q_row, mla_cache, slots, scale=cfg.softmax_scale,
+                                                kv_lora_rank=r, impl=ctx.impl)
+        o_v = jnp.einsum("thr,rhd->thd", o.astype(w_uv.dtype), w_uv)
+        out = jax.lax.psum(jnp.einsum("thd,hdo->to", o_v, self.o_proj[...]), TP_AXES)
+        return out, mla_cache, index_cache, topk
+
+
+class DenseMLP(nnx.Module):
+    def __init__(self, specs, prefix, dtype):
+        _declare(self, prefix, ("gate", "up", "down"), specs, dtype)
+
+    def __call__(self, x):
+        return jax.lax.psum(_swiglu(x, self.gate[...], self.up[...], self.down[...]), TP_AXES)
+
+
+class MoE(nnx.Module):
+    """Sigmoid noaux_tc routing with group limits, SwiGLU experts by grouped matmuls, plus the shared expert."""
+
+    def __init__(self, cfg: GlmDsaConfig, specs, prefix, dtype):
+        names = ["router", "router_bias", "experts_gate", "experts_up", "experts_down"]
+        if cfg.n_shared_experts:
+            names += ["shared_gate", "shared_up", "shared_down"]
+        _declare(self, prefix, names, specs, dtype)
+        self.has_shared = bool(cfg.n_shared_experts)
+
+    def route(self, x, cfg: GlmDsaConfig):
+        """Chosen experts [T, k] and their weights [T, k] (float32)."""
+        s = jax.nn.sigmoid(x.astype(jnp.float32) @ self.router[...])
+        choice = s + self.router_bias[...]
+        t, e = choice.shape
+        if cfg.n_group > 1:
+            grouped = choice.reshape(t, cfg.n_group, e // cfg.n_group)
+            group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
+            _, top_groups = jax.lax.top_k(group_score, cfg.topk_group)
+            keep = jnp.zeros((t, cfg.n_group), bool).at[jnp.arange(t)[:, None], top_groups].set(True)
+            choice = jnp.where(jnp.repeat(keep, e // cfg.n_group, axis=1), choice, -jnp.inf)
+        _, experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+        w = jnp.take_along_axis(s, experts, axis=1)
+        if cfg.norm_topk_prob:
+            w = w / (jnp.sum(w, axis=1, keepdims=True) + 1e-20)
+        return experts, w * cfg.routed_scaling_factor
+
+    def experts(self, x, experts, weights):
+        """Routed experts with tokens sorted by expert and one `ragged_dot` per projection."""
+        t, k = experts.shape
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        token = order // k
+        sizes = jnp.bincount(flat, length=self.router.shape[1]).astype(jnp.int32)
+        xs = x[token]
+        g = jax.lax.ragged_dot(xs, self.experts_gate[...], sizes)
+        u = jax.lax.ragged_dot(xs, self.experts_up[...], sizes)
+        y = jax.lax.ragged_dot(jax.nn.silu(g) * u, self.experts_down[...], sizes)
+        y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+        return jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(y)
+
+    def __call__(self, x, cfg: GlmDsaConfig):
+        experts, weights = self.route(x, cfg)
+        out = self.experts(x, experts, weights)
+        if self.has_shared:
+            out = out + _swiglu(x, self.shared_gate[...], self.shared_up[...], self.shared_down[...])
+        return jax.lax.psum(out.astype(x.dtype), TP_AXES)
+
+
+class DecoderLayer(nnx.Module):
+    """x += Attn(RMSNorm(x)); x += MLP(RMSNorm(x))."""
+
+    def __init__(self, cfg: GlmDsaConfig, layer: int, specs, dtype):
+        p = f"layers.{layer}."
+        _declare(self, p, ("input_norm", "post_norm"), specs, dtype)
+        self.attn = MLA(cfg, layer, specs, dtype)
+        self.moe = MoE(cfg, specs, p + "moe.", dtype) if cfg.is_moe(layer) else None
+        self.mlp = None if cfg.is_moe(layer) else DenseMLP(specs, p + "mlp.", dtype)
+
+    def __call__(self, x, mla_cache, index_cache, topk_prev, batch: StepBatch, ctx: StepContext):
+        eps = ctx.cfg.rms_norm_eps
+        a, mla_cache, index_cache, topk = self.attn(rms_norm(x, self.input_norm[...], eps), mla_cache, index_cache,
+                                                    topk_prev, batch, ctx)
+        x = x + a
+        h = rms_norm(x, self.post_norm[...], eps)
+        x = x + (self.moe(h, ctx.cfg) if self.moe is not None else self.mlp(h))
+        return x, mla_cache, index_cache, topk
+
+
+class GlmDsaModel(nnx.Module):
+    """Embedding, decoder layers, final norm and the (vocab-sharded) LM head."""
+
+    def __init__(self, cfg: GlmDsaConfig, dtype=jnp.bfloat16):
+        specs = param_specs(cfg)
+        _declare(self, "", ("embed", "final_norm", "lm_head"), specs, dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, i, specs, dtype) for i in range(cfg.num_hidden_layers)])
+
+    def __call__(self, caches, batch: StepBatch, ctx: StepContext):
+        """Per-shard step: returns (float32 logits [L, vocab] of the logits rows, updated caches)."""
+        cfg = ctx.cfg
+        x = self.embed[...][batch.token_ids]
+        mla, index = list(caches["mla"]), list(caches["indexer"])
+        topk = None
+        for i, layer in enumerate(self.layers):
+            j = cfg.full_layers.index(i) if cfg.is_full(i) else None
+            x, mla[i], new_index, topk = layer(x, mla[i], None if j is None else index[j], topk, batch, ctx)
+            if j is not None:
+                index[j] = new_index.reshape(index[j].shape)
+            mla[i] = mla[i].reshape(caches["mla"][i].shape)
+        x = rms_norm(x[batch.logits_indices], self.final_norm[...], cfg.rms_norm_eps)
+        logits = jnp.einsum("td,dv->tv", x, self.lm_head[...], preferred_element_type=jnp.float32)
+        logits = jax.lax.all_gather(logits, TP_AXES, axis=1, tiled=True)
+        return logits, {"mla": tuple(mla), "indexer": tuple(index)}

@@ -1,0 +1,80 @@
+"""Paged KV caches (SPEC §3): a pool of pages of `block_size` tokens; slot = page * block_size + offset."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import GlmDsaConfig
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
+
+
+def positions_to_slots(positions, token_req, block_tables, block_size: int):
+    """Physical slots of `positions` [T, K] of each row's request (-1 stays -1)."""
+    page = block_tables[token_req[:, None], jnp.maximum(positions, 0) // block_size]
+    return jnp.where(positions < 0, -1, page * block_size + positions % block_size).astype(jnp.int32)
+
+
+def cache_dtype(kv_cache_dtype: str, dtype) -> jnp.dtype:
+    """The storage dtype of the MLA and indexer caches for `kv_cache_dtype` and compute `dtype`."""
+    if kv_cache_dtype == "auto":
+        return jnp.dtype(dtype)
+    if kv_cache_dtype in ("bfloat16", "float32"):
+        return jnp.dtype(kv_cache_dtype)
+    if kv_cache_dtype == "fp8_ds_mla":
+        raise NotImplementedError("kv_cache_dtype='fp8_ds_mla' is not implemented yet; use 'auto' or 'bfloat16'")
+    raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES + ('fp8_ds_mla',)}, got {kv_cache_dtype!r}")
+
+
+def cache_shapes(cfg: GlmDsaConfig, num_pages: int, block_size: int) -> dict[str, tuple]:
+    """Global shapes: one MLA cache per layer, one indexer key cache per full layer."""
+    mla = tuple((num_pages, block_size, cfg.mla_row_dim) for _ in range(cfg.num_hidden_layers))
+    index = tuple((num_pages, block_size, cfg.index_head_dim) for _ in cfg.full_layers)
+    return {"mla": mla, "indexer": index}
+
+
+def allocate_caches(cfg: GlmDsaConfig, num_pages: int, block_size: int, dtype, sharding=None):
+    """Zeroed caches (created on the devices of `sharding` directly, never on the host)."""
+    shapes = cache_shapes(cfg, num_pages, block_size)
+    make = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s, dtype), shapes,
+                                        is_leaf=lambda s: isinstance(s, tuple) and bool(s) and isinstance(s[0], int)),
+                   out_shardings=sharding)
+    return make()
+
+
+def cache_bytes_per_token(cfg: GlmDsaConfig, dtype) -> int:
+    """Bytes of cache one token occupies across all layers."""
+    item = jnp.dtype(dtype).itemsize
+    return item * (cfg.num_hidden_layers * cfg.mla_row_dim + len(cfg.full_layers) * cfg.index_head_dim)
+
+
+class PageAllocator:
+    """Host-side free list of cache pages. Page 0 is never handed out: padding rows point at it."""
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError(f"need at least 2 cache pages, got {num_pages}")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, 0, -1))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"out of KV cache pages: need {n}, {len(self._free)} free of {self.num_pages}")
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, pages) -> None:
+        self._free.extend(reversed(list(pages)))
+
+
+def block_table_array(tables: list[list[int]], width: int, rows: int) -> np.ndarray:
+    """Pad per-request page lists into an int32 [rows, width] table (unused entries -> page 0)."""
+    out = np.zeros((rows, width), np.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+    return out

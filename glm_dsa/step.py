@@ -1,0 +1,89 @@
+"""The functional layer: pure `step` and `forward` over pytrees, for use under the caller's own `jax.jit`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from sharding import ParallelConfig, cache_spec, make_mesh, param_spec
+
+from .config import GlmDsaConfig
+from .model import GlmDsaModel, StepBatch, StepContext
+from .paged_cache import cache_shapes
+
+
+@functools.lru_cache(maxsize=None)
+def model_graphdef(config: GlmDsaConfig):
+    """The NNX graph of the model (structure only; built abstractly, no arrays allocated)."""
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: GlmDsaModel(config)))
+    return graphdef
+
+
+@functools.lru_cache(maxsize=None)
+def mesh_for(parallel: ParallelConfig) -> jax.sharding.Mesh:
+    return make_mesh(parallel)
+
+
+def path_str(path) -> str:
+    """'layers.3.attn.q_b_proj' from a pytree key path."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def param_partition_specs(params):
+    """PartitionSpecs for a params pytree, from the one table in `sharding.specs`."""
+    return jax.tree_util.tree_map_with_path(lambda p, _: param_spec(path_str(p)), params)
+
+
+def nest_params(flat: dict) -> dict:
+    """{'layers.0.attn.q_a_proj': a} -> {'layers': {0: {'attn': {'q_a_proj': a}}}} (integer layer keys)."""
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        parts = [int(p) if p.isdigit() else p for p in path.split(".")]
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+def step(params, caches, batch: StepBatch, *, config: GlmDsaConfig, parallel: ParallelConfig | None = None,
+         impl: str = "xla"):
+    """One model step over a ragged batch: returns (float32 logits [L, vocab] for `batch.logits_indices`,
+    updated caches). Pure: jit it, donate `caches` to update them in place."""
+    parallel = parallel or ParallelConfig()
+    ctx = StepContext(config, block_size=caches["mla"][0].shape[1], impl=impl)
+    graphdef = model_graphdef(config)
+
+    def body(params, caches, batch):
+        return nnx.merge(graphdef, params)(caches, batch, ctx)
+
+    cspecs = jax.tree.map(lambda _: cache_spec(), caches)
+    f = jax.shard_map(body, mesh=mesh_for(parallel), in_specs=(param_partition_specs(params), cspecs, P()),
+                      out_specs=(P(), cspecs), check_vma=False)
+    return f(params, caches, batch)
+
+
+def forward(params, token_ids, *, config: GlmDsaConfig, parallel: ParallelConfig | None = None,
+            impl: str = "xla", block_size: int = 16):
+    """Cache-free full-sequence logits: int [B, T] -> float32 [B, T, vocab] (a fresh cache per call)."""
+    token_ids = jnp.asarray(token_ids, jnp.int32)
+    b, t = token_ids.shape
+    pages_per_seq = -(-t // block_size)
+    num_pages = b * pages_per_seq + 1  # page 0 is the padding page
+    dtype = params["layers"][0]["attn"]["kv_a_proj"].dtype
+    caches = jax.tree.map(lambda s: jnp.zeros(s, dtype), cache_shapes(config, num_pages, block_size),
+                          is_leaf=lambda s: isinstance(s, tuple) and s and isinstance(s[0], int))
+    pos = np.tile(np.arange(t, dtype=np.int32), b)
+    req = np.repeat(np.arange(b, dtype=np.int32), t)
+    tables = 1 + np.arange(b * pages_per_seq, dtype=np.int32).reshape(b, pages_per_seq)
+    slots = tables[req, pos // block_size] * block_size + pos % block_size
+    batch = StepBatch(token_ids=token_ids.reshape(-1), positions=jnp.asarray(pos), slot_mapping=jnp.asarray(slots),
+                      token_req=jnp.asarray(req), block_tables=jnp.asarray(tables),
+                      logits_indices=jnp.arange(b * t, dtype=jnp.int32))
+    logits, _ = step(params, caches, batch, config=config, parallel=parallel, impl=impl)
+    return logits.reshape(b, t, -1)

@@ -1,0 +1,71 @@
+"""Fused q/kv norm + RoPE + paged cache write, one op per layer (SPEC §4).
+
+Per token row:
+  (a) q RMSNorm, ALWAYS, whatever the slot;
+  (b) slot < 0: no MLA cache write and no indexer cache write for that row;
+  (c) kv RMSNorm + rope(k_pe) -> MLA cache row [kv | k_pe] at the slot;
+  (d) full layers: indexer key LayerNorm + rope on its first dims -> indexer cache at its own slot
+      (defaults to the MLA slot);
+  (e) full layers: the top-k buffer is reset to -1; shared layers leave it as it is.
+Skipping (a) for non-owned rows is the DCP bug this op exists to prevent.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .norms import layer_norm, rms_norm
+from .rope import apply_rope, rope_cos_sin
+
+QKV_NORM_EPS = 1e-6  # q_a_layernorm, kv_a_layernorm and the indexer LayerNorm
+
+
+def _scatter_rows(cache, slots, rows):
+    """cache[slots] = rows, dropping rows whose slot is negative."""
+    idx = jnp.where(slots < 0, cache.shape[0], slots)  # out of range -> dropped
+    return cache.at[idx].set(rows.astype(cache.dtype), mode="drop")
+
+
+def fused_norm_rope_cache_xla(q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_w, mla_cache, *,
+                              rope_theta: float, rope_interleave: bool = True, eps: float = QKV_NORM_EPS,
+                              index_k=None, index_norm_w=None, index_norm_b=None, index_cache=None,
+                              index_slot_mapping=None, index_rope_interleave: bool = True, topk_buf=None):
+    """Reference form; see `fused_norm_rope_cache`."""
+    kv_lora_rank = kv_norm_w.shape[0]
+    rope_dim = kv_c.shape[-1] - kv_lora_rank
+    q_n = rms_norm(q_c, q_norm_w, eps)  # (a): before, and independent of, any slot test
+    cos, sin = rope_cos_sin(positions, rope_dim, rope_theta)
+    kv = rms_norm(kv_c[:, :kv_lora_rank], kv_norm_w, eps)
+    k_pe = apply_rope(kv_c[:, kv_lora_rank:], cos, sin, interleave=rope_interleave)
+    row = jnp.concatenate([kv.astype(mla_cache.dtype), k_pe.astype(mla_cache.dtype)], axis=-1)
+    mla_cache = _scatter_rows(mla_cache, slot_mapping, row)  # (b) + (c)
+    if index_cache is not None:
+        k = layer_norm(index_k, index_norm_w, index_norm_b, eps)
+        k_rot = apply_rope(k[:, :rope_dim], cos, sin, interleave=index_rope_interleave)
+        k = jnp.concatenate([k_rot, k[:, rope_dim:]], axis=-1)
+        islots = slot_mapping if index_slot_mapping is None else index_slot_mapping
+        index_cache = _scatter_rows(index_cache, jnp.where(slot_mapping < 0, -1, islots), k)  # (b) + (d)
+        if topk_buf is not None:
+            topk_buf = jnp.full_like(topk_buf, -1)  # (e)
+    return q_n, mla_cache, index_cache, topk_buf
+
+
+def fused_norm_rope_cache(q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_w, mla_cache, *,
+                          rope_theta: float, rope_interleave: bool = True, eps: float = QKV_NORM_EPS,
+                          index_k=None, index_norm_w=None, index_norm_b=None, index_cache=None,
+                          index_slot_mapping=None, index_rope_interleave: bool = True, topk_buf=None,
+                          impl: str = "xla"):
+    """Normalise q, write this step's kv (and indexer key) rows into the paged caches.
+
+    q_c [T, Rq] (q_a_proj output), kv_c [T, R + Dr] (kv_a_proj output), positions [T], slot_mapping [T]
+    (-1 = write nothing), norm weights, mla_cache [slots, R + Dr]. Full layers also pass index_k [T, Di]
+    (wk output, before LayerNorm), its LayerNorm weight/bias, index_cache [slots, Di], optionally their
+    own index_slot_mapping and the top-k buffer to clear. Returns (q_normed, mla_cache, index_cache, topk_buf).
+    """
+    if impl == "xla":
+        return fused_norm_rope_cache_xla(
+            q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_w, mla_cache, rope_theta=rope_theta,
+            rope_interleave=rope_interleave, eps=eps, index_k=index_k, index_norm_w=index_norm_w,
+            index_norm_b=index_norm_b, index_cache=index_cache, index_slot_mapping=index_slot_mapping,
+            index_rope_interleave=index_rope_interleave, topk_buf=topk_buf)
+    raise ValueError(f"fused_norm_rope_cache: unknown impl {impl!r} (available: 'xla')")

@@ -1,0 +1,41 @@
+"""The one table of partition specs, keyed by parameter path (see checkpoints.layout for the paths)."""
+
+from __future__ import annotations
+
+import re
+
+from jax.sharding import PartitionSpec as P
+
+TP_AXES = ("tp", "dcp")  # heads and MLP widths are split over every tensor-parallel device
+
+_TABLE: list[tuple[str, P]] = [
+    (r"embed", P()),
+    (r"final_norm", P()),
+    (r"lm_head", P(None, TP_AXES)),
+    (r"layers\.\d+\.(input_norm|post_norm)", P()),
+    (r"layers\.\d+\.attn\.(q_a_proj|q_a_norm|kv_a_proj|kv_a_norm)", P()),
+    (r"layers\.\d+\.attn\.(q_b_proj|kv_b_proj)", P(None, TP_AXES, None)),
+    (r"layers\.\d+\.attn\.o_proj", P(TP_AXES, None, None)),
+    (r"layers\.\d+\.attn\.indexer\.\w+", P()),
+    (r"layers\.\d+\.mlp\.(gate|up)", P(None, TP_AXES)),
+    (r"layers\.\d+\.mlp\.down", P(TP_AXES, None)),
+    (r"layers\.\d+\.moe\.(router|router_bias)", P()),
+    (r"layers\.\d+\.moe\.experts_(gate|up)", P(None, None, TP_AXES)),
+    (r"layers\.\d+\.moe\.experts_down", P(None, TP_AXES, None)),
+    (r"layers\.\d+\.moe\.shared_(gate|up)", P(None, TP_AXES)),
+    (r"layers\.\d+\.moe\.shared_down", P(TP_AXES, None)),
+]
+_COMPILED = [(re.compile(pat + r"$"), spec) for pat, spec in _TABLE]
+
+
+def param_spec(path: str) -> P:
+    """The PartitionSpec of the parameter at `path`; an unknown path is an error, not a silent replicate."""
+    for pat, spec in _COMPILED:
+        if pat.match(path):
+            return spec
+    raise KeyError(f"no partition spec for parameter {path!r}")
+
+
+def cache_spec() -> P:
+    """Paged caches [slots, width]: sharded by token over 'dcp', replicated over 'tp'."""
+    return P("dcp", None)

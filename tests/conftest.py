@@ -1,0 +1,26 @@
+"""Test set-up: 8 simulated CPU devices (before jax is imported), the gpu marker, shared fixtures."""
+
+import os
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu" if os.environ.get("GLM_DSA_TEST_GPU") != "1" else "")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def _has_gpu() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run with GLM_DSA_TEST_GPU=1 on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
