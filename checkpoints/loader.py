@@ -15,7 +15,7 @@ from typing import Callable
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .layout import ParamSpec, is_mtp_key, param_specs
 from .safetensors_io import INDEX, SINGLE, CheckpointError, SafetensorsFile, as_dtype
@@ -55,11 +55,12 @@ class HFCheckpoint:
     def _open_index(self, index: str) -> None:
         try:
             with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise TypeError("weight_map is not an object of file names")
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"index {index} is corrupt ({type(e).__name__}: {e})") from None
+                doc = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"index {index} is corrupt (not JSON: {e})") from None
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"index {index} is corrupt (no 'weight_map' object of key -> file name)")
         for name in sorted(set(weight_map.values())):
             if not os.path.exists(os.path.join(self.path, name)):
                 raise CheckpointError(f"index {index} names shard file {name}, which does not exist")

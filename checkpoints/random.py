@@ -14,15 +14,17 @@ from __future__ import annotations
 import argparse
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .layout import param_specs
 from .safetensors_io import as_dtype
 from .writer import write_hf_tensors
 
-_CHUNK = 1 << 24  # values drawn per step: bounds float32 scratch memory at 64 MiB
+_CHUNK = 1 << 22  # values per draw: each worker thread holds one float32 chunk (16 MiB) of scratch
+_THREADS = min(16, os.cpu_count() or 1)
 
 
 def init_stats(param_path: str) -> tuple[float, float]:
@@ -36,13 +38,30 @@ def init_stats(param_path: str) -> tuple[float, float]:
 
 
 def random_tensor(key: str, shape: tuple[int, ...], mean: float, std: float, dtype, seed: int = 0) -> np.ndarray:
-    """mean + std * N(0, 1) in `dtype`, from a generator seeded by (seed, key); drawn in bounded chunks."""
-    rng = np.random.default_rng([seed, zlib.crc32(key.encode())])
+    """mean + std * N(0, 1) in `dtype`, reproducible from (seed, key).
+
+    Drawn in fixed chunks of `_CHUNK` values, chunk i from a generator seeded by (seed, crc32(key), i), filled
+    by a few threads at once (numpy's generators release the GIL): the values do not depend on the thread
+    count, and scratch memory is bounded whatever the tensor's size.
+    """
     out = np.empty(shape, as_dtype(dtype))
     flat = out.reshape(-1)
-    for start in range(0, flat.size, _CHUNK):
-        draw = rng.standard_normal(min(_CHUNK, flat.size - start), dtype=np.float32)
-        flat[start:start + draw.size] = draw * np.float32(std) + np.float32(mean)
+    base = [seed, zlib.crc32(key.encode())]
+
+    def fill(i: int) -> None:
+        start = i * _CHUNK
+        draw = np.random.default_rng(base + [i]).standard_normal(min(_CHUNK, flat.size - start), dtype=np.float32)
+        draw *= np.float32(std)
+        draw += np.float32(mean)
+        flat[start:start + draw.size] = draw
+
+    n = -(-flat.size // _CHUNK)
+    if n <= 1 or _THREADS == 1:
+        for i in range(n):
+            fill(i)
+    else:
+        with ThreadPoolExecutor(min(n, _THREADS)) as pool:
+            list(pool.map(fill, range(n)))
     return out
 
 

@@ -12,7 +12,7 @@ import re
 from typing import Iterable, Iterator
 
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .layout import param_specs
 from .safetensors_io import INDEX, SINGLE, CheckpointError, SafetensorsWriter, write_json_atomic
@@ -68,6 +68,8 @@ def write_hf_tensors(path: str | os.PathLike, entries: Iterable[Entry], tensors:
                 except StopIteration:
                     raise CheckpointError(f"ran out of tensors before '{key}' while writing {path}") from None
                 w.write(got, array)
+    for got, _ in it:  # also lets a generator run to its end (and close its progress bar)
+        raise CheckpointError(f"tensor '{got}' is not among the entries to write to {path}")
     if n > 1:
         weight_map = {k: name for name, group in zip(names, groups) for k, _, _ in group}
         total = sum(_nbytes(e) for group in groups for e in group)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 
 import ml_dtypes
 import numpy as np
@@ -60,11 +61,17 @@ def test_deterministic_and_layout_independent(tmp_path, cfg2):
     assert not np.array_equal(a["layers.0.attn.q_b_proj"], c["layers.0.attn.q_b_proj"])
 
 
-def test_chunked_drawing_is_bounded_and_exact(monkeypatch):
-    whole = ckrandom.random_tensor("k", (7, 11), 0.0, 1.0, np.float32, seed=1)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_chunked_drawing_is_reproducible(monkeypatch, threads):
+    """Chunks of the draw (here 10 values) are seeded by their index: any thread count gives the same tensor."""
     monkeypatch.setattr(ckrandom, "_CHUNK", 10)
-    np.testing.assert_array_equal(ckrandom.random_tensor("k", (7, 11), 0.0, 1.0, np.float32, seed=1), whole)
-    assert not np.array_equal(ckrandom.random_tensor("j", (7, 11), 0.0, 1.0, np.float32, seed=1), whole)
+    monkeypatch.setattr(ckrandom, "_THREADS", threads)
+    a = ckrandom.random_tensor("k", (7, 11), 0.5, 2.0, np.float32, seed=1)
+    want = np.concatenate([np.random.default_rng([1, zlib.crc32(b"k"), i]).standard_normal(10, np.float32)
+                           for i in range(8)])[:77].reshape(7, 11) * np.float32(2.0) + np.float32(0.5)
+    np.testing.assert_array_equal(a, want)
+    assert not np.array_equal(ckrandom.random_tensor("j", (7, 11), 0.5, 2.0, np.float32, seed=1), a)
+    assert ckrandom.random_tensor("k", (0, 3), 0.0, 1.0, ml_dtypes.bfloat16).shape == (0, 3)
 
 
 def test_cli(tmp_path, capsys):

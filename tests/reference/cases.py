@@ -45,7 +45,8 @@ def _prompt(length: int, salt: int, vocab: int = 256) -> list[int]:
 
 _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
-# Shared geometry: GLM-5 proportions shrunk (SPEC §1); no eos/bos/pad so greedy runs never stop early.
+# Shared geometry: GLM-5 proportions shrunk (SPEC §1); no eos/bos/pad so greedy runs never stop early;
+# no MTP layer in these checkpoints (`num_nextn_predict_layers` 0 is written to config.json as is).
 _BASE = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
@@ -55,6 +56,7 @@ _BASE = dict(
     index_n_heads=16, index_head_dim=32, index_topk=8,
     rope_parameters=_ROPE, max_position_embeddings=4096, rms_norm_eps=1e-5,
     tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    num_nextn_predict_layers=0,
 )
 
 

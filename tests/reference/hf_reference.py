@@ -15,7 +15,8 @@ the JAX side only reads the files it writes. For each case spec (see `cases.py`)
    next expert and topk_group-th vs next group. Greedy steps record top-1 minus top-2 logit. If any
    margin is below its threshold the model is re-drawn with the next seed;
 5. writes `config.json` + `model.safetensors` (HF `save_pretrained`), `reference.npz` (`logits_<i>`:
-   float32 [T_i, vocab]) and, last, `reference.json` (prompts, greedy tokens, margins, seed, versions).
+   float32 [T_i, vocab]) and, last, `reference.json` (prompts, greedy tokens, margins, seed, versions,
+   and `sparsity_effect`: how far the logits move when attention ignores the top-k).
 
 Usage:
   python hf_reference.py [--cache-dir DIR] [--force] [CASE ...]   cached runs of named cases (default all)
@@ -210,6 +211,22 @@ def run_once(spec: dict, seed: int):
     return model, logits, greedy, margins
 
 
+@torch.inference_mode()
+def sparsity_effect(model, prompts, logits) -> list[float]:
+    """Max |logits| change per prompt when every indexer keeps all tokens (dense attention): how much
+    the comparison can see of the top-k selection (large where index_topk < the prompt length)."""
+    indexers = [m for m in model.modules() if isinstance(m, hf_glm.GlmMoeDsaIndexer)]
+    saved = [m.index_topk for m in indexers]
+    try:
+        for m in indexers:
+            m.index_topk = 1 << 30
+        return [float(np.abs(model(torch.tensor([p]), use_cache=False).logits[0].float().numpy() - ref).max())
+                for p, ref in zip(prompts, logits)]
+    finally:
+        for m, k in zip(indexers, saved):
+            m.index_topk = k
+
+
 def guard_failures(m: dict) -> list[str]:
     """Reasons this draw is ambiguous (empty: accept it). None margins had no boundary to check."""
     checks = [("indexer_min_rel", INDEXER_MIN_REL_MARGIN, "indexer k-th/(k+1)-th score margin (relative)"),
@@ -239,6 +256,7 @@ def build_reference(spec: dict, out_dir: Path, name: str | None = None) -> dict:
     meta = {
         "case": name, "spec": spec, "seed": seed, "rejected_seeds": rejected,
         "prompts": spec["prompts"], "greedy": greedy, "margins": margins,
+        "sparsity_effect": sparsity_effect(model, spec["prompts"], logits),
         "thresholds": {"indexer_min_rel": INDEXER_MIN_REL_MARGIN, "router_min": ROUTER_MIN_MARGIN,
                        "greedy_min": GREEDY_MIN_MARGIN},
         "indexer_types": list(model.config.indexer_types), "mlp_layer_types": list(model.config.mlp_layer_types),
@@ -275,7 +293,7 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", type=Path, help="a JSON case spec to run without cache (with --out)")
     ap.add_argument("--out", type=Path, help="output directory for --spec")
     a = ap.parse_args(argv)
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
+    torch.set_num_threads(1)  # tiny matrices: one thread is fastest, and results do not vary with cores
     if a.spec is not None:
         if a.out is None:
             ap.error("--spec needs --out")

@@ -1,0 +1,183 @@
+"""glm-dsa against Hugging Face transformers' `GlmMoeDsaForCausalLM` (SPEC §2, §10).
+
+A session fixture makes sure every case of `cases.py` has its reference in the cache (running
+`hf_reference.py` under the Python 3.11 reference interpreter for the missing ones), then each case's
+checkpoint is loaded with `glm_dsa.load` in float32 and compared:
+- prefill logits of each prompt: max |JAX - HF| <= 1e-4;
+- 16 greedy tokens of both prompts, batched in one `generate` call: identical to HF's;
+- the reference itself is unambiguous (its recorded top-k / router / greedy margins clear the guard);
+- negative control: the same checkpoint with `index_topk` raised past every sequence length (dense
+  attention) is far from HF on the sparse cases, so the comparison does see the top-k selection.
+
+Environment: GLM_DSA_REF_PYTHON (default `<repo>/.venv-ref/bin/python`) is the reference interpreter;
+GLM_DSA_REF_CACHE (default `<repo>/.ref_cache`) the cache; GLM_DSA_REQUIRE_REF=1 turns "reference
+interpreter missing" from a skip into a failure (CI).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.reference
+
+HERE = Path(__file__).resolve().parent
+
+
+def _load_cases():
+    # By path, so that no other `cases` module on sys.path (or the pytest import mode) can interfere.
+    spec = importlib.util.spec_from_file_location("glm_dsa_reference_cases", HERE / "cases.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+cases = _load_cases()
+
+REF_PYTHON = Path(os.environ.get("GLM_DSA_REF_PYTHON") or cases.REPO / ".venv-ref" / "bin" / "python")
+REQUIRE_REF = os.environ.get("GLM_DSA_REQUIRE_REF") == "1"
+MAX_MODEL_LEN = 256
+LOGITS_ATOL = 1e-4
+SPARSITY_MIN_DIFF = 1e-2
+NAMES = sorted(cases.CASES)
+# Cases where some prompt is longer than index_topk: the top-k selection changes the result.
+SPARSE_NAMES = [n for n in NAMES
+                if cases.CASES[n]["config"]["index_topk"] < max(map(len, cases.CASES[n]["prompts"]))]
+
+
+# ----------------------------------------------------------------------------------------------
+# Fixtures
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def reference_dirs() -> dict[str, Path]:
+    """Case name -> complete reference directory (config.json, model.safetensors, reference.*)."""
+    root = cases.default_cache_root()
+    dirs = {n: cases.reference_dir(n, root) for n in NAMES}
+    missing = [n for n, d in dirs.items() if not cases.is_complete(d)]
+    if missing:
+        if not REF_PYTHON.exists():
+            msg = (f"reference interpreter {REF_PYTHON} not found (set GLM_DSA_REF_PYTHON, or create "
+                   f"<repo>/.venv-ref with Python 3.11, torch==2.13.0 (CPU), transformers>=5.13, safetensors); "
+                   f"missing references: {missing}")
+            if REQUIRE_REF:
+                pytest.fail(msg + " [GLM_DSA_REQUIRE_REF=1]")
+            pytest.skip(msg)
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+        cmd = [str(REF_PYTHON), str(cases.SCRIPT), "--cache-dir", str(root), *missing]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+        if proc.returncode != 0:
+            pytest.fail(f"reference run failed ({' '.join(cmd)}), exit {proc.returncode}:\n"
+                        f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        still = [n for n in missing if not cases.is_complete(dirs[n])]
+        assert not still, f"reference run left no output for {still}"
+    return dirs
+
+
+def load_reference(path: Path) -> tuple[dict, list[np.ndarray]]:
+    meta = json.loads((path / cases.DONE_FILE).read_text())
+    with np.load(path / "reference.npz") as z:
+        logits = [z[f"logits_{i}"] for i in range(len(meta["prompts"]))]
+    return meta, logits
+
+
+@pytest.fixture(scope="session")
+def engines(reference_dirs):
+    """Lazily loaded glm_dsa engines, one per case directory, shared by the tests of a session."""
+    loaded: dict[Path, object] = {}
+
+    def get(path: Path):
+        if path not in loaded:
+            import glm_dsa
+
+            loaded[path] = glm_dsa.load(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN)
+        return loaded[path]
+
+    return get
+
+
+def jax_logits(engine, prompt: list[int]) -> np.ndarray:
+    out = np.asarray(engine.logits(np.array([prompt], dtype=np.int32)))
+    assert out.shape[:2] == (1, len(prompt)), out.shape
+    assert out.dtype == np.float32, out.dtype
+    return out[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_reference_is_unambiguous(name, reference_dirs):
+    """The tie guard (SPEC §10): every selection the reference made had a clear winner."""
+    meta, logits = load_reference(reference_dirs[name])
+    m, t = meta["margins"], meta["thresholds"]
+    assert meta["spec"] == cases.CASES[name]
+    if m["indexer_rows_checked"]:
+        assert m["indexer_min_abs"] > 0 and m["indexer_min_rel"] >= t["indexer_min_rel"], m
+    for key in ("router_expert_min", "router_group_min"):
+        assert m[key] is None or m[key] >= t["router_min"], m
+    assert m["greedy_min"] >= t["greedy_min"] > 2 * LOGITS_ATOL, m
+    assert [len(g) for g in meta["greedy"]] == [cases.CASES[name]["n_greedy"]] * len(meta["prompts"])
+    for prompt, x in zip(meta["prompts"], logits):
+        assert x.shape == (len(prompt), cases.CASES[name]["config"]["vocab_size"]) and np.isfinite(x).all()
+    if name in SPARSE_NAMES:  # the top-k boundary was exercised, and it moves HF's own logits
+        assert m["indexer_rows_checked"] > 0
+        assert max(meta["sparsity_effect"]) > SPARSITY_MIN_DIFF, meta["sparsity_effect"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match_hf(name, reference_dirs, engines):
+    meta, ref = load_reference(reference_dirs[name])
+    eng = engines(reference_dirs[name])
+    for i, (prompt, want) in enumerate(zip(meta["prompts"], ref)):
+        got = jax_logits(eng, prompt)
+        err = np.abs(got - want)
+        t, v = np.unravel_index(int(err.argmax()), err.shape)
+        assert err.max() <= LOGITS_ATOL, (f"{name} prompt {i} (T={len(prompt)}): max |JAX - HF| = "
+                                          f"{err.max():.3g} at position {t}, token {v}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_matches_hf(name, reference_dirs, engines):
+    meta, _ = load_reference(reference_dirs[name])
+    eng = engines(reference_dirs[name])
+    n = cases.CASES[name]["n_greedy"]
+    got = eng.generate([list(p) for p in meta["prompts"]], max_new_tokens=n, temperature=0.0)
+    got = [[int(x) for x in g] for g in got]
+    assert got == meta["greedy"], f"{name}: greedy tokens differ from HF\n JAX {got}\n HF  {meta['greedy']}"
+
+
+@pytest.mark.parametrize("name", SPARSE_NAMES)
+def test_comparison_sees_sparsity(name, reference_dirs, engines, tmp_path):
+    """Negative control: attention that ignores the indexer's top-k must FAIL the logits comparison.
+
+    The checkpoint is reused with `index_topk` = MAX_MODEL_LEN: at least every sequence length the
+    engine can hold, hence dense attention (a huge value like 1 << 20 would do the same, but may make
+    an engine size top-k buffers by it)."""
+    src = reference_dirs[name]
+    dense = tmp_path / f"{name}-dense"
+    dense.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".safetensors" or f.name.endswith(".index.json"):
+            try:
+                os.symlink(f, dense / f.name)
+            except OSError:
+                shutil.copy(f, dense / f.name)
+    config = json.loads((src / "config.json").read_text())
+    config["index_topk"] = MAX_MODEL_LEN
+    (dense / "config.json").write_text(json.dumps(config, indent=2))
+
+    meta, ref = load_reference(src)
+    i = max(range(len(meta["prompts"])), key=lambda j: len(meta["prompts"][j]))
+    got = jax_logits(engines(dense), meta["prompts"][i])
+    diff = float(np.abs(got - ref[i]).max())
+    assert diff > SPARSITY_MIN_DIFF, (f"{name}: dense attention is within {diff:.3g} of the sparse HF logits; "
+                                      "the comparison cannot tell whether the top-k is applied")
