@@ -83,7 +83,7 @@ class Indexer(nnx.Module):
                                  interleave=cfg.indexer_rope_interleave)
         qi = jnp.concatenate([rot, qi[..., cfg.qk_rope_head_dim:]], axis=-1)
         return indexer.indexer_topk(
-            qi, self.head_weights(h), index_cache, batch.token_req, batch.positions, batch.block_tables,
+            qi, self.head_weights(h), index_cache, batch.token_req, batch.positions + 1, batch.block_tables,
             block_size=ctx.block_size, topk=cfg.index_topk, impl=ctx.impl)
 
 

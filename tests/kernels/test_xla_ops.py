@@ -149,7 +149,7 @@ def test_indexer_topk_tie_rule_and_padding():
     w = np.ones((3, 1), np.float32)
     positions = np.array([7, 2, 0], np.int32)
     out = indexer.indexer_topk(jnp.asarray(q), jnp.asarray(w), jnp.asarray(k_cache), jnp.zeros(3, jnp.int32),
-                               jnp.asarray(positions), jnp.asarray([[1, 2]], jnp.int32), block_size=bs, topk=5)
+                               jnp.asarray(positions + 1), jnp.asarray([[1, 2]], jnp.int32), block_size=bs, topk=5)
     out = np.asarray(out)
     # relu: -1 -> 0 ties with the exact zeros at 3 and 7; order 1,2,5 (3.0), 4 (2.0), 0 (1.0)
     assert out[0].tolist() == [1, 2, 5, 4, 0]
@@ -164,7 +164,7 @@ def test_indexer_zero_ties_break_by_position():
     q = np.zeros((1, 1, di), np.float32)
     q[0, 0, 0] = 1.0
     out = indexer.indexer_topk(jnp.asarray(q), jnp.ones((1, 1)), jnp.asarray(k_cache), jnp.zeros(1, jnp.int32),
-                               jnp.asarray([7]), jnp.asarray([[1]], jnp.int32), block_size=bs, topk=4)
+                               jnp.asarray([8]), jnp.asarray([[1]], jnp.int32), block_size=bs, topk=4)
     assert np.asarray(out)[0].tolist() == [3, 0, 1, 2]
 
 
