@@ -275,6 +275,7 @@ def build_cached(name: str, cache_root: Path, force: bool = False) -> Path:
         return final
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=cache_root))
+    os.chmod(tmp, 0o755)
     try:
         build_reference(cases.CASES[name], tmp, name)
         if final.exists():
