@@ -42,10 +42,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     _add_parallel_flags(p)
 
 
-def _generate_and_report(eng, prompts, args, out=sys.stdout) -> list[list[int]]:
+def _generate_and_report(eng, prompts, args, out=None) -> list[list[int]]:
+    out = out or sys.stdout
     kw = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
               stop_token_ids=[] if args.ignore_eos else None)
-    eng.generate(prompts, max_new_tokens=1, **kw)  # compile the prefill and first-step shapes
+    eng.generate(prompts, max_new_tokens=min(2, args.max_new_tokens), **kw)  # compile prefill and decode shapes
     t0 = time.perf_counter()
     new = eng.generate(prompts, max_new_tokens=args.max_new_tokens, **kw)
     dt = time.perf_counter() - t0
@@ -75,38 +76,59 @@ def _human(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
-def cmd_info(args) -> int:
+def param_bytes_per_device(cfg, parallel, q_replicate: bool, dtype) -> tuple[int, int]:
+    """(all parameter bytes, the bytes one device holds) for `cfg` on the mesh of `parallel`."""
     import jax.numpy as jnp
+    import numpy as np
+
+    from checkpoints.layout import param_specs
+    from sharding import param_spec
+
+    sizes = parallel.mesh_shape
+    item = jnp.dtype(dtype).itemsize
+    total = per_device = 0
+    for path, spec in param_specs(cfg).items():
+        nbytes = int(np.prod(spec.shape)) * (4 if spec.fp32 else item)
+        split = 1
+        for axes in param_spec(path, q_replicate):
+            for a in (axes if isinstance(axes, tuple) else (axes,)):
+                split *= sizes.get(a, 1) if a else 1
+        total += nbytes
+        per_device += nbytes // split
+    return total, per_device
+
+
+def cmd_info(args) -> int:
     import numpy as np
 
     from checkpoints.layout import param_specs
     from glm_dsa import configs
     from glm_dsa.config import GlmDsaConfig
     from glm_dsa.paged_cache import cache_bytes_per_token
-    from sharding import param_spec
+    from glm_dsa.step import resolve_parallel
 
     cfg = configs.get(args.preset) if args.preset else GlmDsaConfig.from_pretrained(args.checkpoint)
-    parallel = _parallel(args)
-    parallel.check_model(cfg)
-    item = jnp.dtype(args.dtype).itemsize
-    total = per_device = count = 0
-    for path, spec in param_specs(cfg).items():
-        nbytes = int(np.prod(spec.shape)) * (4 if spec.fp32 else item)
-        count += int(np.prod(spec.shape))
-        total += nbytes
-        split = parallel.tp if any(a is not None for a in param_spec(path)) else 1
-        per_device += nbytes // split
+    parallel = resolve_parallel(_parallel(args), cfg)
+    total, without = param_bytes_per_device(cfg, parallel, False, args.dtype)
+    _, with_qrep = param_bytes_per_device(cfg, parallel, True, args.dtype) if parallel.dcp > 1 else (0, without)
     info = {
         "source": args.checkpoint or f"preset {args.preset}",
         "layers": cfg.num_hidden_layers,
         "full_indexer_layers": list(cfg.full_layers),
         "shared_indexer_layers": [i for i in range(cfg.num_hidden_layers) if not cfg.is_full(i)],
         "dense_layers": [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe(i)],
-        "parameters": count,
+        "parameters": int(sum(np.prod(s.shape) for s in param_specs(cfg).values())),
         "param_bytes": _human(total),
-        "param_bytes_per_device": _human(per_device),
-        "kv_cache_bytes_per_token": cache_bytes_per_token(cfg, args.dtype),
         "mesh": parallel.mesh_shape,
+        "tensor_parallel_size": parallel.tp,
+        "decode_context_parallel_size": parallel.dcp,
+        "cp_kv_cache_interleave_size": parallel.interleave,
+        "dcp_q_replicate": parallel.q_replicate,
+        "dcp_comm_backend": parallel.dcp_comm_backend,
+        "param_bytes_per_device_without_qrep": _human(without),
+        "param_bytes_per_device_with_qrep": _human(with_qrep),
+        "param_bytes_per_device": _human(with_qrep if parallel.q_replicate else without),
+        "kv_cache_bytes_per_token_per_dcp_group": cache_bytes_per_token(cfg, args.dtype),
         "rope_theta": cfg.rope_theta,
         "index_topk": cfg.index_topk,
     }
@@ -114,7 +136,7 @@ def cmd_info(args) -> int:
         print(json.dumps(info, indent=2))
     else:
         for k, v in info.items():
-            print(f"{k:>26}: {v}")
+            print(f"{k:>38}: {v}")
     return 0
 
 

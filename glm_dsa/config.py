@@ -98,6 +98,11 @@ class GlmDsaConfig:
         return self.mlp_layer_types[layer] == "sparse"
 
     @property
+    def parallel_defaults(self) -> dict:
+        """Model defaults for the unset ParallelConfig fields (SPEC §7): GLM-5.x replicates queries, uses a2a."""
+        return {"dcp_q_replicate": True, "dcp_comm_backend": "a2a"}
+
+    @property
     def full_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_hidden_layers) if self.is_full(i))
 

@@ -16,9 +16,9 @@ from sharding import ParallelConfig, cache_spec, param_spec
 
 from .config import GlmDsaConfig
 from .model import StepBatch
-from .paged_cache import PageAllocator, allocate_caches, block_table_array, cache_dtype
+from .paged_cache import PageAllocator, allocate_caches, block_table_array, cache_dtype, owner_slot, pages_needed
 from .sampling import sample
-from .step import mesh_for, nest_params, step
+from .step import mesh_for, nest_params, resolve_parallel, step
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
@@ -63,8 +63,7 @@ class Engine:
                  block_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 2048, impl: str = "xla"):
         self.config = config
-        self.parallel = parallel or ParallelConfig()
-        self.parallel.check_model(config)
+        self.parallel = resolve_parallel(parallel, config)
         self.dtype = resolve_dtype(dtype)
         self.kv_cache_dtype = kv_cache_dtype
         self.impl = impl
@@ -77,13 +76,14 @@ class Engine:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.pages_per_seq = -(-self.max_model_len // block_size)
-        self.num_pages = int(num_pages or max_num_seqs * self.pages_per_seq + 1)
+        n, inter = self.parallel.dcp, self.parallel.interleave
+        self.pages_per_seq = pages_needed(self.max_model_len, block_size, n, inter)
+        self.num_pages = int(num_pages or max_num_seqs * self.pages_per_seq + 1)  # per DCP rank
         self.mesh = mesh_for(self.parallel)
         self.params = params
         cache_sharding = NamedSharding(self.mesh, cache_spec())
-        self.caches = allocate_caches(config, self.num_pages, block_size, cache_dtype(kv_cache_dtype, self.dtype),
-                                      cache_sharding)
+        self.caches = allocate_caches(config, self.num_pages * n, block_size,
+                                      cache_dtype(kv_cache_dtype, self.dtype), cache_sharding)
         self.allocator = PageAllocator(self.num_pages)
         self._step = jax.jit(functools.partial(step, config=config, parallel=self.parallel, impl=impl),
                              donate_argnums=(1,))
@@ -104,13 +104,13 @@ class Engine:
     # ---- one compiled step -----------------------------------------------------------------
     def _run(self, rows: list[tuple[int, int, int]], seqs: list[_Seq], logits_rows: list[int]) -> np.ndarray:
         """rows: (seq index, position, token). Returns float32 logits [len(logits_rows), vocab]."""
-        bs = self.block_size
+        bs, n, inter = self.block_size, self.parallel.dcp, self.parallel.interleave
         t = _bucket(len(rows), 16)
         ids, pos, slot, req = (np.zeros(t, np.int32) for _ in range(4))
         slot[:] = -1  # padding rows write nothing
         for r, (s, p, tok) in enumerate(rows):
             ids[r], pos[r], req[r] = tok, p, s
-            slot[r] = seqs[s].pages[p // bs] * bs + p % bs
+            slot[r] = owner_slot(seqs[s].pages, p, bs, n, inter)
         width = _bucket(max(len(s.pages) for s in seqs), 1)
         tables = block_table_array([s.pages for s in seqs], width, _bucket(len(seqs), 1))
         li = np.zeros(_bucket(len(logits_rows), 8), np.int32)
@@ -142,7 +142,8 @@ class Engine:
         seqs = []
         try:
             for p, e in zip(prompts, extra):
-                n = -(-min(len(p) + e, self.max_model_len) // self.block_size)
+                n = pages_needed(min(len(p) + e, self.max_model_len), self.block_size, self.parallel.dcp,
+                                 self.parallel.interleave)
                 seqs.append(_Seq(tokens=[int(t) for t in p], pages=self.allocator.allocate(n)))
         except RuntimeError:
             self._release(seqs)
@@ -223,11 +224,11 @@ def load(path: str | os.PathLike, *, parallel: ParallelConfig | None = None, dty
     arguments (block_size, num_pages, max_num_seqs, max_num_batched_tokens, impl) go to `Engine`.
     """
     config = GlmDsaConfig.from_pretrained(path)
-    parallel = parallel or ParallelConfig()
-    parallel.check_model(config)
+    parallel = resolve_parallel(parallel, config)
     dt = resolve_dtype(dtype)
     mesh = mesh_for(parallel)
-    flat = checkpoints.load_hf_params(path, config, dtype=dt, progress=progress,
-                                      sharding_for=lambda p, shape: NamedSharding(mesh, param_spec(p)))
+    flat = checkpoints.load_hf_params(
+        path, config, dtype=dt, progress=progress,
+        sharding_for=lambda p, shape: NamedSharding(mesh, param_spec(p, parallel.q_replicate)))
     return Engine(config, nest_params(flat), parallel=parallel, dtype=dt, kv_cache_dtype=kv_cache_dtype,
                   max_model_len=max_model_len, **engine_kw)

@@ -16,8 +16,9 @@ from flax import nnx
 
 from checkpoints.layout import param_specs
 from kernels import fused_norm_rope, indexer, rope, sparse_mla
+from kernels.chunking import map_row_chunks
 from kernels.norms import rms_norm
-from sharding import TP_AXES
+from sharding import TP_AXES, ParallelConfig, dcp
 
 from .config import GlmDsaConfig
 from .paged_cache import positions_to_slots
@@ -45,11 +46,17 @@ jax.tree_util.register_dataclass(StepBatch, data_fields=[f.name for f in datacla
 
 @dataclasses.dataclass(frozen=True)
 class StepContext:
-    """Static per-step settings shared by the layers."""
+    """Static per-step settings shared by the layers; `parallel` is resolved (QREP and backend decided)."""
 
     cfg: GlmDsaConfig
     block_size: int
+    parallel: ParallelConfig
     impl: str = "xla"
+    dcp_row_chunk: int = 256  # query rows per gather/attend/merge round under DCP: a fixed workspace
+
+    @property
+    def n(self) -> int:
+        return self.parallel.dcp
 
 
 def _declare(module: nnx.Module, prefix: str, names, specs, dtype) -> None:
@@ -76,15 +83,22 @@ class Indexer(nnx.Module):
         return w * (n_heads ** -0.5) * (head_dim ** -0.5)
 
     def __call__(self, h, q_n, index_cache, batch: StepBatch, ctx: StepContext):
-        cfg = ctx.cfg
+        """Top-k local positions [T, K] (-1 = none) of the tokens each row attends to on this rank."""
+        cfg, n, inter = ctx.cfg, ctx.n, ctx.parallel.interleave
         qi = jnp.einsum("tr,rhd->thd", q_n, self.wq_b[...])
         cos, sin = rope.rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope_theta)
         rot = rope.apply_rope(qi[..., : cfg.qk_rope_head_dim], cos[:, None], sin[:, None],
-                                 interleave=cfg.indexer_rope_interleave)
+                              interleave=cfg.indexer_rope_interleave)
         qi = jnp.concatenate([rot, qi[..., cfg.qk_rope_head_dim:]], axis=-1)
-        return indexer.indexer_topk(
-            qi, self.head_weights(h), index_cache, batch.token_req, batch.positions + 1, batch.block_tables,
-            block_size=ctx.block_size, topk=cfg.index_topk, impl=ctx.impl)
+        rank = jax.lax.axis_index("dcp")
+        kv_lens = dcp.local_length(batch.positions + 1, rank, n, inter)  # this rank's tokens at or before pos
+        out = indexer.indexer_topk(qi, self.head_weights(h), index_cache, batch.token_req, kv_lens,
+                                   batch.block_tables, block_size=ctx.block_size, topk=cfg.index_topk,
+                                   return_scores=n > 1, impl=ctx.impl)
+        if n == 1:
+            return out
+        local_pos, scores = out
+        return dcp.global_topk(scores, local_pos, rank, n=n, interleave=inter, topk=cfg.index_topk)
 
 
 class MLA(nnx.Module):
@@ -97,11 +111,15 @@ class MLA(nnx.Module):
         self.indexer = Indexer(specs, p + "indexer.", dtype) if cfg.is_full(layer) else None
 
     def __call__(self, h, mla_cache, index_cache, topk_prev, batch: StepBatch, ctx: StepContext):
-        cfg = ctx.cfg
+        cfg, n, qrep = ctx.cfg, ctx.n, ctx.parallel.q_replicate
         dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        rank = jax.lax.axis_index("dcp")
+        # batch.slot_mapping is the slot on the token's owning rank; the other ranks write nothing for it.
+        own = dcp.owner(batch.positions, n, ctx.parallel.interleave) == rank
+        slots_here = jnp.where(own, batch.slot_mapping, -1)
         index_k = h @ self.indexer.wk[...] if self.indexer is not None else None
         q_n, mla_cache, index_cache, _ = fused_norm_rope.fused_norm_rope_cache(
-            h @ self.q_a_proj[...], h @ self.kv_a_proj[...], batch.positions, batch.slot_mapping,
+            h @ self.q_a_proj[...], h @ self.kv_a_proj[...], batch.positions, slots_here,
             self.q_a_norm[...], self.kv_a_norm[...], mla_cache.reshape(-1, mla_cache.shape[-1]),
             rope_theta=cfg.rope_theta, rope_interleave=cfg.rope_interleave,
             index_k=index_k,
@@ -111,6 +129,7 @@ class MLA(nnx.Module):
             index_rope_interleave=cfg.indexer_rope_interleave, impl=ctx.impl)
 
         # Absorbed query row per head: [q_nope @ W_UK | rope(q_pe)], matching cache rows [kv | k_pe].
+        # With QREP the projections hold the whole DCP group's heads, so no query gather is needed.
         q = jnp.einsum("tr,rhd->thd", q_n, self.q_b_proj[...])
         cos, sin = rope.rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope_theta)
         q_pe = rope.apply_rope(q[..., dn:], cos[:, None], sin[:, None], interleave=cfg.rope_interleave)
@@ -123,8 +142,21 @@ class MLA(nnx.Module):
         else:
             topk = topk_prev  # IndexShare: reuse the nearest full layer's selection
         slots = positions_to_slots(topk, batch.token_req, batch.block_tables, ctx.block_size)
-        o, _lse = sparse_mla.sparse_mla(q_row, mla_cache, slots, scale=cfg.softmax_scale,
-                                                kv_lora_rank=r, impl=ctx.impl)
+
+        def attend(q_rows, slot_rows):
+            if n > 1 and not qrep:
+                q_rows = dcp.gather_query_heads(q_rows)  # the group's heads, rank-major
+            o, lse = sparse_mla.sparse_mla(q_rows, mla_cache, slot_rows, scale=cfg.softmax_scale,
+                                           kv_lora_rank=r, impl=ctx.impl)
+            if n == 1:
+                return o
+            # partials over this rank's tokens -> this rank's heads over all the group's tokens
+            merge = dcp.merge_a2a if ctx.parallel.dcp_comm_backend == "a2a" else dcp.merge_ag_rs
+            return merge(o, lse)[0]
+
+        o = attend(q_row, slots) if n == 1 else map_row_chunks(attend, (q_row, slots), ctx.dcp_row_chunk)
+        if qrep:
+            w_uv = jax.lax.dynamic_slice_in_dim(w_uv, rank * (w_uv.shape[1] // n), w_uv.shape[1] // n, axis=1)
         o_v = jnp.einsum("thr,rhd->thd", o.astype(w_uv.dtype), w_uv)
         out = jax.lax.psum(jnp.einsum("thd,hdo->to", o_v, self.o_proj[...]), TP_AXES)
         return out, mla_cache, index_cache, topk

@@ -11,6 +11,19 @@ from .config import GlmDsaConfig
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 
 
+def pages_needed(length: int, block_size: int, n: int = 1, interleave: int = 1) -> int:
+    """Pages per rank for a sequence of `length` tokens (rank 0 holds the most under DCP)."""
+    from sharding.dcp import local_length
+    return -(-int(local_length(length, 0, n, interleave)) // block_size)
+
+
+def owner_slot(pages, position: int, block_size: int, n: int = 1, interleave: int = 1) -> int:
+    """The slot of `position` on its owning rank, given the request's (per-rank, shared) page list."""
+    from sharding.dcp import local_position
+    lp = int(local_position(position, n, interleave))
+    return pages[lp // block_size] * block_size + lp % block_size
+
+
 def positions_to_slots(positions, token_req, block_tables, block_size: int):
     """Physical slots of `positions` [T, K] of each row's request (-1 stays -1)."""
     page = block_tables[token_req[:, None], jnp.maximum(positions, 0) // block_size]

@@ -14,7 +14,7 @@ from sharding import ParallelConfig, cache_spec, make_mesh, param_spec
 
 from .config import GlmDsaConfig
 from .model import GlmDsaModel, StepBatch, StepContext
-from .paged_cache import cache_shapes
+from .paged_cache import cache_shapes, owner_slot, pages_needed
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,9 +34,16 @@ def path_str(path) -> str:
     return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-def param_partition_specs(params):
+def param_partition_specs(params, q_replicate: bool = False):
     """PartitionSpecs for a params pytree, from the one table in `sharding.specs`."""
-    return jax.tree_util.tree_map_with_path(lambda p, _: param_spec(path_str(p)), params)
+    return jax.tree_util.tree_map_with_path(lambda p, _: param_spec(path_str(p), q_replicate), params)
+
+
+def resolve_parallel(parallel: ParallelConfig | None, config: GlmDsaConfig) -> ParallelConfig:
+    """The ParallelConfig with QREP and the comm backend decided (environment > field > model default)."""
+    parallel = (parallel or ParallelConfig()).resolve(config.parallel_defaults)
+    parallel.check_model(config)
+    return parallel
 
 
 def nest_params(flat: dict) -> dict:
@@ -55,15 +62,15 @@ def step(params, caches, batch: StepBatch, *, config: GlmDsaConfig, parallel: Pa
          impl: str = "xla"):
     """One model step over a ragged batch: returns (float32 logits [L, vocab] for `batch.logits_indices`,
     updated caches). Pure: jit it, donate `caches` to update them in place."""
-    parallel = parallel or ParallelConfig()
-    ctx = StepContext(config, block_size=caches["mla"][0].shape[1], impl=impl)
+    parallel = resolve_parallel(parallel, config)
+    ctx = StepContext(config, block_size=caches["mla"][0].shape[1], parallel=parallel, impl=impl)
     graphdef = model_graphdef(config)
 
     def body(params, caches, batch):
         return nnx.merge(graphdef, params)(caches, batch, ctx)
 
     cspecs = jax.tree.map(lambda _: cache_spec(), caches)
-    f = jax.shard_map(body, mesh=mesh_for(parallel), in_specs=(param_partition_specs(params), cspecs, P()),
+    f = jax.shard_map(body, mesh=mesh_for(parallel), in_specs=(param_partition_specs(params, parallel.q_replicate), cspecs, P()),
                       out_specs=(P(), cspecs), check_vma=False)
     return f(params, caches, batch)
 
@@ -73,17 +80,19 @@ def forward(params, token_ids, *, config: GlmDsaConfig, parallel: ParallelConfig
     """Cache-free full-sequence logits: int [B, T] -> float32 [B, T, vocab] (a fresh cache per call)."""
     token_ids = jnp.asarray(token_ids, jnp.int32)
     b, t = token_ids.shape
-    pages_per_seq = -(-t // block_size)
-    num_pages = b * pages_per_seq + 1  # page 0 is the padding page
+    par = resolve_parallel(parallel, config)
+    pages_per_seq = pages_needed(t, block_size, par.dcp, par.interleave)
+    num_pages = b * pages_per_seq + 1  # per rank; page 0 is the padding page
     dtype = params["layers"][0]["attn"]["kv_a_proj"].dtype
-    caches = jax.tree.map(lambda s: jnp.zeros(s, dtype), cache_shapes(config, num_pages, block_size),
+    caches = jax.tree.map(lambda s: jnp.zeros(s, dtype), cache_shapes(config, num_pages * par.dcp, block_size),
                           is_leaf=lambda s: isinstance(s, tuple) and s and isinstance(s[0], int))
     pos = np.tile(np.arange(t, dtype=np.int32), b)
     req = np.repeat(np.arange(b, dtype=np.int32), t)
     tables = 1 + np.arange(b * pages_per_seq, dtype=np.int32).reshape(b, pages_per_seq)
-    slots = tables[req, pos // block_size] * block_size + pos % block_size
+    slots = np.asarray([owner_slot(tables[r], p, block_size, par.dcp, par.interleave) for r, p in zip(req, pos)],
+                       np.int32)
     batch = StepBatch(token_ids=token_ids.reshape(-1), positions=jnp.asarray(pos), slot_mapping=jnp.asarray(slots),
                       token_req=jnp.asarray(req), block_tables=jnp.asarray(tables),
                       logits_indices=jnp.arange(b * t, dtype=jnp.int32))
-    logits, _ = step(params, caches, batch, config=config, parallel=parallel, impl=impl)
+    logits, _ = step(params, caches, batch, config=config, parallel=par, impl=impl)
     return logits.reshape(b, t, -1)

@@ -1,14 +1,20 @@
-"""`ParallelConfig`: tensor parallelism and decode context parallelism, with the vLLM meanings."""
+"""`ParallelConfig` (vLLM meanings) and its resolution against a model's defaults and the environment."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+
+QREP_ENV = "GLM_DSA_DCP_Q_REPLICATE"
+COMM_BACKENDS = ("ag_rs", "a2a")
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """TP devices in all, split into DCP groups of N (TP % N == 0): heads and MLP widths are split over all
-    TP devices, KV tokens over the N ranks of a DCP group. The mesh is {'tp': TP // N, 'dcp': N}."""
+    TP devices, KV tokens over the N ranks of a DCP group. The mesh is {'tp': TP // N, 'dcp': N}.
+
+    `dcp_q_replicate` and `dcp_comm_backend` left None take the model's defaults (`resolve`)."""
 
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1
@@ -25,8 +31,11 @@ class ParallelConfig:
         if tp % n:
             raise ValueError(f"ParallelConfig: tensor_parallel_size ({tp}) must be a multiple of "
                              f"decode_context_parallel_size ({n})")
-        if self.dcp_comm_backend not in (None, "ag_rs", "a2a"):
-            raise ValueError(f"ParallelConfig.dcp_comm_backend must be 'ag_rs' or 'a2a', got {self.dcp_comm_backend!r}")
+        if self.dcp_comm_backend not in (None,) + COMM_BACKENDS:
+            raise ValueError(f"ParallelConfig.dcp_comm_backend must be one of {COMM_BACKENDS}, "
+                             f"got {self.dcp_comm_backend!r}")
+        if self.dcp_q_replicate not in (None, True, False):
+            raise ValueError(f"ParallelConfig.dcp_q_replicate must be True, False or None, got {self.dcp_q_replicate!r}")
 
     @property
     def tp(self) -> int:
@@ -37,8 +46,17 @@ class ParallelConfig:
         return self.decode_context_parallel_size
 
     @property
+    def interleave(self) -> int:
+        return self.cp_kv_cache_interleave_size
+
+    @property
     def mesh_shape(self) -> dict[str, int]:
         return {"tp": self.tp // self.dcp, "dcp": self.dcp}
+
+    @property
+    def q_replicate(self) -> bool:
+        """QREP in effect: requested and DCP > 1 (call on a resolved config)."""
+        return bool(self.dcp_q_replicate) and self.dcp > 1
 
     def check_model(self, cfg) -> None:
         """Raise if the model's widths do not divide over the TP devices (names the field and numbers)."""
@@ -50,7 +68,21 @@ class ParallelConfig:
         for name, v in widths.items():
             if v % tp:
                 raise ValueError(f"{name} ({v}) is not divisible by tensor_parallel_size ({tp})")
-        if self.dcp > 1:
-            raise NotImplementedError(
-                f"decode_context_parallel_size={self.dcp}: decode context parallelism is not implemented yet; "
-                "use decode_context_parallel_size=1")
+
+    def resolve(self, model_defaults: dict | None = None, env: dict | None = None) -> "ParallelConfig":
+        """Fill the unset fields: QREP = environment override if set, else the explicit field, else the model
+        default; comm backend = the field, else the model default, else 'a2a' (SPEC §7). Idempotent while the
+        environment is unchanged."""
+        defaults = model_defaults or {}
+        env = os.environ if env is None else env
+        raw = env.get(QREP_ENV, "").strip().lower()
+        if raw in ("1", "true", "on", "yes"):
+            qrep = True
+        elif raw in ("0", "false", "off", "no"):
+            qrep = False
+        elif raw == "":
+            qrep = self.dcp_q_replicate if self.dcp_q_replicate is not None else bool(defaults.get("dcp_q_replicate"))
+        else:
+            raise ValueError(f"environment variable {QREP_ENV}={env[QREP_ENV]!r}: use 1 or 0")
+        backend = self.dcp_comm_backend or defaults.get("dcp_comm_backend") or "a2a"
+        return dataclasses.replace(self, dcp_q_replicate=qrep, dcp_comm_backend=backend)

@@ -28,8 +28,16 @@ _TABLE: list[tuple[str, P]] = [
 _COMPILED = [(re.compile(pat + r"$"), spec) for pat, spec in _TABLE]
 
 
-def param_spec(path: str) -> P:
-    """The PartitionSpec of the parameter at `path`; an unknown path is an error, not a silent replicate."""
+_QREP = re.compile(r"layers\.\d+\.attn\.(q_b_proj|kv_b_proj)$")
+
+
+def param_spec(path: str, q_replicate: bool = False) -> P:
+    """The PartitionSpec of the parameter at `path`; an unknown path is an error, not a silent replicate.
+
+    With query replication each DCP rank holds q_b_proj and kv_b_proj (W_UK, W_UV) for all heads of its DCP
+    group: split over 'tp' only."""
+    if q_replicate and _QREP.match(path):
+        return P(None, "tp", None)
     for pat, spec in _COMPILED:
         if pat.match(path):
             return spec

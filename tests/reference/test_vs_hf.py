@@ -179,3 +179,18 @@ def test_comparison_sees_sparsity(name, reference_dirs, engines, tmp_path):
     diff = float(np.abs(got - ref[i]).max())
     assert diff > SPARSITY_MIN_DIFF, (f"{name}: dense attention is within {diff:.3g} of the sparse HF logits; "
                                       "the comparison cannot tell whether the top-k is applied")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dcp_matches_hf(name, reference_dirs):
+    """The same references hold under decode context parallelism (TP=4, DCP=4, interleave 2)."""
+    import glm_dsa
+    from glm_dsa import ParallelConfig
+
+    meta, ref = load_reference(reference_dirs[name])
+    eng = glm_dsa.load(str(reference_dirs[name]), dtype="float32", max_model_len=MAX_MODEL_LEN, progress=False,
+                       parallel=ParallelConfig(4, 4, cp_kv_cache_interleave_size=2))
+    for prompt, want in zip(meta["prompts"], ref):
+        assert np.abs(jax_logits(eng, prompt) - want).max() <= LOGITS_ATOL
+    n = cases.CASES[name]["n_greedy"]
+    assert eng.generate([list(p) for p in meta["prompts"]], max_new_tokens=n) == meta["greedy"]
