@@ -1,4 +1,4 @@
-"""`python -m glm_dsa {generate,info,demo,random-checkpoint}`: the command line, with vLLM-style flags."""
+"""`python -m glm_dsa {generate,info,demo,random-checkpoint,convert}`: the command line, with vLLM-style flags."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     _add_parallel_flags(p)
 
 
-def _generate_and_report(eng, prompts, args, out=None) -> list[list[int]]:
+def _generate_and_report(eng, prompts, args, out=None, tokenizer=None) -> list[list[int]]:
     out = out or sys.stdout
     kw = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
               stop_token_ids=[] if args.ignore_eos else None)
@@ -53,18 +53,59 @@ def _generate_and_report(eng, prompts, args, out=None) -> list[list[int]]:
     n = sum(len(x) for x in new)
     for i, (p, toks) in enumerate(zip(prompts, new)):
         print(f"prompt {i} ({len(p)} tokens): {p}", file=out)
+        if tokenizer is not None:
+            print(f"  prompt text: {tokenizer.decode(p)!r}", file=out)
         print(f"  generated {len(toks)}: {toks}", file=out)
+        if tokenizer is not None:
+            print(f"  text: {tokenizer.decode(toks)!r}", file=out)
     print(f"{n} tokens in {dt:.3f} s: {n / dt:.1f} tokens/s (prefill included, after warm-up)", file=out)
     return new
 
 
 def cmd_generate(args) -> int:
     import glm_dsa
-    if not args.prompt_ids:
-        raise SystemExit("generate: give at least one --prompt-ids")
+    from glm_dsa import text
+    if not args.prompt_ids and not args.prompt:
+        raise SystemExit("generate: give at least one --prompt TEXT or --prompt-ids IDS")
+    tokenizer = text.load_tokenizer(args.checkpoint, required=bool(args.prompt))
     eng = glm_dsa.load(args.checkpoint, parallel=_parallel(args), dtype=args.dtype,
                        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, impl=args.impl)
-    _generate_and_report(eng, args.prompt_ids, args)
+    if tokenizer is not None:
+        tokenizer.vocab_size = eng.config.vocab_size
+    prompts = [tokenizer.encode(t) for t in args.prompt] + list(args.prompt_ids)
+    _generate_and_report(eng, prompts, args, tokenizer=tokenizer)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    """HF safetensors (bf16 / fp32 / FP8 block-scaled) or orbax -> a new committed orbax version at --to."""
+    import os
+
+    from jax.sharding import NamedSharding
+
+    import checkpoints
+    from glm_dsa.config import GlmDsaConfig
+    from glm_dsa.engine import resolve_dtype
+    from glm_dsa.step import mesh_for, resolve_parallel
+    from glm_dsa.text import TEXT_FILES
+    from sharding import param_spec
+
+    src, dst = args.src, args.dst
+    if os.path.abspath(src) == os.path.abspath(dst):
+        raise ValueError(f"convert: --from and --to are the same directory ({src})")
+    orbax = checkpoints.is_orbax_checkpoint(src)
+    source = checkpoints.committed_checkpoint(src) if orbax else src
+    cfg = GlmDsaConfig.from_pretrained(source)
+    parallel = resolve_parallel(_parallel(args), cfg)
+    mesh = mesh_for(parallel)
+    load = checkpoints.load_orbax_params if orbax else checkpoints.load_hf_params
+    flat = load(source, cfg, dtype=resolve_dtype(args.dtype), progress=not args.no_progress,
+                sharding_for=lambda p, shape: NamedSharding(mesh, param_spec(p, parallel.q_replicate)))
+    extra = [os.path.join(src, f) for f in TEXT_FILES if os.path.isfile(os.path.join(src, f))]
+    version = checkpoints.save_orbax_params(flat, cfg, dst, extra_files=extra, source=os.path.abspath(src),
+                                            progress=not args.no_progress)
+    print(f"converted {src} -> {version}: {len(flat)} parameters in {args.dtype}"
+          + (f", with {', '.join(os.path.basename(f) for f in extra)}" if extra else ""))
     return 0
 
 
@@ -169,12 +210,34 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_trace(args) -> int:
+    import glm_dsa
+    from glm_dsa.trace import save_trace
+    eng = glm_dsa.load(args.checkpoint, parallel=_parallel(args), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                       max_model_len=args.max_model_len, impl=args.impl)
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    taps = eng.trace(args.prompt_ids, layers=layers)
+    save_trace(taps, args.out, metadata={"checkpoint": args.checkpoint, "parallel": eng.parallel})
+    print(f"wrote {len(taps)} tensors to {args.out}")
+    return 0
+
+
+def cmd_diff(args) -> int:
+    from glm_dsa.trace import diff_traces, format_diff, load_trace
+    a, b = load_trace(args.a), load_trace(args.b)
+    rows, first = diff_traces(a, b, rtol=args.rtol, atol=args.atol)
+    print(format_diff(rows, first, set(a) - set(b), set(b) - set(a)))
+    return 1 if first else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m glm_dsa", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("generate", help="load a checkpoint and continue prompts given as token ids")
-    g.add_argument("--checkpoint", required=True, help="HF safetensors directory")
+    g = sub.add_parser("generate", help="load a checkpoint and continue prompts given as text or token ids")
+    g.add_argument("--checkpoint", required=True, help="HF safetensors or orbax (convert) directory")
+    g.add_argument("--prompt", action="append", default=[],
+                   help="one text prompt (repeat for a batch); needs tokenizer.json in the checkpoint directory")
     g.add_argument("--prompt-ids", type=_ids, action="append", default=[],
                    help="one prompt as comma- or space-separated token ids (repeat for a batch)")
     g.add_argument("--max-new-tokens", type=int, default=32)
@@ -203,6 +266,30 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-shard-mb", type=float, default=None)
     r.set_defaults(fn=cmd_random_checkpoint)
 
+    c = sub.add_parser("convert", help="HF checkpoint (bf16 / fp32 / FP8 block-scaled) -> orbax checkpoint directory")
+    c.add_argument("--from", dest="src", required=True, help="HF safetensors directory (or an orbax one)")
+    c.add_argument("--to", dest="dst", required=True, help="orbax checkpoint directory (a new version is committed)")
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                   help="stored dtype (router, norms and indexer weights_proj stay float32)")
+    c.add_argument("--no-progress", action="store_true")
+    _add_parallel_flags(c)  # the mesh the parameters are staged on while converting (memory per device)
+    c.set_defaults(fn=cmd_convert)
+
+    t = sub.add_parser("trace", help="dump per-layer activations of one prompt to a .safetensors file")
+    t.add_argument("--checkpoint", required=True)
+    t.add_argument("--prompt-ids", type=_ids, required=True)
+    t.add_argument("--out", required=True, help="output .safetensors")
+    t.add_argument("--layers", default=None, help="comma-separated layer indices (default: all)")
+    _add_model_flags(t)
+    t.set_defaults(fn=cmd_trace)
+
+    df = sub.add_parser("diff", help="compare two traces; names the first tensor beyond tolerance (exit 1)")
+    df.add_argument("a")
+    df.add_argument("b")
+    df.add_argument("--rtol", type=float, default=1e-3)
+    df.add_argument("--atol", type=float, default=1e-4)
+    df.set_defaults(fn=cmd_diff)
+
     d = sub.add_parser("demo", help="write a small random GLM-5.2-shaped checkpoint, load it and generate")
     d.add_argument("--preset", default="demo", choices=["demo", "tiny"])
     d.add_argument("--out", default=None, help="where to write the checkpoint (default: a temp dir)")
@@ -219,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+    except (ValueError, FileNotFoundError, NotImplementedError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -167,6 +167,18 @@ class Engine:
                 self._release(seqs)
         return np.stack(out).astype(np.float32)
 
+    def trace(self, token_ids, layers=None) -> dict[str, np.ndarray]:
+        """Per-layer intermediates of one sequence (int [T]) by name (see glm_dsa.trace), as numpy arrays;
+        `layers` (an iterable of layer indices) keeps only those layers."""
+        from .trace import select_layers, trace
+        ids = np.asarray(token_ids).reshape(-1)
+        self._check_tokens([ids.tolist()], "sequence")
+        if not hasattr(self, "_trace"):
+            self._trace = jax.jit(functools.partial(trace, config=self.config, parallel=self.parallel, impl=self.impl,
+                                                    block_size=self.block_size))
+        taps = self._trace(self.params, jnp.asarray(ids, jnp.int32))
+        return {k: np.asarray(v) for k, v in select_layers(taps, layers).items()}
+
     def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                  stop_token_ids=None) -> list[list[int]]:
         """Continue each prompt (a list of token ids) by up to `max_new_tokens` tokens.
@@ -218,17 +230,22 @@ class Engine:
 
 def load(path: str | os.PathLike, *, parallel: ParallelConfig | None = None, dtype="bfloat16",
          kv_cache_dtype: str = "auto", max_model_len: int | None = None, progress: bool = True, **engine_kw) -> Engine:
-    """Load an HF safetensors checkpoint directory onto the mesh of `parallel` and return an `Engine`.
+    """Load a checkpoint directory onto the mesh of `parallel` and return an `Engine`.
 
-    Parameters stream tensor by tensor onto the devices with their target sharding. Extra keyword
-    arguments (block_size, num_pages, max_num_seqs, max_num_batched_tokens, impl) go to `Engine`.
+    `path` is an HF safetensors directory (bf16/fp32, or an FP8 block-scaled release, dequantised on the device)
+    or an orbax directory written by `python -m glm_dsa convert` / `checkpoints.save_orbax_params` (its newest
+    committed version; an interrupted save is never read). Parameters go onto the devices with their target
+    sharding, whatever mesh they were saved from. Extra keyword arguments (block_size, num_pages, max_num_seqs,
+    max_num_batched_tokens, impl) go to `Engine`.
     """
-    config = GlmDsaConfig.from_pretrained(path)
+    orbax = checkpoints.is_orbax_checkpoint(path)
+    source = checkpoints.committed_checkpoint(path) if orbax else path
+    config = GlmDsaConfig.from_pretrained(source)
     parallel = resolve_parallel(parallel, config)
     dt = resolve_dtype(dtype)
     mesh = mesh_for(parallel)
-    flat = checkpoints.load_hf_params(
-        path, config, dtype=dt, progress=progress,
+    flat = (checkpoints.load_orbax_params if orbax else checkpoints.load_hf_params)(
+        source, config, dtype=dt, progress=progress,
         sharding_for=lambda p, shape: NamedSharding(mesh, param_spec(p, parallel.q_replicate)))
     return Engine(config, nest_params(flat), parallel=parallel, dtype=dt, kv_cache_dtype=kv_cache_dtype,
                   max_model_len=max_model_len, **engine_kw)

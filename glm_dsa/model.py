@@ -66,6 +66,11 @@ def _declare(module: nnx.Module, prefix: str, names, specs, dtype) -> None:
         setattr(module, name, nnx.Param(jnp.zeros(spec.shape, jnp.float32 if spec.fp32 else dtype)))
 
 
+def _gather_heads(x, axis: int, q_replicate: bool = False):
+    """All heads from each device's share: heads are split over ('tp', 'dcp'), or over 'tp' alone with QREP."""
+    return jax.lax.all_gather(x, "tp" if q_replicate else TP_AXES, axis=axis, tiled=True)
+
+
 def _swiglu(x, gate, up, down):
     return (jax.nn.silu(x @ gate) * (x @ up)) @ down
 
@@ -109,8 +114,11 @@ class MLA(nnx.Module):
         _declare(self, p, ("q_a_proj", "q_a_norm", "q_b_proj", "kv_a_proj", "kv_a_norm", "kv_b_proj", "o_proj"),
                  specs, dtype)
         self.indexer = Indexer(specs, p + "indexer.", dtype) if cfg.is_full(layer) else None
+        self.layer = layer
 
-    def __call__(self, h, mla_cache, index_cache, topk_prev, batch: StepBatch, ctx: StepContext):
+    def __call__(self, h, mla_cache, index_cache, topk_prev, batch: StepBatch, ctx: StepContext, taps=None):
+        """taps: None, or a dict that receives this layer's intermediate tensors, gathered to full width
+        (see glm_dsa.trace for the names)."""
         cfg, n, qrep = ctx.cfg, ctx.n, ctx.parallel.q_replicate
         dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         rank = jax.lax.axis_index("dcp")
@@ -128,6 +136,15 @@ class MLA(nnx.Module):
             index_cache=None if index_cache is None else index_cache.reshape(-1, index_cache.shape[-1]),
             index_rope_interleave=cfg.indexer_rope_interleave, impl=ctx.impl)
 
+        tap = (lambda name, v: taps.__setitem__(f"layers.{self.layer}.{name}", v)) if taps is not None else None
+        if tap:
+            # the latents as written by the fused op: read back from the owning rank's cache
+            row = jnp.where((slots_here >= 0)[:, None], mla_cache[jnp.maximum(slots_here, 0)], 0)
+            row = jax.lax.psum(row.astype(jnp.float32), "dcp")
+            tap("attn.q_norm", q_n)
+            tap("attn.kv_norm", row[:, :r])
+            tap("attn.k_pe", row[:, r:])
+
         # Absorbed query row per head: [q_nope @ W_UK | rope(q_pe)], matching cache rows [kv | k_pe].
         # With QREP the projections hold the whole DCP group's heads, so no query gather is needed.
         q = jnp.einsum("tr,rhd->thd", q_n, self.q_b_proj[...])
@@ -142,6 +159,10 @@ class MLA(nnx.Module):
         else:
             topk = topk_prev  # IndexShare: reuse the nearest full layer's selection
         slots = positions_to_slots(topk, batch.token_req, batch.block_tables, ctx.block_size)
+        if tap:
+            tap("attn.q_pe", _gather_heads(q_pe, 1, qrep))
+            gpos = jnp.where(topk >= 0, dcp.global_position(topk, rank, n, ctx.parallel.interleave), -1)
+            tap("attn.topk", jax.lax.pmax(gpos, "dcp"))  # each selected position is owned by one rank
 
         def attend(q_rows, slot_rows):
             if n > 1 and not qrep:
@@ -152,12 +173,23 @@ class MLA(nnx.Module):
                 return o
             # partials over this rank's tokens -> this rank's heads over all the group's tokens
             merge = dcp.merge_a2a if ctx.parallel.dcp_comm_backend == "a2a" else dcp.merge_ag_rs
-            return merge(o, lse)[0]
+            merged = merge(o, lse)
+            if tap:  # each rank's partial over all heads [N, T, H, .], and the merged result
+                tap("dcp.partial_o", jax.lax.all_gather(jax.lax.all_gather(o, "tp", axis=1, tiled=True), "dcp"))
+                tap("dcp.partial_lse", jax.lax.all_gather(jax.lax.all_gather(lse, "tp", axis=1, tiled=True), "dcp"))
+                tap("dcp.merged_o", _gather_heads(merged[0], 1))
+                tap("dcp.merged_lse", _gather_heads(merged[1], 1))
+            return merged[0]
 
-        o = attend(q_row, slots) if n == 1 else map_row_chunks(attend, (q_row, slots), ctx.dcp_row_chunk)
+        if n == 1 or tap:  # tracing keeps all rows in one round so the partials can be recorded
+            o = attend(q_row, slots)
+        else:
+            o = map_row_chunks(attend, (q_row, slots), ctx.dcp_row_chunk)
         if qrep:
             w_uv = jax.lax.dynamic_slice_in_dim(w_uv, rank * (w_uv.shape[1] // n), w_uv.shape[1] // n, axis=1)
         o_v = jnp.einsum("thr,rhd->thd", o.astype(w_uv.dtype), w_uv)
+        if tap:
+            tap("attn.out", _gather_heads(o_v, 1))
         out = jax.lax.psum(jnp.einsum("thd,hdo->to", o_v, self.o_proj[...]), TP_AXES)
         return out, mla_cache, index_cache, topk
 
@@ -211,8 +243,12 @@ class MoE(nnx.Module):
         y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
         return jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(y)
 
-    def __call__(self, x, cfg: GlmDsaConfig):
+    def __call__(self, x, cfg: GlmDsaConfig, tap=None):
         experts, weights = self.route(x, cfg)
+        if tap:
+            order = jnp.argsort(experts, axis=1)  # a canonical order: by expert id
+            tap("moe.experts", jnp.take_along_axis(experts, order, axis=1))
+            tap("moe.weights", jnp.take_along_axis(weights, order, axis=1))
         out = self.experts(x, experts, weights)
         if self.has_shared:
             out = out + _swiglu(x, self.shared_gate[...], self.shared_up[...], self.shared_down[...])
@@ -228,14 +264,18 @@ class DecoderLayer(nnx.Module):
         self.attn = MLA(cfg, layer, specs, dtype)
         self.moe = MoE(cfg, specs, p + "moe.", dtype) if cfg.is_moe(layer) else None
         self.mlp = None if cfg.is_moe(layer) else DenseMLP(specs, p + "mlp.", dtype)
+        self.layer = layer
 
-    def __call__(self, x, mla_cache, index_cache, topk_prev, batch: StepBatch, ctx: StepContext):
+    def __call__(self, x, mla_cache, index_cache, topk_prev, batch: StepBatch, ctx: StepContext, taps=None):
         eps = ctx.cfg.rms_norm_eps
+        tap = (lambda name, v: taps.__setitem__(f"layers.{self.layer}.{name}", v)) if taps is not None else None
         a, mla_cache, index_cache, topk = self.attn(rms_norm(x, self.input_norm[...], eps), mla_cache, index_cache,
-                                                    topk_prev, batch, ctx)
+                                                    topk_prev, batch, ctx, taps)
         x = x + a
         h = rms_norm(x, self.post_norm[...], eps)
-        x = x + (self.moe(h, ctx.cfg) if self.moe is not None else self.mlp(h))
+        x = x + (self.moe(h, ctx.cfg, tap) if self.moe is not None else self.mlp(h))
+        if tap:
+            tap("residual", x)
         return x, mla_cache, index_cache, topk
 
 
@@ -247,15 +287,16 @@ class GlmDsaModel(nnx.Module):
         _declare(self, "", ("embed", "final_norm", "lm_head"), specs, dtype)
         self.layers = nnx.List([DecoderLayer(cfg, i, specs, dtype) for i in range(cfg.num_hidden_layers)])
 
-    def __call__(self, caches, batch: StepBatch, ctx: StepContext):
-        """Per-shard step: returns (float32 logits [L, vocab] of the logits rows, updated caches)."""
+    def __call__(self, caches, batch: StepBatch, ctx: StepContext, taps=None):
+        """Per-shard step: returns (float32 logits [L, vocab] of the logits rows, updated caches); `taps`, if a
+        dict, receives every layer's intermediate tensors (glm_dsa.trace)."""
         cfg = ctx.cfg
         x = self.embed[...][batch.token_ids]
         mla, index = list(caches["mla"]), list(caches["indexer"])
         topk = None
         for i, layer in enumerate(self.layers):
             j = cfg.full_layers.index(i) if cfg.is_full(i) else None
-            x, mla[i], new_index, topk = layer(x, mla[i], None if j is None else index[j], topk, batch, ctx)
+            x, mla[i], new_index, topk = layer(x, mla[i], None if j is None else index[j], topk, batch, ctx, taps)
             if j is not None:
                 index[j] = new_index.reshape(index[j].shape)
             mla[i] = mla[i].reshape(caches["mla"][i].shape)

@@ -194,3 +194,27 @@ def test_dcp_matches_hf(name, reference_dirs):
         assert np.abs(jax_logits(eng, prompt) - want).max() <= LOGITS_ATOL
     n = cases.CASES[name]["n_greedy"]
     assert eng.generate([list(p) for p in meta["prompts"]], max_new_tokens=n) == meta["greedy"]
+
+
+@pytest.mark.parametrize("name", ["all_full_sparse", "glm52_shared"])
+def test_trace_matches_hf_dump(name, reference_dirs, engines, tmp_path):
+    """Per-layer activations: glm_dsa's trace against the HF adapter's dump of the same names."""
+    from glm_dsa.trace import diff_traces, format_diff, load_trace
+
+    if not REF_PYTHON.exists():
+        pytest.fail(f"reference interpreter {REF_PYTHON} not found")
+    meta, _ = load_reference(reference_dirs[name])
+    prompt = max(meta["prompts"], key=len)
+    out = tmp_path / "hf.safetensors"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    # -P: keep the repo off sys.path (transformers would import our `kernels` package as HF's)
+    proc = subprocess.run([str(REF_PYTHON), "-P", str(cases.REPO / "glm_dsa" / "hf_trace.py"), "--checkpoint",
+                           str(reference_dirs[name]), "--prompt-ids", ",".join(map(str, prompt)), "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    hf = load_trace(out)
+    ours = engines(reference_dirs[name]).trace(prompt)
+    assert set(hf) == set(ours), set(hf) ^ set(ours)
+    rows, first = diff_traces(ours, hf, rtol=1e-3, atol=1e-4)
+    assert first is None, format_diff(rows, first)
+    assert all(r.jaccard == 1.0 for r in rows if r.jaccard is not None)
