@@ -1,4 +1,5 @@
-"""HF safetensors checkpoints <-> our flat parameters: layout, streamed loading, saving, random checkpoints.
+"""HF safetensors checkpoints <-> our flat parameters: layout, streamed loading (FP8 block-scaled too), saving,
+random checkpoints, and orbax checkpoints of converted parameters (`orbax_io`).
 
 This package maps names and shapes; it does not import the model (`cfg` is duck-typed). Names are imported
 lazily, so `python -m checkpoints.random` neither imports jax nor runs into its own module half-imported.
@@ -14,6 +15,9 @@ _EXPORTS = {
     "HFCheckpoint": "loader", "load_hf_params": "loader",
     "save_hf_params": "writer", "write_hf_tensors": "writer",
     "write_random_checkpoint": "random",
+    "is_orbax_checkpoint": "orbax_io", "committed_checkpoint": "orbax_io", "load_orbax_params": "orbax_io",
+    "save_orbax_params": "orbax_io", "read_orbax_metadata": "orbax_io", "flatten_params": "orbax_io",
+    "quantize_blocks": "fp8_blocks", "write_fp8_release": "fp8_blocks",
 }
 __all__ = sorted(_EXPORTS)
 

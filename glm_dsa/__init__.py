@@ -12,9 +12,10 @@ from sharding import ParallelConfig
 from . import configs
 from .config import ConfigError, GlmDsaConfig
 from .engine import Engine, load
+from .init import init_params
 from .model import StepBatch
 from .step import forward, step
 
-__all__ = ["ConfigError", "Engine", "GlmDsaConfig", "ParallelConfig", "StepBatch", "configs", "forward", "load",
+__all__ = ["ConfigError", "Engine", "GlmDsaConfig", "ParallelConfig", "StepBatch", "configs", "forward", "init_params", "load",
            "step"]
 __version__ = "0.1.0"

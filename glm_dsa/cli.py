@@ -93,6 +93,7 @@ def cmd_convert(args) -> int:
     src, dst = args.src, args.dst
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError(f"convert: --from and --to are the same directory ({src})")
+    checkpoints.orbax_io.check_save_target(dst)  # before loading anything
     orbax = checkpoints.is_orbax_checkpoint(src)
     source = checkpoints.committed_checkpoint(src) if orbax else src
     cfg = GlmDsaConfig.from_pretrained(source)
@@ -210,6 +211,21 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from glm_dsa.bench import BenchConfig, run_bench
+    bc = BenchConfig(preset=args.preset, num_layers=args.num_layers, input_len=args.input_len,
+                     output_len=args.output_len, batch=args.batch,
+                     decode_batches=tuple(int(x) for x in args.decode_batches.split(",") if x),
+                     decode_context=args.decode_context, impls=tuple(args.impls.split(",")), dtype=args.dtype,
+                     max_num_batched_tokens=args.max_num_batched_tokens, end_to_end=not args.no_end_to_end,
+                     stages=not args.no_stages, seed=args.seed)
+    res = run_bench(bc)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(res, f, indent=2, default=str)
+    return 0
+
+
 def cmd_trace(args) -> int:
     import glm_dsa
     from glm_dsa.trace import save_trace
@@ -274,6 +290,23 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-progress", action="store_true")
     _add_parallel_flags(c)  # the mesh the parameters are staged on while converting (memory per device)
     c.set_defaults(fn=cmd_convert)
+
+    b = sub.add_parser("bench", help="prefill/decode speed of a reduced-depth model with random weights")
+    b.add_argument("--preset", default="bench", choices=["glm5", "glm52", "tiny", "bench", "demo"])
+    b.add_argument("--num-layers", type=int, default=None)
+    b.add_argument("--input-len", type=int, default=32768)
+    b.add_argument("--output-len", type=int, default=128)
+    b.add_argument("--batch", type=int, default=8)
+    b.add_argument("--decode-batches", default="1,32,128", help="comma-separated decode batch sizes")
+    b.add_argument("--decode-context", type=int, default=None, help="context length of the decode runs")
+    b.add_argument("--impls", default="xla", help="comma-separated op implementations, e.g. triton,xla")
+    b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    b.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    b.add_argument("--no-end-to-end", action="store_true", help="skip the prefill + generate run")
+    b.add_argument("--no-stages", action="store_true", help="skip the per-stage breakdown")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json-out", default=None)
+    b.set_defaults(fn=cmd_bench)
 
     t = sub.add_parser("trace", help="dump per-layer activations of one prompt to a .safetensors file")
     t.add_argument("--checkpoint", required=True)

@@ -12,11 +12,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 import checkpoints
+from kernels import default_impl
 from sharding import ParallelConfig, cache_spec, param_spec
 
 from .config import GlmDsaConfig
 from .model import StepBatch
-from .paged_cache import PageAllocator, allocate_caches, block_table_array, cache_dtype, owner_slot, pages_needed
+from .paged_cache import PageAllocator, allocate_caches, block_table_array, cache_dtype, pages_needed
 from .sampling import sample
 from .step import mesh_for, nest_params, resolve_parallel, step
 
@@ -61,12 +62,12 @@ class Engine:
     def __init__(self, config: GlmDsaConfig, params, *, parallel: ParallelConfig | None = None,
                  dtype="bfloat16", kv_cache_dtype: str = "auto", max_model_len: int | None = None,
                  block_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 8,
-                 max_num_batched_tokens: int = 2048, impl: str = "xla"):
+                 max_num_batched_tokens: int = 2048, impl: str | None = None):
         self.config = config
         self.parallel = resolve_parallel(parallel, config)
         self.dtype = resolve_dtype(dtype)
         self.kv_cache_dtype = kv_cache_dtype
-        self.impl = impl
+        self.impl = impl or default_impl()
         self.max_model_len = int(max_model_len or min(config.max_position_embeddings, 4096))
         if self.max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
@@ -83,9 +84,9 @@ class Engine:
         self.params = params
         cache_sharding = NamedSharding(self.mesh, cache_spec())
         self.caches = allocate_caches(config, self.num_pages * n, block_size,
-                                      cache_dtype(kv_cache_dtype, self.dtype), cache_sharding)
+                                      cache_dtype(kv_cache_dtype, self.dtype), cache_sharding, kv_cache_dtype)
         self.allocator = PageAllocator(self.num_pages)
-        self._step = jax.jit(functools.partial(step, config=config, parallel=self.parallel, impl=impl),
+        self._step = jax.jit(functools.partial(step, config=config, parallel=self.parallel, impl=self.impl),
                              donate_argnums=(1,))
 
     # ---- input checks ----------------------------------------------------------------------
@@ -102,36 +103,70 @@ class Engine:
                                      f"[0, {v})")
 
     # ---- one compiled step -----------------------------------------------------------------
-    def _run(self, rows: list[tuple[int, int, int]], seqs: list[_Seq], logits_rows: list[int]) -> np.ndarray:
-        """rows: (seq index, position, token). Returns float32 logits [len(logits_rows), vocab]."""
+    def _run(self, seq_idx: np.ndarray, pos: np.ndarray, tok: np.ndarray, seqs: list[_Seq],
+             logits_rows: np.ndarray) -> jax.Array:
+        """One compiled step over rows (sequence index, position, token id), all int arrays; returns the device
+        float32 logits [bucket >= len(logits_rows), vocab] of `logits_rows` (padding rows after them)."""
         bs, n, inter = self.block_size, self.parallel.dcp, self.parallel.interleave
-        t = _bucket(len(rows), 16)
-        ids, pos, slot, req = (np.zeros(t, np.int32) for _ in range(4))
-        slot[:] = -1  # padding rows write nothing
-        for r, (s, p, tok) in enumerate(rows):
-            ids[r], pos[r], req[r] = tok, p, s
-            slot[r] = owner_slot(seqs[s].pages, p, bs, n, inter)
+        t = _bucket(len(pos), 8)
         width = _bucket(max(len(s.pages) for s in seqs), 1)
         tables = block_table_array([s.pages for s in seqs], width, _bucket(len(seqs), 1))
+        lp = (pos // (n * inter)) * inter + pos % inter  # position on the owning DCP rank
+        ids, p, slot, req = (np.zeros(t, np.int32) for _ in range(4))
+        slot[:] = -1  # padding rows write nothing
+        ids[: len(pos)], p[: len(pos)], req[: len(pos)] = tok, pos, seq_idx
+        slot[: len(pos)] = tables[seq_idx, lp // bs] * bs + lp % bs
         li = np.zeros(_bucket(len(logits_rows), 8), np.int32)
         li[: len(logits_rows)] = logits_rows
-        batch = StepBatch(*(jnp.asarray(a) for a in (ids, pos, slot, req, tables, li)))
+        batch = StepBatch(*(jnp.asarray(x) for x in (ids, p, slot, req, tables, li)))
         logits, self.caches = self._step(self.params, self.caches, batch)
-        return logits[: len(logits_rows)]
+        return logits
 
-    def _prefill(self, seqs: list[_Seq], starts: list[int], all_logits: bool):
-        """Feed tokens [start, len) of every sequence in chunks; returns per-sequence logits (device arrays):
-        [len - start, vocab] each if `all_logits`, else the last row [vocab]."""
-        pending = [(s, p) for s, seq in enumerate(seqs) for p in range(starts[s], len(seq.tokens))]
-        out: list[list] = [[] for _ in seqs]
-        for c in range(0, len(pending), self.max_num_batched_tokens):
-            chunk = pending[c: c + self.max_num_batched_tokens]
-            rows = [(s, p, seqs[s].tokens[p]) for s, p in chunk]
-            want = [r for r, (s, p) in enumerate(chunk) if all_logits or p == len(seqs[s].tokens) - 1]
-            logits = self._run(rows, seqs, want)
-            for k, r in enumerate(want):
-                out[chunk[r][0]].append(logits[k])
-        return [jnp.stack(o) if all_logits else o[-1] for o in out]
+    def _prefill(self, seqs: list[_Seq], on_logits, all_rows: bool = False) -> None:
+        """Feed every token of every sequence in chunks of at most `max_num_batched_tokens` rows, calling
+        `on_logits(logits, seq_idx, pos)` with each chunk's device logits for its rows (seq_idx, pos): all of
+        them with `all_rows`, else only the sequences' last tokens (chunks with none are not asked for any)."""
+        lens = np.asarray([len(s.tokens) for s in seqs])
+        seq_idx = np.repeat(np.arange(len(seqs)), lens)
+        pos = np.concatenate([np.arange(n) for n in lens])
+        tok = np.concatenate([np.asarray(s.tokens, np.int64) for s in seqs])
+        for c in range(0, len(pos), self.max_num_batched_tokens):
+            sl = slice(c, c + self.max_num_batched_tokens)
+            want = np.arange(len(pos[sl])) if all_rows else np.nonzero(pos[sl] == lens[seq_idx[sl]] - 1)[0]
+            logits = self._run(seq_idx[sl], pos[sl], tok[sl], seqs, want)
+            if len(want):
+                on_logits(logits, seq_idx[sl][want], pos[sl][want])
+
+    def warmup(self, batch: int, prompt_len: int, max_new_tokens: int = 2, temperature: float = 0.0,
+               top_p: float = 1.0) -> None:
+        """Compile what a `generate` of `batch` prompts of `prompt_len` tokens will use (each distinct prefill
+        chunk shape and the decode shape, with sampling), one step per shape on scratch pages: the whole
+        prefill is not run."""
+        batch = min(batch, self.max_num_seqs)
+        seqs = self._new_seqs([[0] * prompt_len] * batch, [max_new_tokens] * batch)
+
+        def compile_sample(logits):
+            jax.block_until_ready(sample(logits, jax.random.key(0), temperature, top_p,
+                                         jnp.zeros(logits.shape[0], jnp.int32)))
+        try:
+            total, step = batch * prompt_len, self.max_num_batched_tokens
+            seq_idx = np.repeat(np.arange(batch), prompt_len)
+            pos = np.tile(np.arange(prompt_len), batch)
+            shapes = {}
+            for c in range(0, total, step):  # (rows, logits rows) of each chunk, as _prefill will make them
+                size = min(step, total - c)
+                n_last = int(np.sum(pos[c: c + size] == prompt_len - 1))
+                shapes.setdefault((_bucket(size, 16), _bucket(n_last, 8)), (size, n_last))
+            for size, n_last in shapes.values():
+                logits = self._run(seq_idx[:size], pos[:size], np.zeros(size, np.int64), seqs, np.arange(n_last))
+                compile_sample(logits)
+            if max_new_tokens > 1:
+                for s in seqs:
+                    s.tokens.append(0)
+                live = np.arange(batch)
+                compile_sample(self._run(live, np.full(batch, prompt_len), np.zeros(batch, np.int64), seqs, live))
+        finally:
+            self._release(seqs)
 
     def _release(self, seqs: list[_Seq]) -> None:
         for s in seqs:
@@ -158,14 +193,18 @@ class Engine:
             raise ValueError(f"token_ids must be an integer array [B, T], got shape {ids.shape} dtype {ids.dtype}")
         rows = ids.tolist()
         self._check_tokens(rows, "row")
-        out = []
+        out = np.zeros(ids.shape + (self.config.vocab_size,), np.float32)
         for g in range(0, len(rows), self.max_num_seqs):
-            seqs = self._new_seqs(rows[g: g + self.max_num_seqs], [0] * len(rows[g: g + self.max_num_seqs]))
+            group = rows[g: g + self.max_num_seqs]
+            seqs = self._new_seqs(group, [0] * len(group))
+
+            def keep(logits, seq_idx, pos, g=g):
+                out[g + seq_idx, pos] = np.asarray(logits[: len(pos)])
             try:
-                out.extend(np.asarray(x) for x in self._prefill(seqs, [0] * len(seqs), all_logits=True))
+                self._prefill(seqs, keep, all_rows=True)
             finally:
                 self._release(seqs)
-        return np.stack(out).astype(np.float32)
+        return out
 
     def trace(self, token_ids, layers=None) -> dict[str, np.ndarray]:
         """Per-layer intermediates of one sequence (int [T]) by name (see glm_dsa.trace), as numpy arrays;
@@ -175,7 +214,7 @@ class Engine:
         self._check_tokens([ids.tolist()], "sequence")
         if not hasattr(self, "_trace"):
             self._trace = jax.jit(functools.partial(trace, config=self.config, parallel=self.parallel, impl=self.impl,
-                                                    block_size=self.block_size))
+                                                    block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype))
         taps = self._trace(self.params, jnp.asarray(ids, jnp.int32))
         return {k: np.asarray(v) for k, v in select_layers(taps, layers).items()}
 
@@ -203,26 +242,31 @@ class Engine:
     def _generate_group(self, prompts, max_new, temperature, top_p, seed, stop, offset):
         seqs = self._new_seqs(prompts, [max_new] * len(prompts))
         new: list[list[int]] = [[] for _ in prompts]
+        key = jax.random.key(seed)
+
+        def take(logits, seq_idx, step):
+            """Sample the rows' next tokens on the device; only the ids come back to the host."""
+            rows = np.zeros(logits.shape[0], np.int32)
+            rows[: len(seq_idx)] = offset + seq_idx
+            ids = np.asarray(sample(logits, jax.random.fold_in(key, step), temperature, top_p, jnp.asarray(rows)))
+            for k, s in enumerate(seq_idx):
+                tok = int(ids[k])
+                seqs[s].tokens.append(tok)
+                new[s].append(tok)
+                if tok in stop or len(seqs[s].tokens) >= self.max_model_len or len(new[s]) >= max_new:
+                    seqs[s].done = True
+
         try:
             if max_new == 0:
                 return new
-            last = jnp.stack(self._prefill(seqs, [0] * len(seqs), all_logits=False))
-            live = list(range(len(seqs)))
-            key = jax.random.key(seed)
-            for i in range(max_new):
-                ids = np.asarray(sample(last, jax.random.fold_in(key, i), temperature, top_p,
-                                        jnp.asarray([offset + s for s in live], jnp.int32)))
-                for k, s in enumerate(live):
-                    tok = int(ids[k])
-                    seqs[s].tokens.append(tok)
-                    new[s].append(tok)
-                    if tok in stop or len(seqs[s].tokens) >= self.max_model_len:
-                        seqs[s].done = True
-                live = [s for s in live if not seqs[s].done]
-                if not live or i == max_new - 1:
+            self._prefill(seqs, lambda logits, seq_idx, pos: take(logits, seq_idx, 0))
+            for i in range(1, max_new):
+                live = np.asarray([s for s in range(len(seqs)) if not seqs[s].done], np.int64)
+                if not len(live):
                     break
-                rows = [(s, len(seqs[s].tokens) - 1, seqs[s].tokens[-1]) for s in live]
-                last = self._run(rows, seqs, list(range(len(rows))))
+                pos = np.asarray([len(seqs[s].tokens) - 1 for s in live])
+                tok = np.asarray([seqs[s].tokens[-1] for s in live])
+                take(self._run(live, pos, tok, seqs, np.arange(len(live))), live, i)
         finally:
             self._release(seqs)
         return new

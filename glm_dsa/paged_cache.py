@@ -8,7 +8,9 @@ import numpy as np
 
 from .config import GlmDsaConfig
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
+from kernels import fp8_formats
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_ds_mla")
 
 
 def pages_needed(length: int, block_size: int, n: int = 1, interleave: int = 1) -> int:
@@ -37,30 +39,41 @@ def cache_dtype(kv_cache_dtype: str, dtype) -> jnp.dtype:
     if kv_cache_dtype in ("bfloat16", "float32"):
         return jnp.dtype(kv_cache_dtype)
     if kv_cache_dtype == "fp8_ds_mla":
-        raise NotImplementedError("kv_cache_dtype='fp8_ds_mla' is not implemented yet; use 'auto' or 'bfloat16'")
-    raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES + ('fp8_ds_mla',)}, got {kv_cache_dtype!r}")
+        return jnp.dtype(jnp.uint8)  # byte rows: see kernels.fp8_formats
+    raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
 
 
-def cache_shapes(cfg: GlmDsaConfig, num_pages: int, block_size: int) -> dict[str, tuple]:
+def row_widths(cfg: GlmDsaConfig, kv_cache_dtype: str = "auto") -> tuple[int, int]:
+    """(MLA row, indexer row) widths in elements of the cache dtype: 576 / 128 values, or 656 / 132 bytes."""
+    if kv_cache_dtype == "fp8_ds_mla":
+        return (fp8_formats.mla_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim),
+                fp8_formats.index_row_bytes(cfg.index_head_dim))
+    return cfg.mla_row_dim, cfg.index_head_dim
+
+
+def cache_shapes(cfg: GlmDsaConfig, num_pages: int, block_size: int, kv_cache_dtype: str = "auto") -> dict:
     """Global shapes: one MLA cache per layer, one indexer key cache per full layer."""
-    mla = tuple((num_pages, block_size, cfg.mla_row_dim) for _ in range(cfg.num_hidden_layers))
-    index = tuple((num_pages, block_size, cfg.index_head_dim) for _ in cfg.full_layers)
+    mla_w, idx_w = row_widths(cfg, kv_cache_dtype)
+    mla = tuple((num_pages, block_size, mla_w) for _ in range(cfg.num_hidden_layers))
+    index = tuple((num_pages, block_size, idx_w) for _ in cfg.full_layers)
     return {"mla": mla, "indexer": index}
 
 
-def allocate_caches(cfg: GlmDsaConfig, num_pages: int, block_size: int, dtype, sharding=None):
+def allocate_caches(cfg: GlmDsaConfig, num_pages: int, block_size: int, dtype, sharding=None,
+                    kv_cache_dtype: str = "auto"):
     """Zeroed caches (created on the devices of `sharding` directly, never on the host)."""
-    shapes = cache_shapes(cfg, num_pages, block_size)
+    shapes = cache_shapes(cfg, num_pages, block_size, kv_cache_dtype)
     make = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s, dtype), shapes,
                                         is_leaf=lambda s: isinstance(s, tuple) and bool(s) and isinstance(s[0], int)),
                    out_shardings=sharding)
     return make()
 
 
-def cache_bytes_per_token(cfg: GlmDsaConfig, dtype) -> int:
+def cache_bytes_per_token(cfg: GlmDsaConfig, dtype, kv_cache_dtype: str = "auto") -> int:
     """Bytes of cache one token occupies across all layers."""
-    item = jnp.dtype(dtype).itemsize
-    return item * (cfg.num_hidden_layers * cfg.mla_row_dim + len(cfg.full_layers) * cfg.index_head_dim)
+    item = cache_dtype(kv_cache_dtype, dtype).itemsize
+    mla_w, idx_w = row_widths(cfg, kv_cache_dtype)
+    return item * (cfg.num_hidden_layers * mla_w + len(cfg.full_layers) * idx_w)
 
 
 class PageAllocator:

@@ -10,11 +10,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from kernels import default_impl
 from sharding import ParallelConfig, cache_spec, make_mesh, param_spec
 
 from .config import GlmDsaConfig
 from .model import GlmDsaModel, StepBatch, StepContext
-from .paged_cache import cache_shapes, owner_slot, pages_needed
+from .paged_cache import cache_dtype, cache_shapes, owner_slot, pages_needed
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,11 +60,11 @@ def nest_params(flat: dict) -> dict:
 
 
 def step(params, caches, batch: StepBatch, *, config: GlmDsaConfig, parallel: ParallelConfig | None = None,
-         impl: str = "xla"):
+         impl: str | None = None):
     """One model step over a ragged batch: returns (float32 logits [L, vocab] for `batch.logits_indices`,
     updated caches). Pure: jit it, donate `caches` to update them in place."""
     parallel = resolve_parallel(parallel, config)
-    ctx = StepContext(config, block_size=caches["mla"][0].shape[1], parallel=parallel, impl=impl)
+    ctx = StepContext(config, block_size=caches["mla"][0].shape[1], parallel=parallel, impl=impl or default_impl())
     graphdef = model_graphdef(config)
 
     def body(params, caches, batch):
@@ -76,7 +77,7 @@ def step(params, caches, batch: StepBatch, *, config: GlmDsaConfig, parallel: Pa
 
 
 def forward(params, token_ids, *, config: GlmDsaConfig, parallel: ParallelConfig | None = None,
-            impl: str = "xla", block_size: int = 16):
+            impl: str | None = None, block_size: int = 16, kv_cache_dtype: str = "auto"):
     """Cache-free full-sequence logits: int [B, T] -> float32 [B, T, vocab] (a fresh cache per call)."""
     token_ids = jnp.asarray(token_ids, jnp.int32)
     b, t = token_ids.shape
@@ -84,7 +85,8 @@ def forward(params, token_ids, *, config: GlmDsaConfig, parallel: ParallelConfig
     pages_per_seq = pages_needed(t, block_size, par.dcp, par.interleave)
     num_pages = b * pages_per_seq + 1  # per rank; page 0 is the padding page
     dtype = params["layers"][0]["attn"]["kv_a_proj"].dtype
-    caches = jax.tree.map(lambda s: jnp.zeros(s, dtype), cache_shapes(config, num_pages * par.dcp, block_size),
+    caches = jax.tree.map(lambda s: jnp.zeros(s, cache_dtype(kv_cache_dtype, dtype)),
+                          cache_shapes(config, num_pages * par.dcp, block_size, kv_cache_dtype),
                           is_leaf=lambda s: isinstance(s, tuple) and s and isinstance(s[0], int))
     pos = np.tile(np.arange(t, dtype=np.int32), b)
     req = np.repeat(np.arange(b, dtype=np.int32), t)

@@ -31,11 +31,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from kernels import default_impl
 from sharding import ParallelConfig, cache_spec
 
 from .config import GlmDsaConfig
 from .model import StepBatch, StepContext
-from .paged_cache import cache_shapes, owner_slot, pages_needed
+from .paged_cache import cache_dtype, cache_shapes, owner_slot, pages_needed
 from .step import mesh_for, model_graphdef, param_partition_specs, resolve_parallel
 
 ORDER = ["attn.q_norm", "attn.kv_norm", "attn.k_pe", "attn.q_pe", "attn.topk", "dcp.partial_o", "dcp.partial_lse",
@@ -43,22 +44,23 @@ ORDER = ["attn.q_norm", "attn.kv_norm", "attn.k_pe", "attn.q_pe", "attn.topk", "
 SET_VALUED = ("attn.topk", "moe.experts")
 
 
-def trace(params, token_ids, *, config: GlmDsaConfig, parallel: ParallelConfig | None = None, impl: str = "xla",
-          block_size: int = 16) -> dict[str, jax.Array]:
+def trace(params, token_ids, *, config: GlmDsaConfig, parallel: ParallelConfig | None = None, impl: str | None = None,
+          block_size: int = 16, kv_cache_dtype: str = "auto") -> dict[str, jax.Array]:
     """Run one sequence (int [T]) through the model and return every layer's intermediates by name."""
     ids = jnp.asarray(token_ids, jnp.int32).reshape(-1)
     t = ids.shape[0]
     par = resolve_parallel(parallel, config)
     pages = pages_needed(t, block_size, par.dcp, par.interleave)
     dtype = params["layers"][0]["attn"]["kv_a_proj"].dtype
-    caches = jax.tree.map(lambda s: jnp.zeros(s, dtype), cache_shapes(config, (pages + 1) * par.dcp, block_size),
+    caches = jax.tree.map(lambda s: jnp.zeros(s, cache_dtype(kv_cache_dtype, dtype)),
+                          cache_shapes(config, (pages + 1) * par.dcp, block_size, kv_cache_dtype),
                           is_leaf=lambda s: isinstance(s, tuple) and s and isinstance(s[0], int))
     table = 1 + np.arange(pages, dtype=np.int32)[None]
     pos = np.arange(t, dtype=np.int32)
     slots = np.asarray([owner_slot(table[0], p, block_size, par.dcp, par.interleave) for p in pos], np.int32)
     batch = StepBatch(ids, jnp.asarray(pos), jnp.asarray(slots), jnp.zeros(t, jnp.int32), jnp.asarray(table),
                       jnp.arange(t, dtype=jnp.int32))
-    ctx = StepContext(config, block_size=block_size, parallel=par, impl=impl)
+    ctx = StepContext(config, block_size=block_size, parallel=par, impl=impl or default_impl())
     graphdef = model_graphdef(config)
 
     def body(params, caches, batch):

@@ -7,6 +7,13 @@ Modules: `fused_norm_rope` (q/kv norm + RoPE + paged cache write), `indexer` (sc
 
 from . import chunking, fused_norm_rope, indexer, lse_merge, norms, rope, sparse_mla
 
-IMPLS = ("xla",)
+IMPLS = ("xla", "triton", "triton_interpret")
 
-__all__ = ["IMPLS", "chunking", "fused_norm_rope", "indexer", "lse_merge", "norms", "rope", "sparse_mla"]
+
+def default_impl() -> str:
+    """Pallas Triton kernels on NVIDIA GPUs, the plain-XLA references elsewhere."""
+    import jax
+    return "triton" if jax.default_backend() == "gpu" else "xla"
+
+
+__all__ = ["IMPLS", "default_impl", "chunking", "fused_norm_rope", "indexer", "lse_merge", "norms", "rope", "sparse_mla"]

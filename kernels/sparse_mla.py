@@ -10,14 +10,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from . import fp8_formats
 from .chunking import map_row_chunks
 
 ROW_CHUNK = 64  # query rows per chunk in the xla form: bounds the gathered [chunk, K, R + Dr] workspace
 
 
+def _gather_rows(cache, slots, kv_lora_rank, rope_dim):
+    """Cache rows at `slots` as [..., R + Dr]: bf16 rows as stored, fp8_ds_mla rows dequantised to float32."""
+    rows = cache[slots]
+    if cache.dtype != jnp.uint8:
+        return rows
+    kv, k_pe = fp8_formats.dequantize_mla_rows(rows, kv_lora_rank, rope_dim)
+    return jnp.concatenate([kv, k_pe.astype(jnp.float32)], axis=-1)
+
+
 def _sparse_mla_rows(q, cache, indices, scale, kv_lora_rank):
     valid = indices >= 0
-    rows = cache[jnp.where(valid, indices, 0)]  # [T, K, R + Dr]
+    rows = _gather_rows(cache, jnp.where(valid, indices, 0), kv_lora_rank, q.shape[-1] - kv_lora_rank)
     s = jnp.einsum("thd,tkd->thk", q, rows, preferred_element_type=jnp.float32) * scale
     s = jnp.where(valid[:, None, :], s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -33,16 +43,32 @@ def _sparse_mla_rows(q, cache, indices, scale, kv_lora_rank):
 
 def sparse_mla_xla(q, cache, indices, *, scale: float, kv_lora_rank: int, row_chunk: int = ROW_CHUNK):
     """Reference: gather the selected rows and attend, `row_chunk` query rows at a time."""
-    if q.shape[-1] != cache.shape[-1]:
+    if cache.dtype == jnp.uint8:  # fp8_ds_mla
+        want = fp8_formats.mla_row_bytes(kv_lora_rank, q.shape[-1] - kv_lora_rank)
+        if cache.shape[-1] != want:
+            raise ValueError(f"sparse_mla: fp8_ds_mla row of {cache.shape[-1]} bytes != {want}")
+        q = q.astype(jnp.float32)
+    elif q.shape[-1] != cache.shape[-1]:
         raise ValueError(f"sparse_mla: query row width {q.shape[-1]} != cache row width {cache.shape[-1]}")
+    else:
+        q = q.astype(cache.dtype)
     if indices.shape[0] != q.shape[0]:
         raise ValueError(f"sparse_mla: indices rows {indices.shape[0]} != query rows {q.shape[0]}")
-    q = q.astype(cache.dtype)
     return map_row_chunks(lambda q_, i_: _sparse_mla_rows(q_, cache, i_, scale, kv_lora_rank), (q, indices), row_chunk)
 
 
-def sparse_mla(q, cache, indices, *, scale: float, kv_lora_rank: int, impl: str = "xla"):
-    """Dispatch to the implementation named by `impl` ("xla" today)."""
+def sparse_mla(q, cache, indices, *, scale: float, kv_lora_rank: int, impl: str = "xla", **kernel_options):
+    """o [T, H, R] float32, lse [T, H] for query rows `q` [T, H, R + Dr] against `cache` (bf16 [slots, R + Dr]
+    or fp8_ds_mla uint8 [slots, mla_row_bytes]) at `indices` [T, K] (physical slots, -1 = none).
+
+    impl: "xla" (the oracle, CPU default), "triton" (Pallas Triton, the GPU default), "triton_interpret"
+    (the Triton kernel run by the Pallas interpreter: CPU tests). `kernel_options` (block_h, block_k,
+    n_split, num_warps, num_stages) go to the Triton kernel.
+    """
     if impl == "xla":
         return sparse_mla_xla(q, cache, indices, scale=scale, kv_lora_rank=kv_lora_rank)
-    raise ValueError(f"sparse_mla: unknown impl {impl!r} (available: 'xla')")
+    if impl in ("triton", "triton_interpret"):
+        from .sparse_mla_triton import sparse_mla_triton
+        return sparse_mla_triton(q, cache, indices, scale=scale, kv_lora_rank=kv_lora_rank,
+                                 interpret=impl == "triton_interpret", **kernel_options)
+    raise ValueError(f"sparse_mla: unknown impl {impl!r} (available: 'xla', 'triton', 'triton_interpret')")

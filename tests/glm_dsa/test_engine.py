@@ -134,3 +134,14 @@ def test_compiled_steps_are_reused(eng):
     before = eng._step._cache_size()
     eng.generate(_prompts(8, [5, 7]), max_new_tokens=9, stop_token_ids=[])  # same buckets, more tokens
     assert eng._step._cache_size() == before
+
+
+@pytest.mark.parametrize("mode", ["gather", "dense", "tiles", "ragged"])
+def test_moe_forms_agree(eng, monkeypatch, mode):
+    """The routed-expert forms (gathered weights, masked dense, expert tiles, ragged_dot) give the same logits."""
+    from glm_dsa import model
+    ids = np.asarray(_prompts(9, [13]))
+    want = _fwd(eng, ids)
+    monkeypatch.setattr(model, "MOE_MODE", mode)
+    got = np.asarray(jax.jit(functools.partial(glm_dsa.forward, config=eng.config))(eng.params, jnp.asarray(ids)))
+    np.testing.assert_allclose(got, want, atol=2e-5)

@@ -1,0 +1,102 @@
+"""FP8 block-scaled weights as the DeepSeek-V3 / GLM-5.x FP8 releases store them (SPEC §8), on the host.
+
+A 2-D weight [rows, cols] becomes e4m3 values plus `weight_scale_inv` [ceil(rows / 128), ceil(cols / 128)]
+(float32), one scale per 128 x 128 block, edge blocks ragged; the weight is `w8 * scale_inv`. The loader
+dequantises such weights on the device (`checkpoints.loader`); this module quantises (to write FP8 test
+checkpoints) and holds the numpy reference dequantisation.
+
+    python -m checkpoints.fp8_blocks SRC_HF_DIR DST_HF_DIR     # an FP8 copy of an HF checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+
+from .loader import FP8_BLOCK, HFCheckpoint, dequantize_blocks_np
+from .safetensors_io import CheckpointError
+from .writer import write_hf_tensors
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E4M3_MAX = 448.0
+SCALE_SUFFIX = "_scale_inv"
+__all__ = ["E4M3", "dequantize_blocks_np", "is_fp8_weight_key", "quantize_blocks", "write_fp8_release"]
+
+
+def quantize_blocks(w: np.ndarray, block: int = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """A 2-D weight -> (e4m3 values, float32 scale_inv per block) with `scale = amax(block) / 448`
+    (1.0 for an all-zero block), so that `dequantize_blocks_np(*quantize_blocks(w))` ~= w."""
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"quantize_blocks: a 2-D weight is needed, got shape {list(w.shape)}")
+    rows, cols = w.shape
+    rb, cb = -(-rows // block), -(-cols // block)
+    padded = np.zeros((rb * block, cb * block), np.float32)
+    padded[:rows, :cols] = np.abs(w)
+    amax = padded.reshape(rb, block, cb, block).max(axis=(1, 3))
+    scale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
+    full = np.repeat(np.repeat(scale, block, axis=0), block, axis=1)[:rows, :cols]
+    return (w / full).astype(E4M3), scale
+
+
+def is_fp8_weight_key(key: str) -> bool:
+    """The tensors an FP8 release stores in e4m3: the decoder layers' linear weights (attention projections,
+    indexer wq_b / wk, dense and expert MLPs); not embeddings, lm_head, norms, the router or weights_proj."""
+    if not (key.startswith("model.layers.") and key.endswith(".weight")):
+        return False
+    skip = ("layernorm", "norm.", "mlp.gate.weight", "weights_proj", "k_norm")
+    return not any(s in key for s in skip)
+
+
+def write_fp8_release(src: str | os.PathLike, dst: str | os.PathLike, *,
+                      quantize: Callable[[str], bool] = is_fp8_weight_key, max_shard_bytes: int | None = None,
+                      block: int = FP8_BLOCK) -> list[str]:
+    """Copy the HF checkpoint `src` to `dst` with every 2-D tensor `quantize(key)` selects stored as e4m3 plus its
+    `<key>_scale_inv`; other tensors, `config.json` and any tokenizer files are copied unchanged. Streamed: one
+    tensor in memory at a time. Returns the safetensors file names written."""
+    ckpt = HFCheckpoint(src)
+    keys = ckpt.keys()
+    chosen = {k for k in keys if quantize(k) and len(ckpt.shape(k)) == 2}
+    entries = []
+    for k in keys:
+        shape = ckpt.shape(k)
+        if k in chosen:
+            entries.append((k, E4M3, shape))
+            entries.append((k + SCALE_SUFFIX, np.dtype(np.float32), tuple(-(-d // block) for d in shape)))
+        else:
+            entries.append((k, ckpt.dtype(k), shape))
+
+    def tensors():
+        for k in keys:
+            if k in chosen:
+                w8, scale = quantize_blocks(ckpt.raw(k), block)
+                yield k, w8
+                yield k + SCALE_SUFFIX, scale
+            else:
+                yield k, np.array(ckpt.raw(k))
+
+    names = write_hf_tensors(dst, entries, tensors(), max_shard_bytes=max_shard_bytes)
+    for extra in os.listdir(ckpt.path):
+        if extra.endswith(".json") and not extra.startswith("model.safetensors"):
+            shutil.copyfile(os.path.join(ckpt.path, extra), os.path.join(dst, extra))
+    if not os.path.exists(os.path.join(dst, "config.json")):
+        raise CheckpointError(f"{src} has no config.json to copy")
+    return names
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m checkpoints.fp8_blocks", description=__doc__.split("\n\n")[0])
+    ap.add_argument("src")
+    ap.add_argument("dst")
+    args = ap.parse_args(argv)
+    names = write_fp8_release(args.src, args.dst)
+    print(f"wrote {len(names)} FP8 block-scaled safetensors file(s) to {args.dst}")
+
+
+if __name__ == "__main__":
+    main()

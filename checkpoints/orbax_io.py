@@ -1,0 +1,305 @@
+"""Converted parameters as orbax checkpoints: atomic saves, restore onto any mesh with resharding.
+
+Directory layout of an orbax checkpoint directory ROOT:
+
+    ROOT/config.json                 a copy of the newest committed config (for `info`; `load` reads the one below)
+    ROOT/tokenizer.json ...          optional extra files (tokenizer), copied by `save_orbax_params(extra_files=)`
+    ROOT/checkpoint-000003/          the newest committed save:
+        params/                        orbax (OCDBT) tree {parameter path: array}, one entry per parameter
+        config.json                    the model config
+        glm_dsa.json                   metadata: format, version, dtype, every parameter's shape and dtype
+    ROOT/.checkpoint-000004.tmp-PID/  a save in progress (or one that was killed): never read
+
+A save stages the whole new version in a hidden sibling directory (orbax itself writes `params` to its own
+`*.orbax-checkpoint-tmp-*` directory and renames it when complete), writes `glm_dsa.json` last, then commits
+by renaming the stage to `checkpoint-N`: one atomic rename on a POSIX filesystem. Only then are older
+versions and stale stages removed. So a save killed at any point leaves the previous version readable, and
+`load_orbax_params` reads only committed versions: a directory holding nothing but an interrupted save, or a
+committed version with files missing, raises `CheckpointError` naming the directory, never a partial model.
+
+Restore builds the target of every parameter from its path (its global shape from the layout, the dtype
+asked for, the sharding `sharding_for` gives), so orbax reads each device's slice only: a checkpoint saved
+from any mesh (or from numpy arrays) loads onto any other TP / DCP / QREP mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Callable, Iterable
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from .layout import param_specs
+from .safetensors_io import CheckpointError, as_dtype, write_json_atomic
+
+FORMAT = "glm_dsa.orbax"
+FORMAT_VERSION = 1
+META = "glm_dsa.json"
+PARAMS = "params"
+CONFIG = "config.json"
+_VERSION = re.compile(r"checkpoint-(\d{6,})")
+_STAGE = re.compile(r"\.checkpoint-(\d{6,})\.tmp-(\d+)")
+
+__all__ = ["FORMAT", "check_save_target", "committed_checkpoint", "flatten_params", "is_orbax_checkpoint",
+           "load_orbax_params", "read_orbax_metadata", "save_orbax_params"]
+
+
+def flatten_params(params) -> dict:
+    """A flat {'layers.0.attn.q_a_proj': array} dict from either that dict or the nested params pytree
+    ({'layers': {0: {'attn': {...}}}}, as `glm_dsa.step.nest_params` builds it)."""
+    flat: dict = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(v, f"{prefix}.{i}" if prefix else str(i))
+        else:
+            flat[prefix] = node
+
+    walk(params, "")
+    return flat
+
+
+def is_orbax_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether `path` is an orbax checkpoint directory of ours (a ROOT, committed or not, or one version)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return False
+    if os.path.exists(os.path.join(path, META)):
+        return True
+    return any(_VERSION.fullmatch(n) or _STAGE.fullmatch(n) for n in os.listdir(path))
+
+
+def _versions(root: str) -> list[tuple[int, str]]:
+    return sorted((int(m.group(1)), n) for n in os.listdir(root) if (m := _VERSION.fullmatch(n))
+                  and os.path.isdir(os.path.join(root, n)))
+
+
+def _stages(root: str) -> list[str]:
+    return sorted(n for n in os.listdir(root) if _STAGE.fullmatch(n))
+
+
+def committed_checkpoint(path: str | os.PathLike) -> str:
+    """The directory of the newest committed version under the ROOT `path` (or `path` itself when it is a
+    version directory). Raises `CheckpointError` when there is none, saying whether a save was interrupted."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"orbax checkpoint directory {path} does not exist")
+    if os.path.exists(os.path.join(path, META)):
+        return path
+    versions = _versions(path)
+    if versions:
+        return os.path.join(path, versions[-1][1])
+    stages = _stages(path)
+    if stages:
+        raise CheckpointError(f"orbax checkpoint directory {path} holds no committed checkpoint, only the "
+                              f"unfinished save {stages[-1]} (interrupted before its commit): nothing to load")
+    raise CheckpointError(f"{path} is not a glm_dsa orbax checkpoint (no checkpoint-NNNNNN version and no {META})")
+
+
+def read_orbax_metadata(path: str | os.PathLike) -> dict:
+    """The validated `glm_dsa.json` of the newest committed version under `path` (plus its `directory`)."""
+    version = committed_checkpoint(path)
+    meta_file = os.path.join(version, META)
+    if not os.path.exists(meta_file):
+        raise CheckpointError(f"{version} has no {META}: not a committed glm_dsa orbax checkpoint")
+    try:
+        with open(meta_file) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{meta_file} is corrupt (not JSON: {e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else meta
+        raise CheckpointError(f"{meta_file}: field 'format' is {got!r}, expected {FORMAT!r}")
+    if meta.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{meta_file}: field 'version' is {meta.get('version')!r}; this glm_dsa reads "
+                              f"version {FORMAT_VERSION}")
+    if not isinstance(meta.get("params"), dict):
+        raise CheckpointError(f"{meta_file}: field 'params' (parameter -> shape and dtype) is missing")
+    for name in (PARAMS, CONFIG):
+        if not os.path.exists(os.path.join(version, name)):
+            raise CheckpointError(f"orbax checkpoint {version} is incomplete: '{name}' is missing")
+    meta["directory"] = version
+    return meta
+
+
+def _dtype_summary(flat: dict, specs) -> str:
+    names = {str(np.dtype(a.dtype)) for p, a in flat.items() if not specs[p].fp32}
+    return names.pop() if len(names) == 1 else "mixed"
+
+
+def _remove_quietly(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def check_save_target(path: str | os.PathLike) -> None:
+    """Raise `CheckpointError` if `path` cannot take an orbax checkpoint (it holds an HF checkpoint, or is a file)."""
+    root = os.fspath(path)
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"{root} is a file, not a checkpoint directory")
+    if os.path.isdir(root) and any(n.endswith(".safetensors") or n == "model.safetensors.index.json"
+                                   for n in os.listdir(root)):
+        raise CheckpointError(f"{root} holds an HF safetensors checkpoint; save the orbax checkpoint elsewhere")
+
+
+def save_orbax_params(params, cfg, path: str | os.PathLike, *, extra_files: Iterable[str | os.PathLike] = (),
+                      source: str | None = None, progress: bool = False) -> str:
+    """Save parameters (flat {path: array} or the nested pytree; jax arrays on any mesh, or numpy) and `cfg`
+    as a new committed version of the orbax checkpoint directory `path`; returns the version directory.
+
+    Every parameter the layout of `cfg` names must be present with its shape (checked before writing).
+    `extra_files` (e.g. tokenizer.json) are copied into `path` after the commit. An interrupted save leaves
+    the previous version as it was (see the module doc).
+    """
+    import orbax.checkpoint as ocp
+
+    root = os.fspath(path)
+    specs = param_specs(cfg)
+    flat = flatten_params(params)
+    missing = [p for p in specs if p not in flat]
+    extra = [p for p in flat if p not in specs]
+    if missing or extra:
+        raise CheckpointError(f"cannot save to {root}: missing parameters {missing[:5]}, unknown parameters "
+                              f"{extra[:5]}")
+    for p, spec in specs.items():
+        if tuple(flat[p].shape) != spec.shape:
+            raise CheckpointError(f"cannot save parameter '{p}' to {root}: shape {list(flat[p].shape)}, "
+                                  f"expected {list(spec.shape)}")
+    check_save_target(root)
+    os.makedirs(root, exist_ok=True)
+    versions = _versions(root)
+    number = (versions[-1][0] + 1) if versions else 1
+    stage = os.path.join(root, f".checkpoint-{number:06d}.tmp-{os.getpid()}")
+    final = os.path.join(root, f"checkpoint-{number:06d}")
+    steps = tqdm(total=4, desc=f"saving {os.path.basename(final)}", unit="step", disable=not progress)
+    try:
+        _remove_quietly(stage)
+        os.makedirs(stage)
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(os.path.join(stage, PARAMS), {p: flat[p] for p in specs})
+        ckptr.wait_until_finished()
+        ckptr.close()
+        steps.update()
+        cfg.save_pretrained(stage)
+        steps.update()
+        _write_metadata(stage, {
+            "format": FORMAT, "version": FORMAT_VERSION, "layout": "flat",
+            "dtype": _dtype_summary(flat, specs), "source": source,
+            "params": {p: {"shape": list(spec.shape), "dtype": str(np.dtype(flat[p].dtype))}
+                       for p, spec in specs.items()},
+        })
+        steps.update()
+        _fsync_dir(stage)
+        os.rename(stage, final)  # the commit
+        _fsync_dir(root)
+    except BaseException:
+        _remove_quietly(stage)
+        raise
+    finally:
+        steps.close()
+    for _, old in versions:
+        _remove_quietly(os.path.join(root, old))
+    for name in _stages(root):
+        pid = int(_STAGE.fullmatch(name).group(2))
+        if pid == os.getpid() or not _pid_alive(pid):
+            _remove_quietly(os.path.join(root, name))
+    _copy_atomic(os.path.join(final, CONFIG), os.path.join(root, CONFIG))
+    for f in extra_files:
+        _copy_atomic(os.fspath(f), os.path.join(root, os.path.basename(os.fspath(f))))
+    steps.update()
+    return final
+
+
+def _write_metadata(directory: str, meta: dict) -> None:
+    write_json_atomic(os.path.join(directory, META), meta)
+
+
+def _copy_atomic(src: str, dst: str) -> None:
+    tmp = os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}.tmp-{os.getpid()}")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _short(e: BaseException, limit: int = 400) -> str:
+    """The first line of an orbax / tensorstore error without its tensorstore spec dump."""
+    text = (str(e).splitlines() or [""])[0].split(" [tensorstore_spec")[0]
+    return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def load_orbax_params(path: str | os.PathLike, cfg, *, dtype,
+                      sharding_for: Callable[[str, tuple[int, ...]], jax.sharding.Sharding | None] | None = None,
+                      progress: bool = True) -> dict[str, jax.Array]:
+    """Restore the newest committed version under `path` as flat parameters {path: jax.Array}.
+
+    dtype: compute dtype for every parameter except those the layout keeps in float32 (None: as stored).
+    sharding_for(path, global_shape): each parameter's target sharding (None: the default device); orbax
+    reads only each device's slice, so the saving mesh does not matter.
+    Raises `CheckpointError` for no committed version, a corrupt or incomplete version, or parameters that do
+    not match `cfg` (missing, unexpected, wrong shape), before or instead of returning anything.
+    """
+    import orbax.checkpoint as ocp
+
+    meta = read_orbax_metadata(path)
+    version = meta["directory"]
+    specs = param_specs(cfg)
+    stored = meta["params"]
+    missing = [p for p in specs if p not in stored]
+    if missing:
+        raise CheckpointError(f"orbax checkpoint {version} is missing parameter '{missing[0]}'"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    unexpected = [p for p in stored if p not in specs]
+    if unexpected:
+        raise CheckpointError(f"orbax checkpoint {version} has unexpected parameter '{unexpected[0]}'"
+                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    for p, spec in specs.items():
+        if tuple(stored[p].get("shape", ())) != spec.shape:
+            raise CheckpointError(f"orbax checkpoint {version}: parameter '{p}' has shape {stored[p].get('shape')}, "
+                                  f"the config needs {list(spec.shape)}")
+    dtype = None if dtype is None else as_dtype(dtype)
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {}
+    for p, spec in specs.items():
+        dt = np.dtype(np.float32) if spec.fp32 else (dtype or as_dtype(stored[p]["dtype"]))
+        sharding = (sharding_for(p, spec.shape) if sharding_for else None) or default
+        target[p] = jax.ShapeDtypeStruct(spec.shape, dt, sharding=sharding)
+    with tqdm(total=len(target), desc="restoring", unit="param", disable=not progress) as bar:
+        ckptr = ocp.StandardCheckpointer()
+        try:
+            restored = ckptr.restore(os.path.join(version, PARAMS), target)
+        except Exception as e:  # orbax / tensorstore errors: say which checkpoint, keep the cause
+            raise CheckpointError(f"orbax checkpoint {version} could not be restored: {_short(e)}") from e
+        finally:
+            ckptr.close()
+        bar.update(len(target))
+    return {p: restored[p] for p in specs}

@@ -1,0 +1,197 @@
+"""Pallas Triton indexer scores (SPEC §2): score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) over the paged
+indexer cache, then the top-k with the SPEC tie rule by `kernels.indexer.topk_positions`.
+
+Grid (T, S / block_s). Program (t, j) reads row t's request, its visible length n = kv_lens[t], the pages of
+positions [j * block_s, +block_s) from the block table, gathers those key rows from the cache (bf16
+[slots, Di], or FP8 uint8 [slots, Di + 4]: e4m3 + a float32 UE8M0 scale, kernels/fp8_formats.py), and
+writes block_s float32 scores (-inf at s >= n; blocks wholly past n read nothing). The top-k runs over
+query rows in chunks (`row_chunk`), so a long prefill never holds a [T, S] float32 matrix.
+Everything Triton-specific lives in this module and sparse_mla_triton.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .sparse_mla_triton import col_range, dot, gather, u8_words
+
+SCORE_BUDGET = 1 << 25  # float32 scores held at once by the top-k stage (128 MiB)
+
+
+def _scores_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *, block_s, page, di, fp8, interpret):
+    j = pl.program_id(1)
+    req = req_ref[0]
+    n = len_ref[0]
+    start = j * block_s
+
+    @pl.when(start < n)
+    def _():
+        pos = start + jax.lax.iota(jnp.int32, block_s)
+        vis = pos < n
+        pcol = pos // page
+        if interpret:
+            pg = jnp.where(vis, bt_ref[req, pcol], 0)
+        else:
+            pg = plgpu.load(bt_ref.at[req, pcol], mask=vis, other=0)
+        slot = jnp.maximum(pg, 0) * page + pos % page
+        k = gather(k_ref, slot, col_range(0, di), vis, interpret)  # [bs, Di]
+        if fp8:
+            k = jax.lax.bitcast_convert_type(k, jnp.float8_e4m3fn).astype(jnp.bfloat16)
+        logits = dot(q_ref[...], k, trans_b=True)  # [H, bs] f32
+        sc = jnp.sum(w_ref[...][:, None] * jnp.maximum(logits, 0.0), axis=0)
+        if fp8:
+            s_k = jax.lax.bitcast_convert_type(u8_words(gather(k_ref, slot, col_range(di, 4), vis, interpret))[0],
+                                               jnp.float32)  # [bs, 1]
+            sc = jnp.sum(sc[:, None] * s_k, axis=1)
+        o_ref[...] = jnp.where(vis, sc, -jnp.inf)
+
+    @pl.when(start >= n)
+    def _():
+        o_ref[...] = jnp.full((block_s,), -jnp.inf, jnp.float32)
+
+
+def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int,
+                          block_s: int = 128, num_warps: int = 4, num_stages: int = 1, interpret: bool = False):
+    """Scores [T, S_pad] float32 (S_pad = S rounded up to block_s; -inf at s >= kv_lens[t]).
+
+    q [T, H, Di]: bf16 queries for a bf16 cache; for an FP8 (uint8) cache, e4m3 values (any float dtype
+    holding them exactly) with s_q already folded into `weights` [T, H]."""
+    t, h, di = q.shape
+    fp8 = k_cache.dtype == jnp.uint8
+    s = block_tables.shape[1] * block_size
+    block_s = min(block_s, max(16, pl.next_power_of_2(s)))
+    n_blk = -(-s // block_s)
+    h_pad = max(16, h)
+    q = q.astype(jnp.bfloat16 if fp8 else k_cache.dtype)  # e4m3 values are exact in bf16
+    weights = weights.astype(jnp.float32)
+    if h_pad != h:  # zero weights: padded heads add nothing
+        q = jnp.pad(q, ((0, 0), (0, h_pad - h), (0, 0)))
+        weights = jnp.pad(weights, ((0, 0), (0, h_pad - h)))
+    kernel = functools.partial(_scores_kernel, block_s=block_s, page=block_size, di=di, fp8=fp8,
+                               interpret=interpret)
+    return pl.pallas_call(
+        kernel,
+        grid=(t, n_blk),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j: (i,)),
+            pl.BlockSpec((1,), lambda i, j: (i,)),
+            pl.BlockSpec((None, h_pad, di), lambda i, j: (i, 0, 0)),
+            pl.BlockSpec((None, h_pad), lambda i, j: (i, 0)),
+            pl.BlockSpec(memory_space=pl.ANY),
+            pl.BlockSpec(memory_space=pl.ANY),
+        ],
+        out_specs=pl.BlockSpec((None, block_s), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((t, n_blk * block_s), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="indexer_scores_fp8" if fp8 else "indexer_scores_bf16",
+    )(token_req.astype(jnp.int32), kv_lens.astype(jnp.int32), q, weights, block_tables.astype(jnp.int32), k_cache)
+
+
+def _float_order_key(x):
+    """float32 -> uint32 whose unsigned order is the float order (+0 and -0 equal)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    neg = (bits >> 31) == 1
+    u = jnp.where(neg, ~bits, bits | jnp.uint32(0x80000000))
+    return jnp.where(x == 0.0, jnp.uint32(0x80000000), u)
+
+
+def _topk_kernel(len_ref, sc_ref, pos_ref, val_ref, *, k, chunk, radix_bits, interpret):
+    """One query row: radix-select the k-th largest score key, then compact in position order.
+
+    Writes the min(k, n) selected (position, score) pairs in ascending position order to slots [0, min(k, n))
+    and (-1, -inf) after them: the SPEC tie rule (equal scores: smaller positions first) decides which keys
+    equal to the threshold are kept; the final score order is one stable sort outside."""
+    n = len_ref[0]
+    ke = jnp.minimum(n, k)
+    n_chunks = (n + chunk - 1) // chunk
+    k_pad = pos_ref.shape[0]
+    n_cand = 1 << radix_bits
+
+    slots = jax.lax.iota(jnp.int32, k_pad)
+    fill = slots >= ke
+    if interpret:
+        pos_ref[...] = jnp.where(fill, -1, pos_ref[...])
+        val_ref[...] = jnp.where(fill, -jnp.inf, val_ref[...])
+    else:
+        plgpu.store(pos_ref, jnp.full((k_pad,), -1, jnp.int32), mask=fill)
+        plgpu.store(val_ref, jnp.full((k_pad,), -jnp.inf, jnp.float32), mask=fill)
+
+    def keys(c):
+        x = sc_ref[pl.ds(c * chunk, chunk)]
+        return x, _float_order_key(x)
+
+    cand_j = jax.lax.iota(jnp.uint32, n_cand)
+    tau = jnp.uint32(0)
+    for p in range(32 // radix_bits):
+        shift = 32 - radix_bits * (p + 1)
+        cand = tau | (cand_j << shift)
+
+        def count(c, acc, cand=cand):
+            _, u = keys(c)
+            return acc + jnp.sum((u[None, :] >= cand[:, None]).astype(jnp.int32), axis=1)
+
+        cnt = jax.lax.fori_loop(0, n_chunks, count, jnp.zeros((n_cand,), jnp.int32))
+        j = jnp.sum((cnt >= ke).astype(jnp.int32)) - 1  # counts fall with j; cnt[0] >= ke always
+        tau = tau | (j.astype(jnp.uint32) << shift)
+
+    def count_gt(c, acc):
+        _, u = keys(c)
+        return acc + jnp.sum((u > tau).astype(jnp.int32))
+
+    need_eq = ke - jax.lax.fori_loop(0, n_chunks, count_gt, jnp.int32(0))
+
+    def compact(c, carry):
+        sel_before, eq_before = carry
+        x, u = keys(c)
+        pos = c * chunk + jax.lax.iota(jnp.int32, chunk)
+        eq = (u == tau).astype(jnp.int32)
+        eq_rank = eq_before + jnp.cumsum(eq) - eq
+        sel = ((u > tau) | ((eq == 1) & (eq_rank < need_eq))) & (pos < n)
+        sel_i = sel.astype(jnp.int32)
+        slot = sel_before + jnp.cumsum(sel_i) - sel_i
+        if interpret:
+            tgt = jnp.where(sel, slot, k_pad)  # out of range: dropped
+            pos_ref[...] = pos_ref[...].at[tgt].set(pos, mode="drop")
+            val_ref[...] = val_ref[...].at[tgt].set(x, mode="drop")
+        else:
+            plgpu.store(pos_ref.at[slot], pos, mask=sel)
+            plgpu.store(val_ref.at[slot], x, mask=sel)
+        return sel_before + jnp.sum(sel_i), eq_before + jnp.sum(eq)
+
+    jax.lax.fori_loop(0, n_chunks, compact, (jnp.int32(0), jnp.int32(0)))
+
+
+def topk_triton(scores, kv_lens, topk: int, width: int, *, chunk: int = 1024, radix_bits: int = 4,
+                num_warps: int = 8, interpret: bool = False):
+    """Top-k (positions int32, scores float32) [T, min(topk, width)] of `scores` [T, S_pad] (-inf past
+    kv_lens[t]) with the SPEC order: higher score first, then smaller position; (-1, -inf) padding."""
+    t, s_pad = scores.shape
+    k = min(topk, width)
+    k_pad = pl.next_power_of_2(k)
+    chunk = min(chunk, pl.next_power_of_2(s_pad))
+    if s_pad % chunk:
+        scores = jnp.pad(scores, ((0, 0), (0, chunk - s_pad % chunk)), constant_values=-jnp.inf)
+    kernel = functools.partial(_topk_kernel, k=k, chunk=chunk, radix_bits=radix_bits, interpret=interpret)
+    pos, val = pl.pallas_call(
+        kernel,
+        grid=(t,),
+        in_specs=[pl.BlockSpec((1,), lambda i: (i,)),
+                  pl.BlockSpec((None, scores.shape[1]), lambda i: (i, 0))],
+        out_specs=[pl.BlockSpec((None, k_pad), lambda i: (i, 0)),
+                   pl.BlockSpec((None, k_pad), lambda i: (i, 0))],
+        out_shape=[jax.ShapeDtypeStruct((t, k_pad), jnp.int32), jax.ShapeDtypeStruct((t, k_pad), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="indexer_topk_select",
+    )(kv_lens.astype(jnp.int32), scores)
+    pos, val = pos[:, :k], val[:, :k]
+    val = jnp.where(val == 0.0, 0.0, val)  # -0.0 -> +0.0, as the xla form
+    # positions are ascending within equal scores: a stable sort by descending score gives the tie rule
+    neg, pos = jax.lax.sort((-val, pos), dimension=1, is_stable=True, num_keys=1)
+    return pos, -neg

@@ -1,0 +1,122 @@
+"""FP8 block-scaled releases (e4m3 `*.weight` + float32 `*.weight_scale_inv` per 128 x 128 block): dequantised on
+the device to the compute dtype, bit-identical to a numpy dequantisation, ragged edge blocks included."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+import glm_dsa
+from checkpoints import CheckpointError, load_hf_params
+from checkpoints.fp8_blocks import E4M3, is_fp8_weight_key, quantize_blocks, write_fp8_release
+from checkpoints.layout import param_specs
+from checkpoints.loader import HFCheckpoint, dequantize_blocks_np
+from checkpoints.random import write_random_checkpoint
+from checkpoints.safetensors_io import SafetensorsFile, SafetensorsWriter
+from sharding import ParallelConfig, make_mesh, param_spec
+
+# widths 200, 136, 160 are not multiples of 128: every weight has ragged edge blocks, some in both axes
+CFG = glm_dsa.configs.tiny.replace(num_hidden_layers=2, indexer_types=("full", "shared"), hidden_size=200,
+                                   q_lora_rank=136, intermediate_size=136, moe_intermediate_size=40)
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    write_random_checkpoint(CFG, root / "hf", seed=3, dtype="float32", progress=False)
+    write_fp8_release(root / "hf", root / "fp8", max_shard_bytes=200_000)  # sharded files + index
+    return root / "fp8"
+
+
+def _numpy_reference(path, cfg) -> dict[str, np.ndarray]:
+    """Every parameter dequantised on the host with numpy (float32), then laid out by the layout's from_hf."""
+    ck = HFCheckpoint(path)
+
+    def host(key):
+        raw = np.asarray(ck.raw(key))
+        if key + "_scale_inv" in ck:
+            return dequantize_blocks_np(raw, np.asarray(ck.raw(key + "_scale_inv")))
+        return raw.astype(np.float32)
+
+    return {p: np.asarray(s.from_hf(*(host(k) for k in s.hf_keys)), np.float32) for p, s in param_specs(cfg).items()}
+
+
+def test_quantize_blocks_ragged_edges():
+    w = np.random.default_rng(0).standard_normal((300, 200)).astype(np.float32)
+    w[256:, 128:] = 0  # an all-zero edge block gets scale 1, not 0 / NaN
+    w8, s = quantize_blocks(w)
+    assert w8.dtype == E4M3 and s.shape == (3, 2) and s.dtype == np.float32 and s[2, 1] == 1.0
+    back = dequantize_blocks_np(w8, s)
+    assert back.shape == w.shape
+    np.testing.assert_allclose(back, w, rtol=2 ** -3, atol=s.max() * 2 ** -9)  # 3 mantissa bits; subnormals
+    assert np.abs(np.asarray(w8, np.float32)).max() <= 448
+
+
+def test_release_layout(fp8_dir):
+    ck = HFCheckpoint(fp8_dir)
+    key = "model.layers.0.self_attn.q_a_proj.weight"  # [136, 200] -> 2 x 2 blocks, ragged in both axes
+    assert ck.dtype(key) == E4M3 and ck.shape(key + "_scale_inv") == (2, 2)
+    assert ck.dtype("model.embed_tokens.weight") == np.float32 and not is_fp8_weight_key("lm_head.weight")
+    assert sum(k.endswith("_scale_inv") for k in ck.keys()) > 20
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_matches_numpy_dequantisation_on_a_mesh(fp8_dir, dtype):
+    """Device dequantisation + layout == numpy dequantisation + layout, bit for bit, placed by the partition table."""
+    par = ParallelConfig(4, 2, dcp_q_replicate=True)
+    mesh = make_mesh(par)
+    got = load_hf_params(fp8_dir, CFG, dtype=dtype, progress=False,
+                         sharding_for=lambda p, s: NamedSharding(mesh, param_spec(p, par.q_replicate)))
+    want = _numpy_reference(fp8_dir, CFG)
+    specs = param_specs(CFG)
+    assert got.keys() == want.keys()
+    for p, a in got.items():
+        target = np.float32 if specs[p].fp32 else dtype
+        assert a.dtype == target, p
+        assert a.sharding.is_equivalent_to(NamedSharding(mesh, param_spec(p, True)), a.ndim), p
+        np.testing.assert_array_equal(np.asarray(a), want[p].astype(target), err_msg=p)
+
+
+def test_glm_dsa_load_takes_an_fp8_release(fp8_dir):
+    """glm_dsa.load on the FP8 directory holds the numpy-dequantised parameters (so the logits of that model)."""
+    eng = glm_dsa.load(fp8_dir, parallel=ParallelConfig(2, 2), dtype="float32", max_model_len=32, progress=False)
+    want = _numpy_reference(fp8_dir, CFG)
+    for p, a in want.items():
+        node = eng.params
+        for part in p.split("."):
+            node = node[int(part) if part.isdigit() else part]
+        np.testing.assert_array_equal(np.asarray(node), a, err_msg=p)
+
+
+def _rewrite(src, dst, edit):
+    """Copy the single-file checkpoint `src` to `dst`, passing {key: array} through `edit`."""
+    f = SafetensorsFile(src / "model.safetensors")
+    tensors = edit({k: np.array(f.get(k)) for k in f.keys()})
+    dst.mkdir()
+    with SafetensorsWriter(dst / "model.safetensors", [(k, a.dtype, a.shape) for k, a in tensors.items()]) as w:
+        for k, a in tensors.items():
+            w.write(k, a)
+    (dst / "config.json").write_text((src / "config.json").read_text())
+
+
+def test_errors_name_the_tensor(tmp_path):
+    cfg = CFG.replace(num_hidden_layers=1, indexer_types=("full",))
+    write_random_checkpoint(cfg, tmp_path / "hf", dtype="float32", progress=False)
+    write_fp8_release(tmp_path / "hf", tmp_path / "fp8")
+    key = "model.layers.0.self_attn.q_a_proj.weight"
+
+    def drop_scale(t):
+        del t[key + "_scale_inv"]
+        return t
+
+    _rewrite(tmp_path / "fp8", tmp_path / "noscale", drop_scale)
+    with pytest.raises(CheckpointError, match=rf"'{key}'.*float8_e4m3fn.*no '{key}_scale_inv'"):
+        load_hf_params(tmp_path / "noscale", cfg, dtype=np.float32, progress=False)
+
+    def bad_grid(t):
+        t[key + "_scale_inv"] = np.ones((1, 2), np.float32)
+        return t
+
+    _rewrite(tmp_path / "fp8", tmp_path / "badgrid", bad_grid)
+    with pytest.raises(CheckpointError, match=rf"'{key}_scale_inv'.*\[1, 2\], expected \[2, 2\]"):
+        load_hf_params(tmp_path / "badgrid", cfg, dtype=np.float32, progress=False)
