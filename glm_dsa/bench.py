@@ -132,12 +132,16 @@ def stage_times(eng: Engine, batch: StepBatch) -> dict[str, float]:
     moe_layer = next((i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)), None)
     if moe_layer is not None:
         from flax import nnx
-        from .step import model_graphdef
-        layer = nnx.merge(model_graphdef(cfg), eng.params).layers[moe_layer]
-        x = rnd(b, cfg.hidden_size)
-        moe = jax.jit(lambda x: jax.shard_map(lambda x: layer.moe(x, cfg), mesh=eng.mesh, in_specs=jax.sharding.PartitionSpec(),
-                                              out_specs=jax.sharding.PartitionSpec(), check_vma=False)(x))
-        out["moe"] = n_moe * timeit(moe, x)
+        from jax.sharding import PartitionSpec as P
+
+        from .step import model_graphdef, param_partition_specs
+        gd = model_graphdef(cfg)
+
+        def moe_fn(params, x):  # weights as arguments: a closure would bake them in as constants
+            return jax.shard_map(lambda p, x: nnx.merge(gd, p).layers[moe_layer].moe(x, cfg), mesh=eng.mesh,
+                                 in_specs=(param_partition_specs(params, eng.parallel.q_replicate), P()),
+                                 out_specs=P(), check_vma=False)(params, x)
+        out["moe"] = n_moe * timeit(jax.jit(moe_fn), eng.params, rnd(b, cfg.hidden_size))
     out["collectives"] = 0.0 if eng.parallel.tp == 1 else float("nan")  # one device: none
     return out
 

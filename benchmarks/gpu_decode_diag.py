@@ -1,0 +1,32 @@
+"""Decode figures at 32K context (Triton and xla, B=32) and the engine-level Triton-vs-xla agreement next to
+the bf16-vs-fp32 yardstick. Usage: PYTHONPATH=. python3 benchmarks/gpu_decode_diag.py OUTDIR"""
+import json
+import sys
+import tempfile
+
+import numpy as np
+
+import glm_dsa
+from checkpoints.random import write_random_checkpoint
+from glm_dsa.bench import BenchConfig, run_bench
+
+out = sys.argv[1]
+cfg = glm_dsa.configs.glm52.replace(num_hidden_layers=4, hidden_size=1024, intermediate_size=1024,
+                                    moe_intermediate_size=256, n_routed_experts=16, num_experts_per_tok=4,
+                                    q_lora_rank=512, vocab_size=4096, first_k_dense_replace=1, index_topk=64,
+                                    indexer_types=("full", "full", "full", "shared"))
+d = tempfile.mkdtemp()
+write_random_checkpoint(cfg, d, dtype="bfloat16", progress=False)
+ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 200))
+res = {}
+ref32 = glm_dsa.load(d, dtype="float32", max_model_len=512, progress=False, impl="xla").logits(ids)
+for kv in ("bfloat16", "fp8_ds_mla"):
+    a = glm_dsa.load(d, dtype="bfloat16", kv_cache_dtype=kv, max_model_len=512, progress=False).logits(ids)
+    b = glm_dsa.load(d, dtype="bfloat16", kv_cache_dtype=kv, max_model_len=512, progress=False, impl="xla").logits(ids)
+    rel = lambda x, y: float(np.linalg.norm(x - y) / np.linalg.norm(y))  # noqa: E731
+    res[kv] = {"triton_vs_xla": rel(a, b), "xla_bf16_vs_fp32": rel(b, ref32), "triton_vs_fp32": rel(a, ref32),
+               "argmax_agree": float((a.argmax(-1) == b.argmax(-1)).mean())}
+    print(kv, res[kv], flush=True)
+json.dump(res, open(f"{out}/engine_agreement.json", "w"))
+for impl in ("triton", "xla"):
+    run_bench(BenchConfig(preset="bench", impls=(impl,), end_to_end=False, decode_batches=(32,), decode_context=32768))
