@@ -17,7 +17,7 @@ from sharding import ParallelConfig, cache_spec, param_spec
 
 from .config import GlmDsaConfig
 from .model import StepBatch
-from .paged_cache import PageAllocator, allocate_caches, block_table_array, cache_dtype, pages_needed
+from .paged_cache import PageAllocator, allocate_caches, block_table_array, cache_dtype, owner_slots, pages_needed
 from .sampling import sample
 from .step import mesh_for, nest_params, resolve_parallel, step
 
@@ -111,11 +111,10 @@ class Engine:
         t = _bucket(len(pos), 8)
         width = _bucket(max(len(s.pages) for s in seqs), 1)
         tables = block_table_array([s.pages for s in seqs], width, _bucket(len(seqs), 1))
-        lp = (pos // (n * inter)) * inter + pos % inter  # position on the owning DCP rank
         ids, p, slot, req = (np.zeros(t, np.int32) for _ in range(4))
         slot[:] = -1  # padding rows write nothing
         ids[: len(pos)], p[: len(pos)], req[: len(pos)] = tok, pos, seq_idx
-        slot[: len(pos)] = tables[seq_idx, lp // bs] * bs + lp % bs
+        slot[: len(pos)] = owner_slots(tables, seq_idx, pos, bs, n, inter)
         li = np.zeros(_bucket(len(logits_rows), 8), np.int32)
         li[: len(logits_rows)] = logits_rows
         batch = StepBatch(*(jnp.asarray(x) for x in (ids, p, slot, req, tables, li)))

@@ -19,11 +19,12 @@ def pages_needed(length: int, block_size: int, n: int = 1, interleave: int = 1) 
     return -(-int(local_length(length, 0, n, interleave)) // block_size)
 
 
-def owner_slot(pages, position: int, block_size: int, n: int = 1, interleave: int = 1) -> int:
-    """The slot of `position` on its owning rank, given the request's (per-rank, shared) page list."""
+def owner_slots(tables, req, positions, block_size: int, n: int = 1, interleave: int = 1):
+    """Host-side slot mapping: the slot of each row's position on its owning DCP rank (numpy int32), given the
+    per-rank page table [R, pages] shared by the ranks, each row's request and position."""
     from sharding.dcp import local_position
-    lp = int(local_position(position, n, interleave))
-    return pages[lp // block_size] * block_size + lp % block_size
+    lp = local_position(np.asarray(positions), n, interleave)
+    return (np.asarray(tables)[np.asarray(req), lp // block_size] * block_size + lp % block_size).astype(np.int32)
 
 
 def positions_to_slots(positions, token_req, block_tables, block_size: int):

@@ -15,7 +15,7 @@ from sharding import ParallelConfig, cache_spec, make_mesh, param_spec
 
 from .config import GlmDsaConfig
 from .model import GlmDsaModel, StepBatch, StepContext
-from .paged_cache import cache_dtype, cache_shapes, owner_slot, pages_needed
+from .paged_cache import cache_dtype, cache_shapes, owner_slots, pages_needed
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,6 +59,16 @@ def nest_params(flat: dict) -> dict:
     return out
 
 
+def run_sharded(body, params, caches, batch: StepBatch, parallel: ParallelConfig, out_specs):
+    """`body(params, caches, batch)` per shard on the mesh of a resolved `parallel`: parameters split by the
+    partition table, caches by token over 'dcp', the batch replicated."""
+    cspecs = jax.tree.map(lambda _: cache_spec(), caches)
+    f = jax.shard_map(body, mesh=mesh_for(parallel),
+                      in_specs=(param_partition_specs(params, parallel.q_replicate), cspecs, P()),
+                      out_specs=out_specs(cspecs) if callable(out_specs) else out_specs, check_vma=False)
+    return f(params, caches, batch)
+
+
 def step(params, caches, batch: StepBatch, *, config: GlmDsaConfig, parallel: ParallelConfig | None = None,
          impl: str | None = None):
     """One model step over a ragged batch: returns (float32 logits [L, vocab] for `batch.logits_indices`,
@@ -70,31 +80,36 @@ def step(params, caches, batch: StepBatch, *, config: GlmDsaConfig, parallel: Pa
     def body(params, caches, batch):
         return nnx.merge(graphdef, params)(caches, batch, ctx)
 
-    cspecs = jax.tree.map(lambda _: cache_spec(), caches)
-    f = jax.shard_map(body, mesh=mesh_for(parallel), in_specs=(param_partition_specs(params, parallel.q_replicate), cspecs, P()),
-                      out_specs=(P(), cspecs), check_vma=False)
-    return f(params, caches, batch)
+    return run_sharded(body, params, caches, batch, parallel, lambda cspecs: (P(), cspecs))
+
+
+def prefill_inputs(params, token_ids, *, config: GlmDsaConfig, parallel: ParallelConfig, block_size: int = 16,
+                   kv_cache_dtype: str = "auto") -> tuple[dict, StepBatch]:
+    """Zeroed caches just large enough, and the one step that prefills every row of `token_ids` [B, T] and
+    returns the logits of all B T rows (row-major)."""
+    token_ids = jnp.asarray(token_ids, jnp.int32)
+    b, t = token_ids.shape
+    pages_per_seq = pages_needed(t, block_size, parallel.dcp, parallel.interleave)
+    num_pages = b * pages_per_seq + 1  # per rank; page 0 is the padding page
+    dtype = params["layers"][0]["attn"]["kv_a_proj"].dtype
+    caches = jax.tree.map(lambda s: jnp.zeros(s, cache_dtype(kv_cache_dtype, dtype)),
+                          cache_shapes(config, num_pages * parallel.dcp, block_size, kv_cache_dtype),
+                          is_leaf=lambda s: isinstance(s, tuple) and s and isinstance(s[0], int))
+    pos = np.tile(np.arange(t, dtype=np.int32), b)
+    req = np.repeat(np.arange(b, dtype=np.int32), t)
+    tables = 1 + np.arange(b * pages_per_seq, dtype=np.int32).reshape(b, pages_per_seq)
+    slots = owner_slots(tables, req, pos, block_size, parallel.dcp, parallel.interleave)
+    batch = StepBatch(token_ids=token_ids.reshape(-1), positions=jnp.asarray(pos), slot_mapping=jnp.asarray(slots),
+                      token_req=jnp.asarray(req), block_tables=jnp.asarray(tables),
+                      logits_indices=jnp.arange(b * t, dtype=jnp.int32))
+    return caches, batch
 
 
 def forward(params, token_ids, *, config: GlmDsaConfig, parallel: ParallelConfig | None = None,
             impl: str | None = None, block_size: int = 16, kv_cache_dtype: str = "auto"):
     """Cache-free full-sequence logits: int [B, T] -> float32 [B, T, vocab] (a fresh cache per call)."""
-    token_ids = jnp.asarray(token_ids, jnp.int32)
-    b, t = token_ids.shape
     par = resolve_parallel(parallel, config)
-    pages_per_seq = pages_needed(t, block_size, par.dcp, par.interleave)
-    num_pages = b * pages_per_seq + 1  # per rank; page 0 is the padding page
-    dtype = params["layers"][0]["attn"]["kv_a_proj"].dtype
-    caches = jax.tree.map(lambda s: jnp.zeros(s, cache_dtype(kv_cache_dtype, dtype)),
-                          cache_shapes(config, num_pages * par.dcp, block_size, kv_cache_dtype),
-                          is_leaf=lambda s: isinstance(s, tuple) and s and isinstance(s[0], int))
-    pos = np.tile(np.arange(t, dtype=np.int32), b)
-    req = np.repeat(np.arange(b, dtype=np.int32), t)
-    tables = 1 + np.arange(b * pages_per_seq, dtype=np.int32).reshape(b, pages_per_seq)
-    slots = np.asarray([owner_slot(tables[r], p, block_size, par.dcp, par.interleave) for r, p in zip(req, pos)],
-                       np.int32)
-    batch = StepBatch(token_ids=token_ids.reshape(-1), positions=jnp.asarray(pos), slot_mapping=jnp.asarray(slots),
-                      token_req=jnp.asarray(req), block_tables=jnp.asarray(tables),
-                      logits_indices=jnp.arange(b * t, dtype=jnp.int32))
+    caches, batch = prefill_inputs(params, token_ids, config=config, parallel=par, block_size=block_size,
+                                   kv_cache_dtype=kv_cache_dtype)
     logits, _ = step(params, caches, batch, config=config, parallel=par, impl=impl)
-    return logits.reshape(b, t, -1)
+    return logits.reshape(*jnp.shape(token_ids), -1)

@@ -32,12 +32,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from kernels import default_impl
-from sharding import ParallelConfig, cache_spec
+from sharding import ParallelConfig
 
 from .config import GlmDsaConfig
-from .model import StepBatch, StepContext
-from .paged_cache import cache_dtype, cache_shapes, owner_slot, pages_needed
-from .step import mesh_for, model_graphdef, param_partition_specs, resolve_parallel
+from .model import StepContext
+from .step import model_graphdef, prefill_inputs, resolve_parallel, run_sharded
 
 ORDER = ["attn.q_norm", "attn.kv_norm", "attn.k_pe", "attn.q_pe", "attn.topk", "dcp.partial_o", "dcp.partial_lse",
          "dcp.merged_o", "dcp.merged_lse", "attn.out", "moe.experts", "moe.weights", "residual"]
@@ -47,19 +46,9 @@ SET_VALUED = ("attn.topk", "moe.experts")
 def trace(params, token_ids, *, config: GlmDsaConfig, parallel: ParallelConfig | None = None, impl: str | None = None,
           block_size: int = 16, kv_cache_dtype: str = "auto") -> dict[str, jax.Array]:
     """Run one sequence (int [T]) through the model and return every layer's intermediates by name."""
-    ids = jnp.asarray(token_ids, jnp.int32).reshape(-1)
-    t = ids.shape[0]
     par = resolve_parallel(parallel, config)
-    pages = pages_needed(t, block_size, par.dcp, par.interleave)
-    dtype = params["layers"][0]["attn"]["kv_a_proj"].dtype
-    caches = jax.tree.map(lambda s: jnp.zeros(s, cache_dtype(kv_cache_dtype, dtype)),
-                          cache_shapes(config, (pages + 1) * par.dcp, block_size, kv_cache_dtype),
-                          is_leaf=lambda s: isinstance(s, tuple) and s and isinstance(s[0], int))
-    table = 1 + np.arange(pages, dtype=np.int32)[None]
-    pos = np.arange(t, dtype=np.int32)
-    slots = np.asarray([owner_slot(table[0], p, block_size, par.dcp, par.interleave) for p in pos], np.int32)
-    batch = StepBatch(ids, jnp.asarray(pos), jnp.asarray(slots), jnp.zeros(t, jnp.int32), jnp.asarray(table),
-                      jnp.arange(t, dtype=jnp.int32))
+    caches, batch = prefill_inputs(params, jnp.asarray(token_ids, jnp.int32).reshape(1, -1), config=config,
+                                   parallel=par, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
     ctx = StepContext(config, block_size=block_size, parallel=par, impl=impl or default_impl())
     graphdef = model_graphdef(config)
 
@@ -68,11 +57,7 @@ def trace(params, token_ids, *, config: GlmDsaConfig, parallel: ParallelConfig |
         nnx.merge(graphdef, params)(caches, batch, ctx, taps)
         return taps
 
-    cspecs = jax.tree.map(lambda _: cache_spec(), caches)
-    f = jax.shard_map(body, mesh=mesh_for(par), in_specs=(param_partition_specs(params, par.q_replicate), cspecs,
-                                                          P()),
-                      out_specs=P(), check_vma=False)  # every tap is gathered to full width inside
-    return f(params, caches, batch)
+    return run_sharded(body, params, caches, batch, par, P())  # every tap is gathered to full width inside
 
 
 def select_layers(taps: dict, layers) -> dict:

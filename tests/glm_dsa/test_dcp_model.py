@@ -16,7 +16,7 @@ import glm_dsa
 import kernels.fused_norm_rope as fnr
 from checkpoints.random import write_random_checkpoint
 from glm_dsa.config import indexer_schedule
-from glm_dsa.paged_cache import owner_slot, pages_needed
+from glm_dsa.paged_cache import owner_slots, pages_needed
 from sharding import ParallelConfig
 from sharding import dcp as dcp_mod
 
@@ -94,7 +94,7 @@ def test_mixed_prefill_and_decode_rows_under_dcp(ckpt, reference):
 
     def batch(rows, logits_rows):
         req, pos, ids = (np.array([r[k] for r in rows], np.int32) for k in range(3))
-        slots = np.array([owner_slot(tables[q], p, bs, 4, 2) for q, p in zip(req, pos)], np.int32)
+        slots = owner_slots(tables, req, pos, bs, 4, 2)
         return glm_dsa.StepBatch(*(jnp.asarray(x) for x in (ids, pos, slots, req, tables,
                                                             np.asarray(logits_rows, np.int32))))
 
