@@ -24,7 +24,6 @@ from .config import GlmDsaConfig
 from .engine import Engine
 from .init import init_params
 from .model import StepBatch
-from .paged_cache import cache_bytes_per_token
 from .step import step
 
 PEAK_BF16_FLOPS = 989e12

@@ -7,7 +7,6 @@ the value of a row is its kv latent. Returns o [T, H, R] float32 and lse [T, H] 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from . import fp8_formats

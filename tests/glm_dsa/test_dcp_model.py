@@ -135,7 +135,7 @@ def test_defect_q_norm_skipped_for_unowned_slots_is_caught(ckpt, reference, monk
 @pytest.mark.parametrize("backend", ["a2a", "ag_rs"])
 def test_defect_lse_merge_skipped_is_caught(ckpt, reference, monkeypatch, backend):
     def keep_partial(o, lse):  # each rank keeps its own heads' partial over its local tokens only
-        n, h = jax.lax.axis_size("dcp"), lse.shape[1] // jax.lax.axis_size("dcp")
+        h = lse.shape[1] // jax.lax.axis_size("dcp")
         r = jax.lax.axis_index("dcp")
         return (jax.lax.dynamic_slice_in_dim(o, r * h, h, axis=1),
                 jax.lax.dynamic_slice_in_dim(lse, r * h, h, axis=1))
