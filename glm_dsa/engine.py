@@ -17,7 +17,8 @@ from sharding import ParallelConfig, cache_spec, param_spec
 
 from .config import GlmDsaConfig
 from .model import StepBatch
-from .paged_cache import PageAllocator, allocate_caches, block_table_array, cache_dtype, owner_slots, pages_needed
+from .paged_cache import (PageAllocator, allocate_caches, block_table_array, cache_bytes_per_token, cache_dtype,
+                          free_device_bytes, owner_slots, pages_needed, plan_pages)
 from .sampling import sample
 from .step import mesh_for, nest_params, resolve_parallel, step
 
@@ -62,7 +63,8 @@ class Engine:
     def __init__(self, config: GlmDsaConfig, params, *, parallel: ParallelConfig | None = None,
                  dtype="bfloat16", kv_cache_dtype: str = "auto", max_model_len: int | None = None,
                  block_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 8,
-                 max_num_batched_tokens: int = 2048, impl: str | None = None):
+                 max_num_batched_tokens: int = 2048, impl: str | None = None,
+                 cache_memory_fraction: float = 0.8):
         self.config = config
         self.parallel = resolve_parallel(parallel, config)
         self.dtype = resolve_dtype(dtype)
@@ -79,8 +81,14 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens
         n, inter = self.parallel.dcp, self.parallel.interleave
         self.pages_per_seq = pages_needed(self.max_model_len, block_size, n, inter)
-        self.num_pages = int(num_pages or max_num_seqs * self.pages_per_seq + 1)  # per DCP rank
         self.mesh = mesh_for(self.parallel)
+        if num_pages:
+            self.num_pages = int(num_pages)  # per DCP rank
+        else:  # enough for max_num_seqs full sequences, within cache_memory_fraction of the free device memory
+            page_bytes = block_size * cache_bytes_per_token(config, self.dtype, kv_cache_dtype)
+            self.num_pages, self.max_num_seqs = plan_pages(
+                max_num_seqs=max_num_seqs, pages_per_seq=self.pages_per_seq, page_bytes=page_bytes,
+                free_bytes=free_device_bytes(self.mesh.devices.flat[0]), memory_fraction=cache_memory_fraction)
         self.params = params
         cache_sharding = NamedSharding(self.mesh, cache_spec())
         self.caches = allocate_caches(config, self.num_pages * n, block_size,

@@ -77,6 +77,31 @@ def cache_bytes_per_token(cfg: GlmDsaConfig, dtype, kv_cache_dtype: str = "auto"
     return item * (cfg.num_hidden_layers * mla_w + len(cfg.full_layers) * idx_w)
 
 
+def free_device_bytes(device) -> int | None:
+    """Bytes the allocator of `device` can still hand out, or None where the backend does not say (CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def plan_pages(*, max_num_seqs: int, pages_per_seq: int, page_bytes: int, free_bytes: int | None,
+               memory_fraction: float) -> tuple[int, int]:
+    """(pages per DCP rank, sequences that fit): enough for `max_num_seqs` sequences of max_model_len, capped by
+    `memory_fraction` of the free device memory when it is known (the rest is left for weights' temporaries
+    and activations). Raises if not even one sequence fits."""
+    want = max_num_seqs * pages_per_seq + 1  # + the padding page
+    if free_bytes is None:
+        return want, max_num_seqs
+    fit = int(free_bytes * memory_fraction) // page_bytes
+    if fit < pages_per_seq + 1:
+        raise ValueError(f"KV cache: one sequence of max_model_len needs {(pages_per_seq + 1) * page_bytes / 2**30:.2f} "
+                         f"GiB per device, but {memory_fraction:.0%} of the free {free_bytes / 2**30:.2f} GiB is "
+                         f"{fit * page_bytes / 2**30:.2f} GiB; lower max_model_len or use kv_cache_dtype='fp8_ds_mla'")
+    pages = min(want, fit)
+    return pages, min(max_num_seqs, (pages - 1) // pages_per_seq)
+
+
 class PageAllocator:
     """Host-side free list of cache pages. Page 0 is never handed out: padding rows point at it."""
 

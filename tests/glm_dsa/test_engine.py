@@ -158,3 +158,20 @@ def test_fp8_cache_close_to_bf16_cache(ckpt):
     assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.9
     eng = glm_dsa.load(ckpt, kv_cache_dtype="fp8_ds_mla", **kw)
     assert eng.caches["mla"][0].dtype == jnp.uint8 and eng.caches["mla"][0].shape[-1] == 68  # 32 + 4 + 2 * 16
+
+
+def test_pages_sized_from_free_device_memory(ckpt, monkeypatch):
+    from glm_dsa import engine as engine_mod
+    from glm_dsa.paged_cache import cache_bytes_per_token, plan_pages
+    # by hand: 10 pages per sequence of 1 KiB each; 25.6 KiB free at fraction 0.5 -> 12 pages -> 1 sequence
+    assert plan_pages(max_num_seqs=4, pages_per_seq=10, page_bytes=1024, free_bytes=25600,
+                      memory_fraction=0.5) == (12, 1)
+    assert plan_pages(max_num_seqs=4, pages_per_seq=10, page_bytes=1024, free_bytes=None,
+                      memory_fraction=0.5) == (41, 4)  # unknown (CPU): what max_num_seqs needs
+    with pytest.raises(ValueError, match="one sequence of max_model_len needs"):
+        plan_pages(max_num_seqs=4, pages_per_seq=10, page_bytes=1024, free_bytes=10240, memory_fraction=0.5)
+    page = 16 * cache_bytes_per_token(CFG, "float32")
+    monkeypatch.setattr(engine_mod, "free_device_bytes", lambda device: int(9.5 * page / 0.8))
+    eng = glm_dsa.load(ckpt, dtype="float32", max_model_len=64, progress=False, max_num_seqs=8)
+    assert (eng.num_pages, eng.max_num_seqs) == (9, 2)  # 4 pages per sequence of 64 tokens
+    assert eng.generate(_prompts(11, [5, 6, 7]), max_new_tokens=2, stop_token_ids=[])  # served in groups of 2
