@@ -70,6 +70,11 @@ def _declare(module: nnx.Module, prefix: str, names, specs, dtype) -> None:
         setattr(module, name, nnx.Param(jnp.zeros(spec.shape, jnp.float32 if spec.fp32 else dtype)))
 
 
+def _tapper(taps, layer: int):
+    """None when not tracing, else a recorder of `layers.{layer}.{name}` into the `taps` dict."""
+    return None if taps is None else (lambda name, v: taps.__setitem__(f"layers.{layer}.{name}", v))
+
+
 def _gather_heads(x, axis: int, q_replicate: bool = False):
     """All heads from each device's share: heads are split over ('tp', 'dcp'), or over 'tp' alone with QREP."""
     return jax.lax.all_gather(x, "tp" if q_replicate else TP_AXES, axis=axis, tiled=True)
@@ -91,11 +96,11 @@ class Indexer(nnx.Module):
         w = h.astype(jnp.float32) @ self.weights_proj[...]
         return w * (n_heads ** -0.5) * (head_dim ** -0.5)
 
-    def __call__(self, h, q_n, index_cache, batch: StepBatch, ctx: StepContext):
-        """Top-k local positions [T, K] (-1 = none) of the tokens each row attends to on this rank."""
+    def __call__(self, h, q_n, index_cache, cos, sin, batch: StepBatch, ctx: StepContext):
+        """Top-k local positions [T, K] (-1 = none) of the tokens each row attends to on this rank;
+        `cos`, `sin` are the layer's rope angles of the rows' positions."""
         cfg, n, inter = ctx.cfg, ctx.n, ctx.parallel.interleave
         qi = jnp.einsum("tr,rhd->thd", q_n, self.wq_b[...])
-        cos, sin = rope.rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope_theta)
         rot = rope.apply_rope(qi[..., : cfg.qk_rope_head_dim], cos[:, None], sin[:, None],
                               interleave=cfg.indexer_rope_interleave)
         qi = jnp.concatenate([rot, qi[..., cfg.qk_rope_head_dim:]], axis=-1)
@@ -140,7 +145,7 @@ class MLA(nnx.Module):
             index_cache=None if index_cache is None else index_cache.reshape(-1, index_cache.shape[-1]),
             index_rope_interleave=cfg.indexer_rope_interleave, impl=ctx.impl)
 
-        tap = (lambda name, v: taps.__setitem__(f"layers.{self.layer}.{name}", v)) if taps is not None else None
+        tap = _tapper(taps, self.layer)
         if tap:
             # the latents as written by the fused op: read back from the owning rank's cache
             row = mla_cache[jnp.maximum(slots_here, 0)]
@@ -162,7 +167,7 @@ class MLA(nnx.Module):
         q_row = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)
 
         if self.indexer is not None:
-            topk = self.indexer(h, q_n, index_cache, batch, ctx)
+            topk = self.indexer(h, q_n, index_cache, cos, sin, batch, ctx)
         else:
             topk = topk_prev  # IndexShare: reuse the nearest full layer's selection
         slots = positions_to_slots(topk, batch.token_req, batch.block_tables, ctx.block_size)
@@ -326,7 +331,7 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, mla_cache, index_cache, topk_prev, batch: StepBatch, ctx: StepContext, taps=None):
         eps = ctx.cfg.rms_norm_eps
-        tap = (lambda name, v: taps.__setitem__(f"layers.{self.layer}.{name}", v)) if taps is not None else None
+        tap = _tapper(taps, self.layer)
         a, mla_cache, index_cache, topk = self.attn(rms_norm(x, self.input_norm[...], eps), mla_cache, index_cache,
                                                     topk_prev, batch, ctx, taps)
         x = x + a

@@ -15,7 +15,7 @@ from sharding import ParallelConfig, cache_spec, make_mesh, param_spec
 
 from .config import GlmDsaConfig
 from .model import GlmDsaModel, StepBatch, StepContext
-from .paged_cache import cache_dtype, cache_shapes, owner_slots, pages_needed
+from .paged_cache import allocate_caches, cache_dtype, owner_slots, pages_needed
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,9 +92,8 @@ def prefill_inputs(params, token_ids, *, config: GlmDsaConfig, parallel: Paralle
     pages_per_seq = pages_needed(t, block_size, parallel.dcp, parallel.interleave)
     num_pages = b * pages_per_seq + 1  # per rank; page 0 is the padding page
     dtype = params["layers"][0]["attn"]["kv_a_proj"].dtype
-    caches = jax.tree.map(lambda s: jnp.zeros(s, cache_dtype(kv_cache_dtype, dtype)),
-                          cache_shapes(config, num_pages * parallel.dcp, block_size, kv_cache_dtype),
-                          is_leaf=lambda s: isinstance(s, tuple) and s and isinstance(s[0], int))
+    caches = allocate_caches(config, num_pages * parallel.dcp, block_size, cache_dtype(kv_cache_dtype, dtype),
+                             kv_cache_dtype=kv_cache_dtype)
     pos = np.tile(np.arange(t, dtype=np.int32), b)
     req = np.repeat(np.arange(b, dtype=np.int32), t)
     tables = 1 + np.arange(b * pages_per_seq, dtype=np.int32).reshape(b, pages_per_seq)
