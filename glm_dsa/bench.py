@@ -137,7 +137,7 @@ def stage_times(eng: Engine, batch: StepBatch) -> dict[str, float]:
         gd = model_graphdef(cfg)
 
         def moe_fn(params, x):  # weights as arguments: a closure would bake them in as constants
-            return jax.shard_map(lambda p, x: nnx.merge(gd, p).layers[moe_layer].moe(x, cfg), mesh=eng.mesh,
+            return jax.shard_map(lambda p, x: nnx.merge(gd, p).layers[moe_layer].moe(x, cfg, impl=impl), mesh=eng.mesh,
                                  in_specs=(param_partition_specs(params, eng.parallel.q_replicate), P()),
                                  out_specs=P(), check_vma=False)(params, x)
         out["moe"] = n_moe * timeit(jax.jit(moe_fn), eng.params, rnd(b, cfg.hidden_size))

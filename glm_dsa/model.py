@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from checkpoints.layout import param_specs
-from kernels import fp8_formats, fused_norm_rope, indexer, rope, sparse_mla
+from kernels import fp8_formats, fused_norm_rope, indexer, moe, rope, sparse_mla
 from kernels.chunking import map_row_chunks
 from kernels.norms import rms_norm
 from sharding import TP_AXES, ParallelConfig, dcp
@@ -59,8 +59,7 @@ class StepContext:
         return self.parallel.dcp
 
 
-MOE_MODE: str | None = None  # force "gather" | "dense" | "ragged" (tests, benchmarks); None picks by shape
-MOE_DENSE_MAX_TOKENS = 256
+MOE_MODE: str | None = None  # force one xla form of kernels.moe (tests, benchmarks); None: the impl's choice
 
 
 def _declare(module: nnx.Module, prefix: str, names, specs, dtype) -> None:
@@ -215,7 +214,7 @@ class DenseMLP(nnx.Module):
 
 
 class MoE(nnx.Module):
-    """Sigmoid noaux_tc routing with group limits, SwiGLU experts by grouped matmuls, plus the shared expert."""
+    """Sigmoid noaux_tc routing with group limits, the routed SwiGLU experts (kernels.moe), plus the shared expert."""
 
     def __init__(self, cfg: GlmDsaConfig, specs, prefix, dtype):
         names = ["router", "router_bias", "experts_gate", "experts_up", "experts_down"]
@@ -241,81 +240,17 @@ class MoE(nnx.Module):
             w = w / (jnp.sum(w, axis=1, keepdims=True) + 1e-20)
         return experts, w * cfg.routed_scaling_factor
 
-    def experts(self, x, experts, weights):
-        """Routed experts, by the cheapest form for the (static) number of rows:
-        few (token, expert) pairs -> gather just those experts' weights (decode at small batch);
-        few tokens but most experts active -> every expert over every token, masked (reads each expert once);
-        many tokens -> rows sorted by expert into tiles of one expert each, one small GEMM per tile (prefill).
-        ("ragged", one `ragged_dot` per projection, is kept as an option: XLA's GPU lowering of ragged_dot
-        materialises a dense [rows, experts x width] product, far too large for a prefill chunk.)"""
-        t, k = experts.shape
-        n_exp = self.router.shape[1]
-        mode = MOE_MODE or ("gather" if t * k <= n_exp // 4 else "dense" if t <= MOE_DENSE_MAX_TOKENS else "tiles")
-        wg, wu, wd = self.experts_gate[...], self.experts_up[...], self.experts_down[...]
-        if mode == "tiles":
-            return _expert_tiles(x, experts, weights, wg, wu, wd)
-        if mode == "gather":
-            flat = experts.reshape(-1)
-            xs = jnp.repeat(x, k, axis=0)
-            h = jax.nn.silu(jnp.einsum("pd,pdi->pi", xs, wg[flat])) * jnp.einsum("pd,pdi->pi", xs, wu[flat])
-            y = jnp.einsum("pi,pid->pd", h, wd[flat]).astype(jnp.float32) * weights.reshape(-1)[:, None]
-            return y.reshape(t, k, -1).sum(1)
-        if mode == "dense":
-            combine = jnp.zeros((t, n_exp), jnp.float32).at[jnp.arange(t)[:, None], experts].add(weights)
-            h = jax.nn.silu(jnp.einsum("td,edi->tei", x, wg)) * jnp.einsum("td,edi->tei", x, wu)
-            h = h * combine[..., None].astype(h.dtype)  # unselected experts contribute exactly 0
-            return jnp.einsum("tei,eid->td", h, wd, preferred_element_type=jnp.float32)
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        token = order // k
-        sizes = jnp.bincount(flat, length=n_exp).astype(jnp.int32)
-        xs = x[token]
-        g = jax.lax.ragged_dot(xs, wg, sizes)
-        u = jax.lax.ragged_dot(xs, wu, sizes)
-        y = jax.lax.ragged_dot(jax.nn.silu(g) * u, wd, sizes)
-        y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-        return jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(y)
-
-    def __call__(self, x, cfg: GlmDsaConfig, tap=None):
+    def __call__(self, x, cfg: GlmDsaConfig, tap=None, impl: str = "xla"):
         experts, weights = self.route(x, cfg)
         if tap:
             order = jnp.argsort(experts, axis=1)  # a canonical order: by expert id
             tap("moe.experts", jnp.take_along_axis(experts, order, axis=1))
             tap("moe.weights", jnp.take_along_axis(weights, order, axis=1))
-        out = self.experts(x, experts, weights)
+        out = moe.routed_experts(x, experts, weights, self.experts_gate[...], self.experts_up[...],
+                                 self.experts_down[...], impl=impl, mode=MOE_MODE)
         if self.has_shared:
             out = out + _swiglu(x, self.shared_gate[...], self.shared_up[...], self.shared_down[...])
         return jax.lax.psum(out.astype(x.dtype), TP_AXES)
-
-
-def _expert_tiles(x, experts, weights, wg, wu, wd, tile: int = 128):
-    """Grouped SwiGLU experts: (token, expert) pairs sorted by expert, each group padded to whole tiles of
-    `tile` rows, so every tile holds one expert; a scan runs one [tile, D] x [D, I] GEMM chain per tile."""
-    t, k = experts.shape
-    n_exp, p = wg.shape[0], t * k
-    tile = min(tile, max(8, 1 << (p - 1).bit_length()))
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    group = flat[order]
-    sizes = jnp.bincount(flat, length=n_exp)
-    padded = (sizes + tile - 1) // tile * tile
-    start = jnp.cumsum(padded) - padded
-    dest = start[group] + jnp.arange(p) - (jnp.cumsum(sizes) - sizes)[group]
-    n_tiles = -(-(p + n_exp * (tile - 1)) // tile)  # static bound on the padded rows
-    src = jnp.full((n_tiles * tile,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32))
-    valid = src >= 0
-    token = jnp.where(valid, src // k, 0)
-    xs = jnp.where(valid[:, None], x[token], 0).reshape(n_tiles, tile, -1)
-    tile_expert = jnp.minimum(jnp.searchsorted(start + padded, jnp.arange(n_tiles) * tile, side="right"), n_exp - 1)
-
-    def one_tile(_, args):
-        xt, e = args
-        h = jax.nn.silu(xt @ wg[e]) * (xt @ wu[e])
-        return None, (h @ wd[e]).astype(jnp.float32)
-
-    _, y = jax.lax.scan(one_tile, None, (xs, tile_expert))
-    w = jnp.where(valid, weights.reshape(-1)[jnp.maximum(src, 0)], 0.0)
-    return jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(y.reshape(n_tiles * tile, -1) * w[:, None])
 
 
 class DecoderLayer(nnx.Module):
@@ -336,7 +271,7 @@ class DecoderLayer(nnx.Module):
                                                     topk_prev, batch, ctx, taps)
         x = x + a
         h = rms_norm(x, self.post_norm[...], eps)
-        x = x + (self.moe(h, ctx.cfg, tap) if self.moe is not None else self.mlp(h))
+        x = x + (self.moe(h, ctx.cfg, tap, ctx.impl) if self.moe is not None else self.mlp(h))
         if tap:
             tap("residual", x)
         return x, mla_cache, index_cache, topk

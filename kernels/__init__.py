@@ -2,10 +2,11 @@
 Pallas kernel, behind one dispatcher. Arrays in, arrays out: nothing here knows the model or the mesh.
 
 Modules: `fused_norm_rope` (q/kv norm + RoPE + paged cache write), `indexer` (scores + top-k),
-`sparse_mla` (attention over selected cache rows -> (o, lse)), `lse_merge`, `rope`, `norms`.
+`sparse_mla` (attention over selected cache rows -> (o, lse)), `moe` (routed SwiGLU experts), `lse_merge`,
+`rope`, `norms`.
 """
 
-from . import chunking, fused_norm_rope, indexer, lse_merge, norms, rope, sparse_mla
+from . import chunking, fused_norm_rope, indexer, lse_merge, moe, norms, rope, sparse_mla
 
 IMPLS = ("xla", "triton", "triton_interpret")
 
@@ -16,4 +17,4 @@ def default_impl() -> str:
     return "triton" if jax.default_backend() == "gpu" else "xla"
 
 
-__all__ = ["IMPLS", "default_impl", "chunking", "fused_norm_rope", "indexer", "lse_merge", "norms", "rope", "sparse_mla"]
+__all__ = ["IMPLS", "default_impl", "chunking", "fused_norm_rope", "indexer", "lse_merge", "moe", "norms", "rope", "sparse_mla"]

@@ -1,0 +1,116 @@
+"""Routed experts (kernels/moe.py) on the GPU: the Pallas Triton grouped GEMMs against the xla forms.
+
+GLM-5.2 widths: hidden 6144, expert width 2048, 256 experts, top-8, bf16 weights (19.3 GB), uniform random
+routing. T in {1, 8, 32, 128} (decode) and a prefill chunk (8192 rows). Reports time (median of `iters`
+calls of one jitted op, after a warm-up), effective TB/s over the weight bytes of the experts actually
+used (the bytes a decode step must read), TFLOP/s over the routed matmuls, and the speed-up over xla
+(the xla form `moe.pick_mode` picks, and any extra forms named in --xla_modes).
+
+    PYTHONPATH=. python3 benchmarks/bench_moe.py --out bench_moe.json [--sweep 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels import moe
+
+D, I, E, K = 6144, 2048, 256, 8
+PEAK_BYTES, PEAK_FLOPS = 4.8e12, 989e12
+
+
+def time_fn(fn, args, iters):
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def sweep_configs(t, e):
+    tile = moe.tile_rows(t, K, e)
+    tiles = sorted({tile, max(16, tile // 2), min(128, tile * 2)})
+    for tl, bn, bk, w, s in itertools.product(tiles, (64, 128), (64, 128), (4, 8), (3, 4)):
+        yield dict(tile=tl, bn_up=bn, bk_up=bk, bn_down=bn, bk_down=bk, num_warps=w, num_stages=s)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,8,32,128,8192")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--sweep", type=int, default=0, help="1: sweep kernel configs at each T")
+    ap.add_argument("--budget_s", type=float, default=60.0, help="sweep time budget per T")
+    ap.add_argument("--xla_modes", default="", help="extra xla forms to time, e.g. tiles,dense")
+    ap.add_argument("--dims", default=f"{D},{I},{E}", help="hidden, expert width, experts (CPU smoke runs)")
+    ap.add_argument("--impl", default="triton", help="triton_interpret for a CPU smoke run")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    d, i, e = (int(v) for v in args.dims.split(","))
+
+    key = jax.random.key(0)
+    kg, ku, kd, kx = jax.random.split(key, 4)
+    init = jax.jit(lambda k, s: (jax.random.normal(k, s, jnp.float32) * 0.02).astype(jnp.bfloat16),
+                   static_argnums=1)
+    wg, wu, wd = init(kg, (e, d, i)), init(ku, (e, d, i)), init(kd, (e, i, d))
+    rng = np.random.default_rng(0)
+    rows = []
+    for t in (int(b) for b in args.batches.split(",")):
+        x = init(kx, (t, d))
+        experts = jnp.asarray(np.stack([rng.choice(e, K, replace=False) for _ in range(t)]), jnp.int32)
+        w = jnp.asarray(rng.uniform(0.1, 1.0, (t, K)), jnp.float32)
+        used = len(np.unique(np.asarray(experts)))
+        wbytes = used * 3 * d * i * 2
+        flops = 2 * 3 * t * K * d * i
+        res = {"T": t, "experts_used": used, "weight_bytes": wbytes}
+
+        def run(impl, mode=None, **opts):
+            f = jax.jit(functools.partial(moe.routed_experts, impl=impl, mode=mode, **opts))
+            return time_fn(f, (x, experts, w, wg, wu, wd), args.iters)
+
+        xla_mode = moe.pick_mode(t, K, e)
+        res["xla"] = {xla_mode: run("xla")}
+        for m in filter(None, args.xla_modes.split(",")):
+            if m != xla_mode and not (m == "dense" and t > moe.DENSE_MAX_TOKENS):
+                try:
+                    res["xla"][m] = run("xla", m)
+                except Exception as err:  # e.g. out of memory for dense at large T
+                    res["xla"][m] = f"failed: {type(err).__name__}"
+        best = {"config": "default", "s": run(args.impl)}
+        if args.sweep:
+            t_end = time.perf_counter() + args.budget_s
+            for cfg in sweep_configs(t, e):
+                if time.perf_counter() > t_end:
+                    break
+                try:
+                    s = run(args.impl, **cfg)
+                except Exception as err:
+                    print(f"T={t} {cfg}: {type(err).__name__}", file=sys.stderr)
+                    continue
+                if s < best["s"]:
+                    best = {"config": cfg, "s": s}
+        res["triton"] = best
+        xs = min(v for v in res["xla"].values() if isinstance(v, float))
+        s = best["s"]
+        res.update(us=1e6 * s, tb_s=wbytes / s / 1e12, pct_hbm=100 * wbytes / s / PEAK_BYTES,
+                   tflops=flops / s / 1e12, speedup=xs / s, xla_us=1e6 * xs)
+        print(json.dumps(res), flush=True)
+        rows.append(res)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
