@@ -117,7 +117,8 @@ class Engine:
         float32 logits [bucket >= len(logits_rows), vocab] of `logits_rows` (padding rows after them)."""
         bs, n, inter = self.block_size, self.parallel.dcp, self.parallel.interleave
         t = _bucket(len(pos), 8)
-        width = _bucket(max(len(s.pages) for s in seqs), 1)
+        # capped at a full sequence's pages: a power-of-two bucket past it would double the indexer's top-k width
+        width = min(_bucket(max(len(s.pages) for s in seqs), 1), self.pages_per_seq)
         tables = block_table_array([s.pages for s in seqs], width, _bucket(len(seqs), 1))
         ids, p, slot, req = (np.zeros(t, np.int32) for _ in range(4))
         slot[:] = -1  # padding rows write nothing
