@@ -30,10 +30,18 @@ def _inputs(lens, *, h=16, di=32, page=16, pages=6, fp8=False, seed=0, reqs=None
 
 def _check(args, topk, **kw):
     q, w, cache, req, lens, bt, page = args
-    f = functools.partial(indexer.indexer_topk, q, w, cache, req, lens, bt, block_size=page, topk=topk,
-                          return_scores=True)
+
+    def f(**opts):  # jitted: the interpreter runs a kernel op by op otherwise (slow for the row-block form)
+        return jax.jit(functools.partial(indexer.indexer_topk, block_size=page, topk=topk, return_scores=True,
+                                         **opts))(q, w, cache, req, lens, bt)
+
     pos, val = map(np.asarray, f(impl=IMPL, **kw))
     pos_ref, val_ref = map(np.asarray, f(impl="xla"))
+    _compare_topk(pos, val, pos_ref, val_ref, lens, topk)
+    return pos, val
+
+
+def _compare_topk(pos, val, pos_ref, val_ref, lens, topk):
     assert pos.shape == pos_ref.shape and pos.dtype == np.int32
     fin = np.isfinite(val_ref)
     np.testing.assert_array_equal(np.isfinite(val), fin)
@@ -49,7 +57,6 @@ def _check(args, topk, **kw):
         n = min(topk, lens_np[i])
         assert np.all(pos[i, :n] >= 0) and np.all(pos[i, :n] < lens_np[i]) and np.all(pos[i, n:] == -1)
         assert len(set(pos[i, :n].tolist())) == n
-    return pos, val
 
 
 @pytest.mark.parametrize("h", [16, 64, 128])
@@ -98,6 +105,83 @@ def test_lowers_to_triton_at_glm5_dims(fp8):
     txt = sparse_mla_triton.lower_for_gpu(f, s((32, 32, 128), jnp.bfloat16), s((32, 32), jnp.float32), cache,
                                           s((32,), jnp.int32), s((32,), jnp.int32), s((32, 512), jnp.int32))
     assert "triton" in txt
+
+
+# Row-block (prefill) kernel cases: (token_req, kv_lens, pages per request, block_t, heads). Page 16, block_s 32.
+_ROW_BLOCK_CASES = {
+    # T = 37 (not a multiple of 16): blocks straddle request boundaries at rows 10 and 29; S = 5 pages = 80
+    # is not a multiple of block_s; causal lengths end mid-page and mid-block
+    "straddle": ([0] * 10 + [1] * 19 + [2] * 8,
+                 list(range(41, 51)) + list(range(20, 39)) + list(range(73, 81)), 5, 16, 16),
+    # kv_len 0 rows inside a shared block, a whole block of them (reads nothing), and in a straddling block
+    "zero_len": ([0] * 16 + [1] * 16 + [2] * 5 + [3] * 3,
+                 [0, 0, 0] + list(range(7, 20)) + [0] * 16 + [0, 33, 34, 35, 36] + [0, 90, 96], 6, 8, 32),
+    # decode-like: every row its own request, so every block gathers per row
+    "decode": (list(range(21)), [5, 0, 96, 17, 64, 1, 33, 80, 0, 47, 95, 16, 15, 32, 31, 2, 60, 61, 88, 9, 70],
+               6, 4, 16),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_ROW_BLOCK_CASES))
+@pytest.mark.parametrize("fp8", [False, True])
+def test_row_block_kernel(case, fp8):
+    """The row-block form: the per-row kernel's scores, the xla form's scores and top-k positions."""
+    from kernels import indexer_triton
+
+    reqs, lens, pages, block_t, h = _ROW_BLOCK_CASES[case]
+    args = _inputs(lens, h=h, pages=pages, fp8=fp8, seed=len(lens), reqs=reqs)
+    q, w, cache, req, n, bt, page = args
+    qp, wp = indexer.prepare_queries(q, w, cache)
+    def f(block_t):
+        return np.asarray(jax.jit(functools.partial(indexer_triton.indexer_scores_triton, block_size=page, block_s=32,
+                                                    block_t=block_t, interpret=not ON_GPU))(qp, wp, cache, req, n, bt))
+
+    rows, per_row = f(block_t), f(1)
+    s = pages * page
+    assert rows.shape == (len(lens), 96) and np.all(rows[:, s:] == -np.inf)
+    if ON_GPU:
+        np.testing.assert_allclose(rows, per_row, rtol=1e-6, atol=0)
+    else:  # the same operations per row: bit-identical under the interpreter
+        np.testing.assert_array_equal(rows, per_row)
+    ref = np.asarray(indexer.indexer_scores_xla(qp, wp, cache, req, n, bt, block_size=page))
+    fin = np.isfinite(ref)
+    np.testing.assert_array_equal(np.isfinite(rows[:, :s]), fin)
+    np.testing.assert_allclose(rows[:, :s][fin], ref[fin], rtol=1e-4, atol=1e-4)
+    # top-k of these scores (the kernel is compiled once: the interpreter is slow to build it) vs the xla form
+    topk = 12
+    pos, val = map(np.asarray, indexer.topk_positions(jnp.asarray(rows), n, topk, width=s))
+    pos_ref, val_ref = map(np.asarray, indexer.indexer_topk_xla(q, w, cache, req, n, bt, block_size=page, topk=topk,
+                                                                return_scores=True))
+    _compare_topk(pos, val, pos_ref, val_ref, n, topk)
+
+
+@pytest.mark.parametrize("t", [63, 64])
+def test_row_block_chosen_by_rows(t):
+    """block_t=None: the per-row kernel alone for decode-sized T; from ROW_BLOCK_MIN_T rows both kernels, picked
+    at run time by a cond on how long the rows' requests run."""
+    from kernels import indexer_triton
+
+    assert indexer_triton.ROW_BLOCK_MIN_T == 64
+    f = functools.partial(indexer_triton.indexer_scores_triton, block_size=16, interpret=True)
+    jaxpr = str(jax.make_jaxpr(f)(jnp.zeros((t, 16, 32), jnp.bfloat16), jnp.ones((t, 16)),
+                                  jnp.zeros((96, 32), jnp.bfloat16), jnp.zeros(t, jnp.int32), jnp.ones(t, jnp.int32),
+                                  jnp.zeros((1, 6), jnp.int32)))
+    assert ("indexer_scores_bf16_rows" in jaxpr) == (t >= 64)
+    assert jaxpr.count("name=indexer_scores_bf16") == (2 if t >= 64 else 1)  # with the per-row kernel beside it
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_row_block_lowers_to_triton_at_prefill_dims(fp8):
+    """The row-block kernel (16 rows x 128 keys, both branches unrolled) lowers at a 8K-row chunk of a 32K
+    context: H=32, Di=128, page 64, FP8 rows of 132 bytes."""
+    from kernels import indexer_triton
+
+    s = jax.ShapeDtypeStruct
+    cache = s((8 * 32768, 132), jnp.uint8) if fp8 else s((8 * 32768, 128), jnp.bfloat16)
+    f = functools.partial(indexer_triton.indexer_scores_triton, block_size=64)
+    txt = sparse_mla_triton.lower_for_gpu(f, s((8192, 32, 128), jnp.bfloat16), s((8192, 32), jnp.float32), cache,
+                                          s((8192,), jnp.int32), s((8192,), jnp.int32), s((8, 512), jnp.int32))
+    assert "triton" in txt and "_rows" in txt
 
 
 @pytest.mark.gpu
