@@ -8,7 +8,16 @@ empty split writes (0, -inf). The partials are combined by `kernels.lse_merge.me
 function the DCP merge uses.
 
 Two cache formats: bfloat16 rows [kv R | k_pe Dr] and fp8_ds_mla uint8 rows (kernels/fp8_formats.py:
-R e4m3 in tiles, one float32 scale per tile, Dr bf16 k_pe), dequantised in registers to bf16.
+R e4m3 in tiles, one float32 scale per tile, Dr bf16 k_pe), dequantised in registers to bf16: e4m3 -> f32,
+x the tile's f32 scale, one rounding to bf16 (exact dequantisation). With 64-head blocks the latent is
+gathered as one contiguous [block_k, R] byte tile and scaled as [block_k, tiles, tile] * scale[:, :, None]
+(the same loop body as bf16); with smaller head blocks (few rows) as one part per scale tile. The scales and
+k_pe are gathered as contiguous byte runs and reassembled with reshapes and 2-way splits: strided byte
+gathers cannot become async copies, so they stalled every step.
+Folding the tile scales into the [block_h, block_k] matrices instead (s += (q_g . k_g^T) * scale_g,
+o_g += bf16(p * scale_g) @ k_g, no [block_k, R] multiply) was measured 14-26% slower on the H200 (B = 128,
+GLM-5 dims): ALU work is not what limits this kernel, and four live scale vectors in the MMA layout plus
+per-tile score accumulators that no longer fuse into the wgmma push it deeper into register spills.
 Everything Triton-specific lives in this module (the Triton backend is deprecated in jax 0.11).
 """
 
@@ -60,30 +69,50 @@ def u8_pairs_to_bf16(lo, hi):
     return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
-def _load_rows(cache_ref, slot, valid, r, dr, tile, fp8, interpret):
-    """Gathered rows -> (kv parts [bk, R / parts] (1 part for bf16, one per scale tile for fp8), k_pe [bk, Dr])
-    in the compute dtype; fp8_ds_mla dequantised to bf16 (Triton lowers no many-way concatenate)."""
+def _unpair(b):
+    """[N, 2 m] -> ([N, m] even columns, [N, m] odd columns): a reshape and Triton's 2-way split."""
+    return jax.lax.unstack(b.reshape(b.shape[0], b.shape[1] // 2, 2), axis=2)
+
+
+def u8_to_bf16(b):
+    """uint8 [N, 2 n] (n little-endian bfloat16, one contiguous byte run per row) -> bfloat16 [N, n]."""
+    return u8_pairs_to_bf16(*_unpair(b))
+
+
+def u8_to_f32(b):
+    """uint8 [N, 4 n] (n little-endian float32, one contiguous byte run per row) -> float32 [N, n]."""
+    lo, hi = _unpair(b)
+    h_lo, h_hi = _unpair(lo.astype(jnp.int32) | (hi.astype(jnp.int32) << 8))  # 16-bit halves
+    return jax.lax.bitcast_convert_type(h_lo | (h_hi << 16), jnp.float32)
+
+
+def _load_rows(cache_ref, slot, valid, r, dr, tile, fp8, n_parts, interpret):
+    """Gathered rows -> (kv parts: n_parts x [bk, R / n_parts], k_pe [bk, Dr]) in the compute dtype, rows not
+    `valid` read as zeros. fp8_ds_mla is dequantised exactly (e4m3 -> f32, x its tile's f32 scale) and rounded
+    once to bf16, either as one [bk, R] tile (n_parts = 1) or one part per scale tile (n_parts = R / tile)."""
     if not fp8:
         return ([gather(cache_ref, slot, col_range(0, r), valid, interpret)],
                 gather(cache_ref, slot, col_range(r, dr), valid, interpret))
-    n_tiles = r // tile
-    scales = u8_words(gather(cache_ref, slot, col_range(r, 4 * n_tiles), valid, interpret))
-    parts = []
-    for g in range(n_tiles):
-        q8 = gather(cache_ref, slot, col_range(g * tile, tile), valid, interpret)  # uint8 [bk, tile]
-        x = jax.lax.bitcast_convert_type(q8, jnp.float8_e4m3fn).astype(jnp.float32)
-        sc = jax.lax.bitcast_convert_type(scales[g], jnp.float32)
-        parts.append((x * sc).astype(jnp.bfloat16))
-    pe0 = r + 4 * n_tiles
-    pe = u8_pairs_to_bf16(gather(cache_ref, slot, col_range(pe0, dr, 2), valid, interpret),
-                          gather(cache_ref, slot, col_range(pe0 + 1, dr, 2), valid, interpret))
+    bk, n_tiles = slot.shape[0], r // tile
+    scale_bytes = gather(cache_ref, slot, col_range(r, 4 * n_tiles), valid, interpret)  # uint8 [bk, 4 tiles]
+    if n_parts == 1:
+        scales = u8_to_f32(scale_bytes)  # [bk, tiles]
+        q8 = gather(cache_ref, slot, col_range(0, r), valid, interpret)  # uint8 [bk, R], one contiguous run
+        x = jax.lax.bitcast_convert_type(q8, jnp.float8_e4m3fn).astype(jnp.float32).reshape(bk, n_tiles, tile)
+        parts = [(x * scales[:, :, None]).reshape(bk, r).astype(jnp.bfloat16)]
+    else:
+        parts = []
+        for g, word in enumerate(u8_words(scale_bytes)):
+            q8 = gather(cache_ref, slot, col_range(g * tile, tile), valid, interpret)  # uint8 [bk, tile]
+            x = jax.lax.bitcast_convert_type(q8, jnp.float8_e4m3fn).astype(jnp.float32)
+            parts.append((x * jax.lax.bitcast_convert_type(word, jnp.float32)).astype(jnp.bfloat16))
+    pe = u8_to_bf16(gather(cache_ref, slot, col_range(r + 4 * n_tiles, 2 * dr), valid, interpret))
     return parts, pe
 
 
-def _kernel(idx_ref, q_ref, cache_ref, o_ref, lse_ref, *, scale, r, dr, block_k, split_len, fp8, tile,
+def _kernel(idx_ref, q_ref, cache_ref, o_ref, lse_ref, *, scale, r, dr, block_k, split_len, fp8, tile, n_parts,
             interpret):
     block_h = q_ref.shape[0]
-    n_parts = r // tile if fp8 else 1
     w = r // n_parts
     q_nope = [q_ref[:, pl.ds(g * w, w)] for g in range(n_parts)]
     q_pe = q_ref[:, pl.ds(r, dr)]
@@ -93,7 +122,7 @@ def _kernel(idx_ref, q_ref, cache_ref, o_ref, lse_ref, *, scale, r, dr, block_k,
         idx = idx_ref[pl.ds(i * block_k, block_k)]
         valid = idx >= 0
         slot = jnp.where(valid, idx, 0)
-        kv, pe = _load_rows(cache_ref, slot, valid, r, dr, tile, fp8, interpret)
+        kv, pe = _load_rows(cache_ref, slot, valid, r, dr, tile, fp8, n_parts, interpret)
         s = dot(q_pe, pe, trans_b=True)  # [bh, bk] f32
         for g in range(n_parts):
             s = s + dot(q_nope[g], kv[g], trans_b=True)
@@ -121,18 +150,20 @@ def _kernel(idx_ref, q_ref, cache_ref, o_ref, lse_ref, *, scale, r, dr, block_k,
 def default_config(t: int, h: int, k: int, fp8: bool):
     """(block_h, block_k, n_split, num_warps, num_stages) from the H200 sweep (BENCHMARKS.md): with enough rows,
     64 heads x 64 keys per step, 8 warps, 3 stages, and just enough splits for ~one CTA per SM (each CTA
-    holds ~220 KB of shared memory); for a few rows, 32 x 32 tiles and more splits."""
-    del fp8
+    holds ~220 KB of shared memory); for a few rows, 32 x 32 tiles and more splits. fp8_ds_mla always steps
+    32 keys: its dequantised [block_k, R] bf16 tile is staged in shared memory beside the raw bytes, and at
+    64 keys the kernel asks for 242 KB (the H200 has 227 KB per CTA)."""
     many = t * max(1, h // 64) >= 32
     block_h = 64 if (many and h % 64 == 0) else (32 if h % 32 == 0 else 16)
-    block_k = 64 if many else 32
+    block_k = 64 if (many and not fp8) else 32
     n_hb = max(1, h // block_h)
     target = 128 if many else 64
     max_split = max(1, k // block_k)
     n_split = 1
     while t * n_hb * n_split < target and n_split * 2 <= max_split:
         n_split *= 2
-    return dict(block_h=block_h, block_k=block_k, n_split=n_split, num_warps=8, num_stages=3 if many else 2)
+    return {"block_h": block_h, "block_k": block_k, "n_split": n_split, "num_warps": 8,
+            "num_stages": 3 if many else 2}
 
 
 def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, block_h: int | None = None,
@@ -175,8 +206,11 @@ def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, blo
     q = q.astype(compute)
     tile = fp8_formats.mla_tile(r)
 
+    # fp8: one [bk, R] kv tile with 64-head blocks (measured faster at B = 32, 128), one part per scale tile
+    # with smaller head blocks (the few-row configs: measured faster at B = 1)
+    n_parts = r // tile if fp8 and bh < 64 else 1
     kernel = functools.partial(_kernel, scale=float(scale), r=r, dr=dr, block_k=bk, split_len=split_len,
-                               fp8=fp8, tile=tile, interpret=interpret)
+                               fp8=fp8, tile=tile, n_parts=n_parts, interpret=interpret)
     n_hb = h_pad // bh
     o, lse = pl.pallas_call(
         kernel,

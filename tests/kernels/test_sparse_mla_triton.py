@@ -53,8 +53,11 @@ def test_bf16_matches_xla(h, k):
 
 
 @pytest.mark.parametrize("h,k", [(16, 64), (64, 2048), (128, 64)])
-def test_fp8_ds_mla_matches_xla(h, k):
-    _check(*_inputs(3, h, k, 300, seed=h * k, fp8=True))
+@pytest.mark.parametrize("block_h", [None, 64])  # few rows: one kv part per scale tile; 64 heads: one [bk, R] tile
+def test_fp8_ds_mla_matches_xla(h, k, block_h):
+    if block_h is not None and h % block_h:
+        pytest.skip("block_h must divide H")
+    _check(*_inputs(3, h, k, 300, seed=h * k, fp8=True), block_h=block_h)
 
 
 @pytest.mark.parametrize("k,block_k,n_split", [(70, 32, 1), (70, 16, 3), (100, 32, 2), (5, 16, 1)])
@@ -85,14 +88,54 @@ def test_partials_merge_to_the_whole():
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse1), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("t", [1, 128])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_lowers_to_triton_at_glm5_dims(fp8):
-    """The Pallas -> Triton IR lowering at production shapes (B=128, H=64, K=2048, >4 GiB cache), CPU-only."""
+def test_lowers_to_triton_at_glm5_dims(fp8, t):
+    """The Pallas -> Triton IR lowering at production shapes (B=1 and 128, H=64, K=2048, >4 GiB cache), CPU-only."""
     s = jax.ShapeDtypeStruct
     cache = s((4 << 20, 656), jnp.uint8) if fp8 else s((4 << 20, 576), jnp.bfloat16)
     f = functools.partial(sparse_mla_triton.sparse_mla_triton, scale=0.0625, kv_lora_rank=R)
-    txt = sparse_mla_triton.lower_for_gpu(f, s((128, 64, 576), jnp.bfloat16), cache, s((128, 2048), jnp.int32))
+    txt = sparse_mla_triton.lower_for_gpu(f, s((t, 64, 576), jnp.bfloat16), cache, s((t, 2048), jnp.int32))
     assert "triton" in txt
+
+
+def test_fp8_lowers_with_one_scale_tile():
+    """R = 64 (one fp8 tile, the tiny models' geometry): the [bk, 1] scale and [bk, 1, R] reshapes lower too."""
+    s = jax.ShapeDtypeStruct
+    f = functools.partial(sparse_mla_triton.sparse_mla_triton, scale=0.0625, kv_lora_rank=64)
+    cache = s((1000, fp8_formats.mla_row_bytes(64, 32)), jnp.uint8)
+    assert "triton" in sparse_mla_triton.lower_for_gpu(f, s((4, 16, 96), jnp.bfloat16), cache, s((4, 64), jnp.int32))
+
+
+def test_fp8_default_config_fits_shared_memory():
+    """fp8_ds_mla steps 32 keys (at 64 the staged bf16 tile asks for 242 KB of the H200's 227 KB); bf16 keeps 64."""
+    for t in (1, 8, 32, 128):
+        assert sparse_mla_triton.default_config(t, 64, 2048, True)["block_k"] == 32
+    assert sparse_mla_triton.default_config(128, 64, 2048, False)["block_k"] == 64
+
+
+def test_byte_run_reassembly_is_exact():
+    """u8_to_f32 / u8_to_bf16 (reshape + 2-way split) give back the little-endian floats bit for bit."""
+    rng = np.random.default_rng(5)
+    f32 = rng.normal(size=(8, 4)).astype(np.float32) * np.float32(1e-30)
+    bf = jnp.asarray(rng.normal(size=(8, 64)), jnp.bfloat16)
+    got32 = sparse_mla_triton.u8_to_f32(jnp.asarray(f32.view(np.uint8)))
+    gotbf = sparse_mla_triton.u8_to_bf16(jax.lax.bitcast_convert_type(bf, jnp.uint8).reshape(8, 128))
+    np.testing.assert_array_equal(np.asarray(got32).view(np.uint32), f32.view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(gotbf, jnp.uint16)),
+                                  np.asarray(jax.lax.bitcast_convert_type(bf, jnp.uint16)))
+
+
+@pytest.mark.parametrize("h,block_h", [(16, None), (64, 64)])
+def test_fp8_tile_scales_apply_to_their_own_tile(h, block_h):
+    """Latent tiles of very different magnitudes (so very different scales), in both fp8 layouts (per-tile
+    parts, one [bk, R] tile): a scale applied to the wrong tile would be far outside the tolerance."""
+    q, _, idx = _inputs(3, h, 64, 80, seed=21)
+    rng = np.random.default_rng(21)
+    c = rng.normal(size=(80, R + DR)).astype(np.float32)
+    c[:, :R] *= np.repeat(np.float32([1e-3, 30.0, 1.0, 300.0]), R // 4)[None, :]
+    cache = fp8_formats.quantize_mla_rows(jnp.asarray(c[:, :R]), jnp.asarray(c[:, R:]))
+    _check(q * jnp.bfloat16(0.01), cache, idx, block_h=block_h)
 
 
 @pytest.mark.gpu
