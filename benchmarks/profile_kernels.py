@@ -1,0 +1,45 @@
+"""Run each Triton kernel once at its benchmark shape, for Nsight Compute to profile (no timing here).
+
+    ncu --clock-control none --kernel-name regex:'sparse_mla|indexer|moe|topk|sort' --launch-count 12 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+        python3 benchmarks/profile_kernels.py
+
+Shapes: sparse MLA B = 128 (bf16 and fp8_ds_mla caches, GLM-5 dims), the indexer (FP8 cache) at B = 32 with a
+32K context, and the routed experts at B = 32 (GLM-5.2 widths).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import bench_indexer, bench_sparse_mla
+from kernels import indexer, moe, sparse_mla
+
+
+def main():
+    for fp8 in (False, True):
+        cache, q, idx = bench_sparse_mla.make_case(128, fp8, 1)
+        f = jax.jit(functools.partial(sparse_mla.sparse_mla, scale=0.07, kv_lora_rank=512, impl="triton"))
+        jax.block_until_ready(f(q[0], cache, idx[0]))
+        del cache
+    cache, bt, q, w, req, lens = bench_indexer.make_case(32, True, 1)
+    f = jax.jit(functools.partial(indexer.indexer_topk, block_size=bench_indexer.PAGE, topk=2048, impl="triton"))
+    jax.block_until_ready(f(q[0], w[0], cache, req[0], lens[0], bt))
+    del cache
+    d, i, e, t = 6144, 2048, 256, 32
+    key = jax.random.key(0)
+    w = [(jax.random.normal(k, s, jnp.float32) * 0.02).astype(jnp.bfloat16)
+         for k, s in zip(jax.random.split(key, 3), ((e, d, i), (e, d, i), (e, i, d)))]
+    rng = np.random.default_rng(0)
+    experts = jnp.asarray(np.stack([rng.choice(e, 8, replace=False) for _ in range(t)]), jnp.int32)
+    x = jax.random.normal(key, (t, d), jnp.bfloat16)
+    f = jax.jit(functools.partial(moe.routed_experts, impl="triton"))
+    jax.block_until_ready(f(x, experts, jnp.ones((t, 8), jnp.float32), *w))
+
+
+if __name__ == "__main__":
+    main()
