@@ -51,6 +51,8 @@ def per_op_time(make, args, reps, iters, lo=1):
 
 def make_case(b, fp8, reps, seed=0):
     regions = max(b, 16)  # 32K-token regions: row r of rep i reads region (i * b + r) % regions; >= 16 (> L2)
+    if fp8:  # a uint8 cache must stay under 2 GiB (sparse_mla_triton.check_addressable): at most 99 regions
+        regions = min(regions, (2**31 - 1) // (CTX * fp8_formats.mla_row_bytes(R, DR)))
     key = jax.random.PRNGKey(seed)
     k1, k2, k3, k4 = jax.random.split(key, 4)
     n = regions * CTX

@@ -18,7 +18,7 @@ from sharding import ParallelConfig, cache_spec, param_spec
 from .config import GlmDsaConfig
 from .model import StepBatch
 from .paged_cache import (PageAllocator, allocate_caches, block_table_array, cache_bytes_per_token, cache_dtype,
-                          free_device_bytes, owner_slots, pages_needed, plan_pages)
+                          free_device_bytes, max_addressable_pages, owner_slots, pages_needed, plan_pages)
 from .sampling import sample
 from .step import mesh_for, nest_params, resolve_parallel, step
 
@@ -82,13 +82,19 @@ class Engine:
         n, inter = self.parallel.dcp, self.parallel.interleave
         self.pages_per_seq = pages_needed(self.max_model_len, block_size, n, inter)
         self.mesh = mesh_for(self.parallel)
+        # FP8 caches over 2 GiB per layer are misaddressed by the Triton kernels (32-bit offsets)
+        max_pages = max_addressable_pages(config, block_size, kv_cache_dtype) if self.impl == "triton" else None
         if num_pages:
             self.num_pages = int(num_pages)  # per DCP rank
+            if max_pages is not None and self.num_pages > max_pages:
+                raise ValueError(f"num_pages={self.num_pages}: an FP8 cache of at most {max_pages} pages per layer "
+                                 f"(block_size {block_size}) stays under the 2 GiB the Triton kernels address")
         else:  # enough for max_num_seqs full sequences, within cache_memory_fraction of the free device memory
             page_bytes = block_size * cache_bytes_per_token(config, self.dtype, kv_cache_dtype)
             self.num_pages, self.max_num_seqs = plan_pages(
                 max_num_seqs=max_num_seqs, pages_per_seq=self.pages_per_seq, page_bytes=page_bytes,
-                free_bytes=free_device_bytes(self.mesh.devices.flat[0]), memory_fraction=cache_memory_fraction)
+                free_bytes=free_device_bytes(self.mesh.devices.flat[0]), memory_fraction=cache_memory_fraction,
+                max_pages=max_pages)
         self.params = params
         cache_sharding = NamedSharding(self.mesh, cache_spec())
         self.caches = allocate_caches(config, self.num_pages * n, block_size,

@@ -77,6 +77,15 @@ def cache_bytes_per_token(cfg: GlmDsaConfig, dtype, kv_cache_dtype: str = "auto"
     return item * (cfg.num_hidden_layers * mla_w + len(cfg.full_layers) * idx_w)
 
 
+def max_addressable_pages(cfg: GlmDsaConfig, block_size: int, kv_cache_dtype: str = "auto") -> int | None:
+    """The most pages per device whose per-layer uint8 (FP8) caches stay under 2**31 bytes, the limit of the
+    Pallas Triton kernels' 32-bit offsets (`kernels.sparse_mla_triton.check_addressable`); None for caches of
+    wider types, which have no such limit."""
+    if kv_cache_dtype != "fp8_ds_mla":
+        return None
+    return (2**31 - 1) // (block_size * max(row_widths(cfg, kv_cache_dtype)))
+
+
 def free_device_bytes(device) -> int | None:
     """Bytes the allocator of `device` can still hand out, or None where the backend does not say (CPU)."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
@@ -86,11 +95,19 @@ def free_device_bytes(device) -> int | None:
 
 
 def plan_pages(*, max_num_seqs: int, pages_per_seq: int, page_bytes: int, free_bytes: int | None,
-               memory_fraction: float) -> tuple[int, int]:
+               memory_fraction: float, max_pages: int | None = None) -> tuple[int, int]:
     """(pages per DCP rank, sequences that fit): enough for `max_num_seqs` sequences of max_model_len, capped by
     `memory_fraction` of the free device memory when it is known (the rest is left for weights' temporaries
-    and activations). Raises if not even one sequence fits."""
+    and activations) and by `max_pages` (see `max_addressable_pages`). Raises if not even one sequence fits."""
     want = max_num_seqs * pages_per_seq + 1  # + the padding page
+    if max_pages is not None:
+        if max_pages < pages_per_seq + 1:
+            raise ValueError(f"KV cache: one sequence of max_model_len needs {pages_per_seq + 1} pages per layer, more "
+                             f"than the {max_pages} an FP8 cache of under 2 GiB per layer holds (the kernels' 32-bit "
+                             "offsets); lower max_model_len")
+        if want > max_pages:
+            want = max_pages
+            max_num_seqs = (max_pages - 1) // pages_per_seq
     if free_bytes is None:
         return want, max_num_seqs
     fit = int(free_bytes * memory_fraction) // page_bytes

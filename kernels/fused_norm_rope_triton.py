@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import fp8_formats as f8
+from .sparse_mla_triton import check_addressable
 
 _F32_MIN_NORMAL = 1.1754944e-38
 _MASKED_ROW = 2**30  # row index given to masked stores: out of range, so interpret mode drops them too
@@ -353,6 +354,10 @@ def fused_norm_rope_cache_triton(q_c, kv_c, positions, slot_mapping, q_norm_w, k
     """
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if not interpret:
+        check_addressable(mla_cache, "fused_norm_rope MLA cache")
+        if index_cache is not None:
+            check_addressable(index_cache, "fused_norm_rope indexer cache")
     T, Rq = q_c.shape
     R = kv_norm_w.shape[0]
     Dr = kv_c.shape[-1] - R

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .sparse_mla_triton import col_range, dot, gather, u8_words
+from .sparse_mla_triton import check_addressable, col_range, dot, gather, u8_words
 
 SCORE_BUDGET = 1 << 25  # float32 scores held at once by the top-k stage (128 MiB)
 ROW_BLOCK_MIN_T = 64  # rows from which indexer_scores_triton takes the row-block form
@@ -120,6 +120,8 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
     (a large decode batch, every row its own request)."""
     t, h, di = q.shape
     fp8 = k_cache.dtype == jnp.uint8
+    if not interpret:
+        check_addressable(k_cache, "indexer cache")
     s = block_tables.shape[1] * block_size
     block_s = min(block_s, max(16, pl.next_power_of_2(s)))
     n_blk = -(-s // block_s)

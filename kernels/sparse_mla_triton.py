@@ -36,6 +36,17 @@ from .lse_merge import merge_partials
 NUM_SMS = 132  # H200
 
 
+def check_addressable(x, what: str) -> None:
+    """Refuse a 1-byte array of more than 2**31 elements and at most 4 GiB. Pallas Triton addresses an array of
+    at most 4 GiB with 32-bit element offsets, which Triton adds to the pointer as signed: past 2**31 they read
+    and write before the buffer, silently. (Larger arrays get 64-bit offsets; 2- and 4-byte arrays of at most
+    4 GiB stay under 2**31 elements.)"""
+    if jnp.dtype(x.dtype).itemsize == 1 and 2**31 < x.size <= 2**32:
+        raise ValueError(f"{what}: a uint8 array of {x.size / 2**30:.2f} GiB ({x.shape}) is misaddressed by the Pallas "
+                         "Triton kernels (32-bit signed offsets between 2 and 4 GiB); keep each layer's FP8 cache "
+                         "under 2 GiB (fewer pages) or above 4 GiB")
+
+
 def gather(ref, rows, cols, valid, interpret):
     """ref[rows[:, None], cols[None, :]] ([len(rows), len(cols)]), zero where not `valid` (rows not read)."""
     shape = (rows.shape[0], cols.shape[0])
@@ -174,6 +185,8 @@ def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, blo
     r = kv_lora_rank
     dr = d - r
     fp8 = cache.dtype == jnp.uint8
+    if not interpret:
+        check_addressable(cache, "sparse_mla cache")
     if fp8:
         if cache.shape[-1] != fp8_formats.mla_row_bytes(r, dr):
             raise ValueError(f"sparse_mla: fp8_ds_mla row of {cache.shape[-1]} bytes != "

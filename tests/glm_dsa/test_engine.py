@@ -160,6 +160,17 @@ def test_fp8_cache_close_to_bf16_cache(ckpt):
     assert eng.caches["mla"][0].dtype == jnp.uint8 and eng.caches["mla"][0].shape[-1] == 68  # 32 + 4 + 2 * 16
 
 
+def test_fp8_cache_pages_capped_for_the_kernels_offsets():
+    """FP8 rows per layer (656 B for GLM-5.2) x pages x block stay under 2**31 bytes on the Triton path."""
+    from glm_dsa import configs
+    from glm_dsa.paged_cache import max_addressable_pages
+    cfg = configs.get("glm52")
+    pages = max_addressable_pages(cfg, 64, "fp8_ds_mla")
+    assert pages == (2**31 - 1) // (64 * 656) and max_addressable_pages(cfg, 64, "bfloat16") is None
+    with pytest.raises(ValueError, match="num_pages=60000"):
+        glm_dsa.Engine(cfg, None, kv_cache_dtype="fp8_ds_mla", impl="triton", block_size=64, num_pages=60000)
+
+
 def test_pages_sized_from_free_device_memory(ckpt, monkeypatch):
     from glm_dsa import engine as engine_mod
     from glm_dsa.paged_cache import cache_bytes_per_token, plan_pages
@@ -170,6 +181,12 @@ def test_pages_sized_from_free_device_memory(ckpt, monkeypatch):
                       memory_fraction=0.5) == (41, 4)  # unknown (CPU): what max_num_seqs needs
     with pytest.raises(ValueError, match="one sequence of max_model_len needs"):
         plan_pages(max_num_seqs=4, pages_per_seq=10, page_bytes=1024, free_bytes=10240, memory_fraction=0.5)
+    # FP8 caches: at most max_pages (2 GiB per layer): 25 pages hold 2 sequences of 10 (+ the padding page)
+    assert plan_pages(max_num_seqs=4, pages_per_seq=10, page_bytes=1024, free_bytes=None, memory_fraction=0.5,
+                      max_pages=25) == (25, 2)
+    with pytest.raises(ValueError, match="under 2 GiB per layer"):
+        plan_pages(max_num_seqs=4, pages_per_seq=10, page_bytes=1024, free_bytes=None, memory_fraction=0.5,
+                   max_pages=10)
     page = 16 * cache_bytes_per_token(CFG, "float32")
     monkeypatch.setattr(engine_mod, "free_device_bytes", lambda device: int(9.5 * page / 0.8))
     eng = glm_dsa.load(ckpt, dtype="float32", max_model_len=64, progress=False, max_num_seqs=8)

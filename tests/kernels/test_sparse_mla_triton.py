@@ -154,3 +154,16 @@ def test_fp8_oracle_equals_attention_over_the_dequantised_cache():
     o2, lse2 = sparse_mla.sparse_mla(q.astype(jnp.float32), dense, idx, scale=0.1, kv_lora_rank=256)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o2), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse2), rtol=1e-5, atol=1e-5)
+
+
+def test_uint8_arrays_of_2_to_4_gib_are_refused():
+    """Pallas Triton addresses arrays of <= 4 GiB with 32-bit signed element offsets: a uint8 cache of 2-4 GiB
+    would be read before its buffer. The kernels refuse it by name; smaller and larger ones (64-bit) pass."""
+    s = jax.ShapeDtypeStruct
+    with pytest.raises(ValueError, match="sparse_mla cache.*2 GiB"):
+        sparse_mla_triton.lower_for_gpu(functools.partial(sparse_mla_triton.sparse_mla_triton, scale=0.1,
+                                                          kv_lora_rank=R),
+                                        s((128, 64, 576), jnp.bfloat16), s((4_000_000, 656), jnp.uint8),
+                                        s((128, 2048), jnp.int32))
+    for ok in (s((3_000_000, 656), jnp.uint8), s((7_000_000, 656), jnp.uint8), s((4_000_000, 576), jnp.bfloat16)):
+        sparse_mla_triton.check_addressable(ok, "cache")
