@@ -183,18 +183,18 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
             prompts = [rng.integers(0, cfg.vocab_size, bc.input_len).tolist() for _ in range(bc.batch)]
             eng.warmup(bc.batch, bc.input_len, bc.output_len)
             t0 = time.perf_counter()
-            eng.generate(prompts, 1, stop_token_ids=[])
-            prefill = time.perf_counter() - t0
-            t0 = time.perf_counter()
             eng.generate(prompts, bc.output_len, stop_token_ids=[])
             total = time.perf_counter() - t0
+            prefill = eng.last_timings["prefill_s"]  # to the first token of every prompt
             tokens = bc.batch * bc.input_len
             flops = sum(flops_per_token(cfg, c) for c in range(1, bc.input_len + 1)) * bc.batch
             r["prefill_s"] = prefill
             r["prefill_tokens_per_s"] = tokens / prefill
             r["prefill_mfu"] = flops / prefill / PEAK_BF16_FLOPS
             r["end_to_end_s"] = total
-            r["decode_ms_per_step_e2e"] = 1e3 * (total - prefill) / max(bc.output_len - 1, 1)
+            r["decode_ms_per_step_e2e"] = 1e3 * eng.last_timings["decode_s"] / max(eng.last_timings["decode_steps"], 1)
+            stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+            r["peak_bytes"] = (stats or {}).get("peak_bytes_in_use")
             log(f"[{impl}] end-to-end: {json.dumps(r)}")
             del eng
         r["decode"] = {}

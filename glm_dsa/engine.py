@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,7 @@ class Engine:
         self.caches = allocate_caches(config, self.num_pages * n, block_size,
                                       cache_dtype(kv_cache_dtype, self.dtype), cache_sharding, kv_cache_dtype)
         self.allocator = PageAllocator(self.num_pages)
+        self.last_timings: dict = {}  # of the last generate (see there)
         self._step = jax.jit(functools.partial(step, config=config, parallel=self.parallel, impl=self.impl),
                              donate_argnums=(1,))
 
@@ -239,6 +241,8 @@ class Engine:
         Greedy at temperature 0; otherwise temperature sampling with nucleus `top_p`, reproducible for a
         given `seed`. A sequence stops after emitting a token of `stop_token_ids` (default: the model's EOS
         ids; pass [] to never stop early), or on reaching max_model_len. Returns the new tokens per prompt.
+        Afterwards `self.last_timings` holds host-clock seconds of this call: "prefill_s" (to the first token
+        of every prompt), "decode_s" and "decode_steps" (summed over groups of max_num_seqs prompts).
         """
         prompts = [list(p) for p in prompts]
         if max_new_tokens < 0:
@@ -248,6 +252,7 @@ class Engine:
         self._check_tokens(prompts, "prompt")
         stop = set(self.config.eos_token_id if stop_token_ids is None else stop_token_ids)
         results: list[list[int]] = []
+        self.last_timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
         for g in range(0, len(prompts), self.max_num_seqs):
             group = prompts[g: g + self.max_num_seqs]
             results.extend(self._generate_group(group, max_new_tokens, temperature, top_p, seed, stop, g))
@@ -273,7 +278,10 @@ class Engine:
         try:
             if max_new == 0:
                 return new
-            self._prefill(seqs, lambda logits, seq_idx, pos: take(logits, seq_idx, 0))
+            t0 = time.perf_counter()
+            self._prefill(seqs, lambda logits, seq_idx, pos: take(logits, seq_idx, 0))  # take() waits for the ids
+            t1 = time.perf_counter()
+            steps = 0
             for i in range(1, max_new):
                 live = np.asarray([s for s in range(len(seqs)) if not seqs[s].done], np.int64)
                 if not len(live):
@@ -281,6 +289,11 @@ class Engine:
                 pos = np.asarray([len(seqs[s].tokens) - 1 for s in live])
                 tok = np.asarray([seqs[s].tokens[-1] for s in live])
                 take(self._run(live, pos, tok, seqs, np.arange(len(live))), live, i)
+                steps += 1
+            timings = self.last_timings
+            timings["prefill_s"] += t1 - t0
+            timings["decode_s"] += time.perf_counter() - t1
+            timings["decode_steps"] += steps
         finally:
             self._release(seqs)
         return new

@@ -128,6 +128,13 @@ def test_stop_ids_and_max_model_len(eng):
     assert len(eng.generate(long, max_new_tokens=10, stop_token_ids=[])[0]) == 2  # stops at max_model_len 64
 
 
+def test_generate_records_its_timings(eng):
+    out = eng.generate(_prompts(11, [5, 9]), max_new_tokens=4, stop_token_ids=[])
+    t = eng.last_timings
+    assert [len(o) for o in out] == [4, 4] and t["decode_steps"] == 3
+    assert t["prefill_s"] > 0 and t["decode_s"] > 0
+
+
 def test_compiled_steps_are_reused(eng):
     prompts = _prompts(7, [4, 6])
     eng.generate(prompts, max_new_tokens=5, stop_token_ids=[])
