@@ -71,7 +71,6 @@ def main():
                 res["speedup"] = res["xla_ms"] / res["triton_ms"]
             print(json.dumps(res), flush=True)
             rows.append(res)
-            del cache
     with open(args.out, "w") as f:
         json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
 
