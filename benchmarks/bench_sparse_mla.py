@@ -93,6 +93,12 @@ def sweep_configs(b, fp8, level):
     """Configs to try beside the default: level 0 none, 1 a focused grid, 2 a few candidates."""
     if not level:
         return []
+    if level == 3:  # the output split (r_split) against register spills: bf16 only
+        if fp8:
+            return []
+        ns = 1 if b >= 128 else (4 if b >= 32 else 16)
+        return [dict(block_h=64, block_k=bk, num_warps=w, num_stages=st, n_split=ns, r_split=2)
+                for bk, w, st in itertools.product((32, 64), (4, 8), (2, 3))]
     if level == 2:
         if b >= 32:
             return [dict(block_h=64, block_k=64, num_warps=16, num_stages=3, n_split=1 if b >= 128 else 4),
@@ -117,7 +123,7 @@ def main():
     ap.add_argument("--formats", default="bf16,fp8")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--sweep", type=int, default=0)
+    ap.add_argument("--sweep", type=int, default=0, help="0 none, 1 a grid, 2 a few candidates, 3 output-split (r_split) configs")
     ap.add_argument("--budget_s", type=float, default=150.0)
     ap.add_argument("--out", default="bench_sparse_mla.json")
     args = ap.parse_args()

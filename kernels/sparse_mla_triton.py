@@ -158,6 +158,45 @@ def _kernel(idx_ref, q_ref, cache_ref, o_ref, lse_ref, *, scale, r, dr, block_k,
     lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
 
 
+def _kernel_r_split(idx_ref, q_ref, cache_ref, o_ref, lse_ref, *, scale, r, dr, block_k, split_len, r_split,
+                    interpret):
+    """bf16 cache, the output split over `r_split` programs: program part p computes the scores over the whole
+    row (the same for every part) but accumulates only o[:, p * R/r_split : +R/r_split], so its float32
+    accumulator is r_split times smaller (no register spills at 64 heads x 512). Each part gathers the whole
+    row once, its own columns first."""
+    block_h = q_ref.shape[0]
+    part = pl.program_id(2) % r_split
+    wr = r // r_split
+    cols = [((part + j) % r_split) * wr for j in range(r_split)]  # its own columns first
+    q_parts = [q_ref[:, pl.ds(c, wr)] for c in cols]
+    q_pe = q_ref[:, pl.ds(r, dr)]
+
+    def body(i, carry):
+        o, m, l = carry
+        idx = idx_ref[pl.ds(i * block_k, block_k)]
+        valid = idx >= 0
+        slot = jnp.where(valid, idx, 0)
+        kv = [gather(cache_ref, slot, col_range(c, wr), valid, interpret) for c in cols]
+        s = dot(q_pe, gather(cache_ref, slot, col_range(r, dr), valid, interpret), trans_b=True)
+        for qp, kp in zip(q_parts, kv):
+            s = s + dot(qp, kp, trans_b=True)
+        s = jnp.where(valid[None, :], s * scale, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m - m_use)
+        p = jnp.exp(s - m_use[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        return o * alpha[:, None] + dot(p.astype(kv[0].dtype), kv[0]), m_new, l
+
+    o0 = jnp.zeros((block_h, wr), jnp.float32)
+    m0 = jnp.full((block_h,), -jnp.inf, jnp.float32)
+    l0 = jnp.zeros((block_h,), jnp.float32)
+    o, m, l = jax.lax.fori_loop(0, split_len // block_k, body, (o0, m0, l0))
+    has = l > 0
+    o_ref[...] = o * (1.0 / jnp.where(has, l, 1.0))[:, None]
+    lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+
+
 def default_config(t: int, h: int, k: int, fp8: bool):
     """(block_h, block_k, n_split, num_warps, num_stages) from the H200 sweep (BENCHMARKS.md): with enough rows,
     64 heads x 64 keys per step, 8 warps, 3 stages, and just enough splits for ~one CTA per SM (each CTA
@@ -174,13 +213,16 @@ def default_config(t: int, h: int, k: int, fp8: bool):
     while t * n_hb * n_split < target and n_split * 2 <= max_split:
         n_split *= 2
     return {"block_h": block_h, "block_k": block_k, "n_split": n_split, "num_warps": 8,
-            "num_stages": 3 if many else 2}
+            "num_stages": 3 if many else 2, "r_split": 1}
 
 
 def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, block_h: int | None = None,
                       block_k: int | None = None, n_split: int | None = None, num_warps: int | None = None,
-                      num_stages: int | None = None, interpret: bool = False, return_partials: bool = False):
-    """o [T, H, R] float32, lse [T, H]. `cache` is bf16 [slots, R + Dr] or fp8_ds_mla uint8 [slots, bytes]."""
+                      num_stages: int | None = None, r_split: int | None = None, interpret: bool = False,
+                      return_partials: bool = False):
+    """o [T, H, R] float32, lse [T, H]. `cache` is bf16 [slots, R + Dr] or fp8_ds_mla uint8 [slots, bytes].
+    r_split (bf16 caches; default 1): programs per (row, head block, split) that each own R / r_split output
+    columns (`_kernel_r_split`); a launch option to sweep against register spills."""
     t, h, d = q.shape
     r = kv_lora_rank
     dr = d - r
@@ -201,9 +243,13 @@ def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, blo
     k = indices.shape[1]
     cfg = default_config(t, h, k, fp8)
     for key, v in (("block_h", block_h), ("block_k", block_k), ("n_split", n_split), ("num_warps", num_warps),
-                   ("num_stages", num_stages)):
+                   ("num_stages", num_stages), ("r_split", r_split)):
         if v is not None:
             cfg[key] = v
+    rs = cfg["r_split"]
+    if rs != 1 and (fp8 or rs < 1 or rs & (rs - 1) or r // rs < 16):
+        raise ValueError(f"sparse_mla triton: r_split {rs} must be a power of two with R / r_split >= 16, "
+                         "on a bf16 cache")
     bh = cfg["block_h"]
     h_pad = max(16, -(-h // bh) * bh)
     bh = min(bh, h_pad)
@@ -222,20 +268,24 @@ def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, blo
     # fp8: one [bk, R] kv tile with 64-head blocks (measured faster at B = 32, 128), one part per scale tile
     # with smaller head blocks (the few-row configs: measured faster at B = 1)
     n_parts = r // tile if fp8 and bh < 64 else 1
-    kernel = functools.partial(_kernel, scale=float(scale), r=r, dr=dr, block_k=bk, split_len=split_len,
-                               fp8=fp8, tile=tile, n_parts=n_parts, interpret=interpret)
+    if rs == 1:
+        kernel = functools.partial(_kernel, scale=float(scale), r=r, dr=dr, block_k=bk, split_len=split_len,
+                                   fp8=fp8, tile=tile, n_parts=n_parts, interpret=interpret)
+    else:
+        kernel = functools.partial(_kernel_r_split, scale=float(scale), r=r, dr=dr, block_k=bk,
+                                   split_len=split_len, r_split=rs, interpret=interpret)
     n_hb = h_pad // bh
     o, lse = pl.pallas_call(
         kernel,
-        grid=(t, n_hb, ns),
+        grid=(t, n_hb, ns * rs),  # axis 2: split s, output part p at s * rs + p
         in_specs=[
-            pl.BlockSpec((None, split_len), lambda i, j, s: (i, s)),
+            pl.BlockSpec((None, split_len), lambda i, j, s: (i, s // rs)),
             pl.BlockSpec((None, bh, d), lambda i, j, s: (i, j, 0)),
             pl.BlockSpec(memory_space=pl.ANY),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, bh, r), lambda i, j, s: (s, i, j, 0)),
-            pl.BlockSpec((None, None, bh), lambda i, j, s: (s, i, j)),
+            pl.BlockSpec((None, None, bh, r // rs), lambda i, j, s: (s // rs, i, j, s % rs)),
+            pl.BlockSpec((None, None, bh), lambda i, j, s: (s // rs, i, j)),  # every part writes the same lse
         ],
         out_shape=[jax.ShapeDtypeStruct((ns, t, h_pad, r), jnp.float32),
                    jax.ShapeDtypeStruct((ns, t, h_pad), jnp.float32)],

@@ -167,3 +167,22 @@ def test_uint8_arrays_of_2_to_4_gib_are_refused():
                                         s((128, 2048), jnp.int32))
     for ok in (s((3_000_000, 656), jnp.uint8), s((7_000_000, 656), jnp.uint8), s((4_000_000, 576), jnp.bfloat16)):
         sparse_mla_triton.check_addressable(ok, "cache")
+
+
+@pytest.mark.parametrize("r_split,n_split,h", [(2, 1, 16), (4, 2, 64), (2, 3, 16)])
+def test_output_split_matches_xla(r_split, n_split, h):
+    """r_split programs per row and head block, each owning R / r_split output columns, with split-K beside it."""
+    _check(*_inputs(4, h, 70, 150, seed=r_split * 7 + n_split), block_k=16, n_split=n_split, r_split=r_split)
+
+
+def test_output_split_lowers_and_rejects_bad_values():
+    s = jax.ShapeDtypeStruct
+    f = functools.partial(sparse_mla_triton.sparse_mla_triton, scale=0.0625, kv_lora_rank=R, r_split=2)
+    assert "triton" in sparse_mla_triton.lower_for_gpu(f, s((128, 64, 576), jnp.bfloat16),
+                                                       s((1 << 20, 576), jnp.bfloat16), s((128, 2048), jnp.int32))
+    q, cache, idx = _inputs(2, 16, 32, 64, seed=3, fp8=True)
+    with pytest.raises(ValueError, match="r_split 2"):
+        sparse_mla_triton.sparse_mla_triton(q, cache, idx, scale=0.1, kv_lora_rank=R, r_split=2, interpret=True)
+    q, cache, idx = _inputs(2, 16, 32, 64, seed=3)
+    with pytest.raises(ValueError, match="r_split 3"):
+        sparse_mla_triton.sparse_mla_triton(q, cache, idx, scale=0.1, kv_lora_rank=R, r_split=3, interpret=True)
