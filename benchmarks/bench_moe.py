@@ -42,8 +42,9 @@ def time_fn(fn, args, iters):
 def sweep_configs(t, e):
     tile = moe.tile_rows(t, K, e)
     tiles = sorted({tile, max(16, tile // 2), min(128, tile * 2)})
-    for tl, bn, bk, w, s in itertools.product(tiles, (64, 128), (64, 128), (4, 8), (3, 4)):
-        yield dict(tile=tl, bn_up=bn, bk_up=bk, bn_down=bn, bk_down=bk, num_warps=w, num_stages=s)
+    splits = (1, 4, 8) if t <= 8 else (1,)  # split-K of the up projection when there are few tiles
+    for ks, tl, bn, bk, w, s in itertools.product(splits, tiles, (64, 128), (64, 128), (4, 8), (3, 4)):
+        yield dict(tile=tl, bn_up=bn, bk_up=bk, bn_down=bn, bk_down=bk, num_warps=w, num_stages=s, k_split=ks)
 
 
 def main(argv=None):

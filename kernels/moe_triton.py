@@ -58,6 +58,36 @@ def _up_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, h_ref, *, k, bk, interpre
         h_ref[...] = (jax.nn.silu(g) * u).astype(h_ref.dtype)
 
 
+def _up_partial_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, k, bk, interpret):
+    """Split-K form of the up kernel (few tiles: decode at small batch): program (n, m, c) sums hidden columns
+    [c * D / k_split, +D / k_split) into float32 partials of gate and up; SwiGLU after the sum, outside."""
+    tile, bn = g_ref.shape
+    n0 = pl.program_id(0) * bn
+    steps = x_ref.shape[1] // bk // pl.num_programs(2)
+    k0 = pl.program_id(2) * steps * bk
+
+    @pl.when(src_ref[0] >= 0)
+    def _():
+        src = src_ref[...]
+        e = te_ref[0]
+        valid = src >= 0
+        token = jnp.where(valid, src // k, 0)
+
+        def body(s, acc):
+            c0 = k0 + s * bk
+            xt = gather(x_ref, token, col_range(c0, bk), valid, interpret)
+            return (acc[0] + dot(xt, wg_ref[e, pl.ds(c0, bk), pl.ds(n0, bn)]),
+                    acc[1] + dot(xt, wu_ref[e, pl.ds(c0, bk), pl.ds(n0, bn)]))
+
+        z = jnp.zeros((tile, bn), jnp.float32)
+        g_ref[...], u_ref[...] = jax.lax.fori_loop(0, steps, body, (z, z))
+
+    @pl.when(src_ref[0] < 0)
+    def _():  # defined values for the rows of empty tiles, which the sum outside reads
+        g_ref[...] = jnp.zeros((tile, bn), jnp.float32)
+        u_ref[...] = jnp.zeros((tile, bn), jnp.float32)
+
+
 def _down_kernel(src_ref, te_ref, w_ref, h_ref, wd_ref, y_ref, *, bn, bk):
     tile = src_ref.shape[0]
     n0 = pl.program_id(0) * bn
@@ -83,14 +113,15 @@ def default_config(t: int, k: int, n_exp: int, d: int, i: int) -> dict:
     tiles of 128 rows feed the tensor cores."""
     tile = tile_rows(t, k, n_exp)
     big = tile >= 64
-    return dict(tile=tile, bn_up=_block(i, 128 if big else 64), bk_up=_block(d, 64 if big else 128),
-                bn_down=_block(d, 128 if big else 64), bk_down=_block(i, 64 if big else 128),
-                num_warps=8 if big else 4, num_stages=3 if big else 4)
+    return {"tile": tile, "bn_up": _block(i, 128 if big else 64), "bk_up": _block(d, 64 if big else 128),
+            "bn_down": _block(d, 128 if big else 64), "bk_down": _block(i, 64 if big else 128),
+            "num_warps": 8 if big else 4, "num_stages": 3 if big else 4, "k_split": 1}
 
 
 def grouped_swiglu(x, experts, weights, wg, wu, wd, *, interpret: bool = False, **options):
     """float32 [T, D]: the routed experts by the two grouped-GEMM kernels; `options` override
-    `default_config` (tile, bn_up, bk_up, bn_down, bk_down, num_warps, num_stages)."""
+    `default_config` (tile, bn_up, bk_up, bn_down, bk_down, num_warps, num_stages, k_split: the up projection
+    split over k_split programs along the hidden size, a launch option for few tiles)."""
     t, k = experts.shape
     n_exp, d, i = wg.shape
     cfg = default_config(t, k, n_exp, d, i)
@@ -106,15 +137,30 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, interpret: bool = False, 
     tile_specs = [pl.BlockSpec((tile,), lambda n, m: (m,)), pl.BlockSpec((1,), lambda n, m: (m,))]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
 
-    bn = cfg["bn_up"]
-    h = pl.pallas_call(
-        functools.partial(_up_kernel, k=k, bk=cfg["bk_up"], interpret=interpret),
-        grid=(i // bn, n_tiles),
-        in_specs=tile_specs + [any_spec] * 3,
-        out_specs=pl.BlockSpec((tile, bn), lambda n, m: (m, n)),
-        out_shape=jax.ShapeDtypeStruct((n_tiles * tile, i), x.dtype),
-        compiler_params=params, interpret=interpret, name="moe_up",
-    )(src, tile_expert, x, wg, wu)
+    bn, ks = cfg["bn_up"], cfg["k_split"]
+    if ks < 1 or ks & (ks - 1) or d % (ks * cfg["bk_up"]):
+        raise ValueError(f"moe triton: k_split {ks} must be a power of two dividing D / bk_up = {d // cfg['bk_up']}")
+    if ks == 1:
+        h = pl.pallas_call(
+            functools.partial(_up_kernel, k=k, bk=cfg["bk_up"], interpret=interpret),
+            grid=(i // bn, n_tiles),
+            in_specs=tile_specs + [any_spec] * 3,
+            out_specs=pl.BlockSpec((tile, bn), lambda n, m: (m, n)),
+            out_shape=jax.ShapeDtypeStruct((n_tiles * tile, i), x.dtype),
+            compiler_params=params, interpret=interpret, name="moe_up",
+        )(src, tile_expert, x, wg, wu)
+    else:
+        part = jax.ShapeDtypeStruct((ks, n_tiles * tile, i), jnp.float32)
+        g, u = pl.pallas_call(
+            functools.partial(_up_partial_kernel, k=k, bk=cfg["bk_up"], interpret=interpret),
+            grid=(i // bn, n_tiles, ks),
+            in_specs=[pl.BlockSpec((tile,), lambda n, m, c: (m,)), pl.BlockSpec((1,), lambda n, m, c: (m,))]
+            + [any_spec] * 3,
+            out_specs=[pl.BlockSpec((None, tile, bn), lambda n, m, c: (c, m, n))] * 2,
+            out_shape=[part, part],
+            compiler_params=params, interpret=interpret, name="moe_up_split_k",
+        )(src, tile_expert, x, wg, wu)
+        h = (jax.nn.silu(g.sum(0)) * u.sum(0)).astype(x.dtype)
 
     bn = cfg["bn_down"]
     y = pl.pallas_call(

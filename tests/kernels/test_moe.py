@@ -54,6 +54,8 @@ def test_xla_forms_match_oracle(mode):
     (13, 4, 8, False, {}),            # experts with several rows, tiles padded
     (40, 2, 4, True, {"tile": 16}),   # expert 3 has 40 rows: three tiles of one expert
     (9, 3, 16, False, {"tile": 32, "bk_up": 16, "bn_up": 16, "bk_down": 16, "bn_down": 16}),  # many K steps
+    (1, 2, 8, False, {"k_split": 2, "bk_up": 32}),       # split-K up projection, one token
+    (13, 4, 8, False, {"k_split": 4, "bk_up": 16}),      # split-K with empty tiles beside full ones
 ])
 def test_triton_matches_oracle(t, k, n_exp, skew, options):
     args = _inputs(t, k, n_exp, 64, 32, seed=t * k, skew=skew)
@@ -85,6 +87,11 @@ def test_narrow_widths_fall_back_to_xla():
     assert _rel(moe.routed_experts(*args, impl=IMPL), _oracle(*args)) < 1e-5
 
 
+def test_bad_k_split_is_named():
+    with pytest.raises(ValueError, match="k_split 3"):
+        moe.routed_experts(*_inputs(3, 2, 4, 64, 32, seed=0), impl=IMPL, k_split=3)
+
+
 def test_bad_shapes_are_named():
     x, e, w, wg, wu, wd = _inputs(3, 2, 4, 32, 16, seed=0)
     with pytest.raises(ValueError, match="down"):
@@ -101,6 +108,9 @@ def test_lowers_at_glm52_shapes():
                 s((256, 6144, 2048), jnp.bfloat16), s((256, 6144, 2048), jnp.bfloat16),
                 s((256, 2048, 6144), jnp.bfloat16))
         assert "triton" in sparse_mla_triton.lower_for_gpu(moe_triton.grouped_swiglu, *args)
+        if t == 32:
+            f = functools.partial(moe_triton.grouped_swiglu, k_split=4)
+            assert "moe_up_split_k" in sparse_mla_triton.lower_for_gpu(f, *args)
 
 
 @pytest.mark.gpu
