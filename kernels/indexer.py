@@ -84,7 +84,8 @@ def indexer_topk_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *
                         return_scores: bool = False, row_chunk: int | None = None, interpret: bool = False,
                         topk_impl: str = TOPK_IMPL, **kernel_options):
     """Pallas Triton scores, then `topk_positions`, `row_chunk` query rows at a time (default: as many rows
-    as keep the float32 scores under SCORE_BUDGET), so a 32K x 32K prefill never holds [T, S] scores.
+    as keep the float32 scores under SCORE_BUDGET, rounded down to a power of two), so a 32K x 32K prefill never
+    holds [T, S] scores.
     topk_impl: "triton" (radix select + compaction kernel, then a stable sort of the k winners) or "xla"
     (`jax.lax.top_k` over the scores)."""
     from .indexer_triton import SCORE_BUDGET, indexer_scores_triton, topk_triton
@@ -92,7 +93,8 @@ def indexer_topk_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *
     q, weights = prepare_queries(q, weights, k_cache)
     s = block_tables.shape[1] * block_size
     if row_chunk is None:
-        row_chunk = max(1, SCORE_BUDGET // max(s, 1))
+        # a power of two: prefill chunks (powers of two) then split into whole row chunks, no padded rows
+        row_chunk = 1 << max(0, (SCORE_BUDGET // max(s, 1)).bit_length() - 1)
 
     def rows(q_, w_, r_, n_):
         sc = indexer_scores_triton(q_, w_, k_cache, r_, n_, block_tables, block_size=block_size,
