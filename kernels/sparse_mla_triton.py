@@ -121,6 +121,34 @@ def _load_rows(cache_ref, slot, valid, r, dr, tile, fp8, n_parts, interpret):
     return parts, pe
 
 
+def _key_slots(idx_ref, i, block_k):
+    """Key block i of the row's indices: (valid [bk], slot [bk] with -1 replaced by a readable 0)."""
+    idx = idx_ref[pl.ds(i * block_k, block_k)]
+    return idx >= 0, jnp.maximum(idx, 0)
+
+
+def _softmax_init(block_h):
+    """(m, l) before any key: running max -inf, running sum 0."""
+    return jnp.full((block_h,), -jnp.inf, jnp.float32), jnp.zeros((block_h,), jnp.float32)
+
+
+def _softmax_step(s, valid, scale, m, l):
+    """One key block of the online softmax: scores s [bh, bk] (invalid keys masked to -inf) -> (p, alpha, m, l),
+    with alpha rescaling the accumulators; a row with no valid key yet keeps m = -inf and gets p = 0."""
+    s = jnp.where(valid[None, :], s * scale, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_use)
+    p = jnp.exp(s - m_use[:, None])
+    return p, alpha, m_new, l * alpha + jnp.sum(p, axis=1)
+
+
+def _softmax_finish(m, l):
+    """(1 / l, lse): a row with no valid key gets (1, -inf), so its o stays 0 — the merge identity (0, -inf)."""
+    has = l > 0
+    return 1.0 / jnp.where(has, l, 1.0), jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+
+
 def _kernel(idx_ref, q_ref, cache_ref, o_ref, lse_ref, *, scale, r, dr, block_k, split_len, fp8, tile, n_parts,
             interpret):
     block_h = q_ref.shape[0]
@@ -130,32 +158,22 @@ def _kernel(idx_ref, q_ref, cache_ref, o_ref, lse_ref, *, scale, r, dr, block_k,
 
     def body(i, carry):
         o, m, l = carry
-        idx = idx_ref[pl.ds(i * block_k, block_k)]
-        valid = idx >= 0
-        slot = jnp.where(valid, idx, 0)
+        valid, slot = _key_slots(idx_ref, i, block_k)
         kv, pe = _load_rows(cache_ref, slot, valid, r, dr, tile, fp8, n_parts, interpret)
         s = dot(q_pe, pe, trans_b=True)  # [bh, bk] f32
         for g in range(n_parts):
             s = s + dot(q_nope[g], kv[g], trans_b=True)
-        s = jnp.where(valid[None, :], s * scale, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_use)
-        p = jnp.exp(s - m_use[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
+        p, alpha, m_new, l = _softmax_step(s, valid, scale, m, l)
         pb = p.astype(kv[0].dtype)
         o = tuple(o[g] * alpha[:, None] + dot(pb, kv[g]) for g in range(n_parts))
         return o, m_new, l
 
     o0 = tuple(jnp.zeros((block_h, w), jnp.float32) for _ in range(n_parts))
-    m0 = jnp.full((block_h,), -jnp.inf, jnp.float32)
-    l0 = jnp.zeros((block_h,), jnp.float32)
-    o, m, l = jax.lax.fori_loop(0, split_len // block_k, body, (o0, m0, l0))
-    has = l > 0
-    inv = 1.0 / jnp.where(has, l, 1.0)
+    o, m, l = jax.lax.fori_loop(0, split_len // block_k, body, (o0, *_softmax_init(block_h)))
+    inv, lse = _softmax_finish(m, l)
+    lse_ref[...] = lse
     for g in range(n_parts):
         o_ref[:, pl.ds(g * w, w)] = o[g] * inv[:, None]
-    lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
 
 
 def _kernel_r_split(idx_ref, q_ref, cache_ref, o_ref, lse_ref, *, scale, r, dr, block_k, split_len, r_split,
@@ -173,28 +191,19 @@ def _kernel_r_split(idx_ref, q_ref, cache_ref, o_ref, lse_ref, *, scale, r, dr, 
 
     def body(i, carry):
         o, m, l = carry
-        idx = idx_ref[pl.ds(i * block_k, block_k)]
-        valid = idx >= 0
-        slot = jnp.where(valid, idx, 0)
+        valid, slot = _key_slots(idx_ref, i, block_k)
         kv = [gather(cache_ref, slot, col_range(c, wr), valid, interpret) for c in cols]
         s = dot(q_pe, gather(cache_ref, slot, col_range(r, dr), valid, interpret), trans_b=True)
         for qp, kp in zip(q_parts, kv):
             s = s + dot(qp, kp, trans_b=True)
-        s = jnp.where(valid[None, :], s * scale, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_use)
-        p = jnp.exp(s - m_use[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
+        p, alpha, m_new, l = _softmax_step(s, valid, scale, m, l)
         return o * alpha[:, None] + dot(p.astype(kv[0].dtype), kv[0]), m_new, l
 
     o0 = jnp.zeros((block_h, wr), jnp.float32)
-    m0 = jnp.full((block_h,), -jnp.inf, jnp.float32)
-    l0 = jnp.zeros((block_h,), jnp.float32)
-    o, m, l = jax.lax.fori_loop(0, split_len // block_k, body, (o0, m0, l0))
-    has = l > 0
-    o_ref[...] = o * (1.0 / jnp.where(has, l, 1.0))[:, None]
-    lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+    o, m, l = jax.lax.fori_loop(0, split_len // block_k, body, (o0, *_softmax_init(block_h)))
+    inv, lse = _softmax_finish(m, l)
+    lse_ref[...] = lse
+    o_ref[...] = o * inv[:, None]
 
 
 def default_config(t: int, h: int, k: int, fp8: bool):
