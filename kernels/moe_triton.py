@@ -36,25 +36,33 @@ def supported(d: int, i: int) -> bool:
     return bool(_block(d, 16) and _block(i, 16))
 
 
+def _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, *, tile, n0, bn, k0, steps, k, bk, interpret):
+    """float32 (x @ gate_e, x @ up_e) [tile, bn] of columns [n0, n0 + bn) over hidden columns
+    [k0, k0 + steps * bk), the x rows gathered by the tile's tokens (padding rows read as zeros). Program ids
+    are read by the caller, outside its `pl.when` (the interpreter cannot evaluate them inside)."""
+    src = src_ref[...]
+    e = te_ref[0]
+    valid = src >= 0
+    token = jnp.where(valid, src // k, 0)
+
+    def body(s, acc):
+        c0 = k0 + s * bk
+        xt = gather(x_ref, token, col_range(c0, bk), valid, interpret)  # [tile, bk]
+        return (acc[0] + dot(xt, wg_ref[e, pl.ds(c0, bk), pl.ds(n0, bn)]),
+                acc[1] + dot(xt, wu_ref[e, pl.ds(c0, bk), pl.ds(n0, bn)]))
+
+    z = jnp.zeros((tile, bn), jnp.float32)
+    return jax.lax.fori_loop(0, steps, body, (z, z))
+
+
 def _up_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, h_ref, *, k, bk, interpret):
     tile, bn = h_ref.shape
     n0 = pl.program_id(0) * bn
 
     @pl.when(src_ref[0] >= 0)
     def _():
-        src = src_ref[...]
-        e = te_ref[0]
-        valid = src >= 0
-        token = jnp.where(valid, src // k, 0)
-
-        def body(s, acc):
-            xt = gather(x_ref, token, col_range(s * bk, bk), valid, interpret)  # [tile, bk]
-            g = acc[0] + dot(xt, wg_ref[e, pl.ds(s * bk, bk), pl.ds(n0, bn)])
-            u = acc[1] + dot(xt, wu_ref[e, pl.ds(s * bk, bk), pl.ds(n0, bn)])
-            return g, u
-
-        z = jnp.zeros((tile, bn), jnp.float32)
-        g, u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, (z, z))
+        g, u = _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, tile=tile, n0=n0, bn=bn, k0=0,
+                        steps=x_ref.shape[1] // bk, k=k, bk=bk, interpret=interpret)
         h_ref[...] = (jax.nn.silu(g) * u).astype(h_ref.dtype)
 
 
@@ -68,19 +76,8 @@ def _up_partial_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, 
 
     @pl.when(src_ref[0] >= 0)
     def _():
-        src = src_ref[...]
-        e = te_ref[0]
-        valid = src >= 0
-        token = jnp.where(valid, src // k, 0)
-
-        def body(s, acc):
-            c0 = k0 + s * bk
-            xt = gather(x_ref, token, col_range(c0, bk), valid, interpret)
-            return (acc[0] + dot(xt, wg_ref[e, pl.ds(c0, bk), pl.ds(n0, bn)]),
-                    acc[1] + dot(xt, wu_ref[e, pl.ds(c0, bk), pl.ds(n0, bn)]))
-
-        z = jnp.zeros((tile, bn), jnp.float32)
-        g_ref[...], u_ref[...] = jax.lax.fori_loop(0, steps, body, (z, z))
+        g_ref[...], u_ref[...] = _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, tile=tile, n0=n0, bn=bn, k0=k0,
+                                          steps=steps, k=k, bk=bk, interpret=interpret)
 
     @pl.when(src_ref[0] < 0)
     def _():  # defined values for the rows of empty tiles, which the sum outside reads
