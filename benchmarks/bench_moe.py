@@ -15,7 +15,6 @@ import argparse
 import functools
 import itertools
 import json
-import statistics
 import sys
 import time
 
@@ -23,20 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.bench_sparse_mla import time_fn
 from kernels import moe
 
 D, I, E, K = 6144, 2048, 256, 8
 PEAK_BYTES, PEAK_FLOPS = 4.8e12, 989e12
-
-
-def time_fn(fn, args, iters):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def sweep_configs(t, e):

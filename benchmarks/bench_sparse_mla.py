@@ -15,13 +15,13 @@ import argparse
 import functools
 import itertools
 import json
-import statistics
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
+from glm_dsa.bench import timeit
 from kernels import fp8_formats, sparse_mla, sparse_mla_triton
 
 PEAK = 4.8e12
@@ -29,15 +29,8 @@ H, R, DR, K, CTX = 64, 512, 64, 2048, 32768
 
 
 def time_fn(fn, args, iters):
-    """Median wall time of fn(*args) (one executable), after a warm-up call."""
-    out = fn(*args)
-    jax.block_until_ready(out)
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    """Median wall time of fn(*args) (one executable), after a warm-up call (`glm_dsa.bench.timeit`)."""
+    return timeit(fn, *args, warmup=1, reps=iters)
 
 
 def per_op_time(make, args, reps, iters, lo=1):
