@@ -42,6 +42,12 @@ def timeit(fn, *args, warmup: int = 2, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def peak_bytes(device) -> int | None:
+    """The device allocator's peak bytes in use so far (None where the backend does not say: CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return (stats or {}).get("peak_bytes_in_use")
+
+
 def flops_per_token(cfg: GlmDsaConfig, context: int) -> float:
     """Matmul FLOPs of one token through the model at a context length (sparse attention over top-k)."""
     d, h = cfg.hidden_size, cfg.num_attention_heads
@@ -201,8 +207,7 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
             r["prefill_mfu"] = flops / prefill / PEAK_BF16_FLOPS
             r["end_to_end_s"] = total
             r["decode_ms_per_step_e2e"] = 1e3 * eng.last_timings["decode_s"] / max(eng.last_timings["decode_steps"], 1)
-            stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-            r["peak_bytes"] = (stats or {}).get("peak_bytes_in_use")
+            r["peak_bytes"] = peak_bytes(device)
             log(f"[{impl}] end-to-end: {json.dumps(r)}")
             del eng
         r["decode"] = {}
@@ -229,8 +234,7 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
                    "attention_roofline_ms": 1e3 * attn_bytes / PEAK_HBM_BYTES}
             if bc.stages:
                 row["stages_ms"] = {k: 1e3 * v for k, v in stage_times(eng, batch).items()}
-            stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-            row["peak_bytes"] = (stats or {}).get("peak_bytes_in_use")
+            row["peak_bytes"] = peak_bytes(device)
             r["decode"][b] = row
             log(f"[{impl}] decode B={b}: {json.dumps(row)}")
             del eng, caches

@@ -22,6 +22,7 @@ import numpy as np
 from sharding import ParallelConfig
 from sharding.parallel import QREP_ENV
 
+from .bench import peak_bytes
 from .engine import Engine
 from .init import init_params
 
@@ -124,12 +125,11 @@ def run_dcp_bench(bc: DcpBenchConfig, log=print) -> dict:
             eng.generate(prompts, bc.output_len, stop_token_ids=[])
             total = time.perf_counter() - t0
             t = eng.last_timings
-            stats = dev0.memory_stats() if hasattr(dev0, "memory_stats") else None
             row = {"total_s": total, "prefill_s": t["prefill_s"],
                    "decode_ms_per_step": 1e3 * t["decode_s"] / max(t["decode_steps"], 1),
                    "param_bytes_per_device": bytes_on(eng.params, dev0),
                    "cache_bytes_per_device": bytes_on(eng.caches, dev0),
-                   "peak_bytes": (stats or {}).get("peak_bytes_in_use")}
+                   "peak_bytes": peak_bytes(dev0)}
             res["timing"][name] = row
             log(f"timing {name} (TP={bc.tp}, DCP={1 if variant is None else bc.dcp}): {json.dumps(row)}")
             del eng
