@@ -128,12 +128,18 @@ def split_mla_rows(rows, kv_lora_rank: int, rope_dim: int):
     return q, scale, k_pe
 
 
+def e4m3_to_f32(x):
+    """e4m3 values -> float32 by a 256-entry table: no convert op, so XLA's GPU GEMM rewriter cannot fuse it
+    with the dot that follows into an FP8 cuBLAS GEMM (whose fast accumulation drifts ~1% on long dots)."""
+    return jnp.asarray(_E4M3_F32)[jax.lax.bitcast_convert_type(x.astype(FP8), jnp.uint8).astype(jnp.int32)]
+
+
 def dequantize_mla_rows(rows, kv_lora_rank: int, rope_dim: int):
     """uint8 [..., row_bytes] -> (kv float32 [..., R], k_pe bfloat16 [..., Dr])."""
     q, scale, k_pe = split_mla_rows(rows, kv_lora_rank, rope_dim)
     tile = mla_tile(kv_lora_rank)
     lead = q.shape[:-1]
-    kv = q.astype(jnp.float32).reshape(*lead, -1, tile) * scale[..., None]
+    kv = e4m3_to_f32(q).reshape(*lead, -1, tile) * scale[..., None]
     return kv.reshape(*lead, kv_lora_rank), k_pe
 
 
@@ -153,16 +159,10 @@ def split_index_rows(rows, index_dim: int):
     return _from_bytes(rows[..., :index_dim], FP8), _from_bytes(rows[..., index_dim:], jnp.float32)[..., 0]
 
 
-def e4m3_to_f32(x):
-    """e4m3 values -> float32 by a 256-entry table: no convert op, so XLA's GPU GEMM rewriter cannot fuse it
-    with the dot that follows into an FP8 cuBLAS GEMM (whose fast accumulation drifts ~1% on long dots)."""
-    return jnp.asarray(_E4M3_F32)[jax.lax.bitcast_convert_type(x.astype(FP8), jnp.uint8).astype(jnp.int32)]
-
-
 def dequantize_index_rows(rows, index_dim: int):
     """uint8 [..., Di + 4] -> float32 [..., Di]."""
     q, s = split_index_rows(rows, index_dim)
-    return q.astype(jnp.float32) * s[..., None]
+    return e4m3_to_f32(q) * s[..., None]
 
 
 def quantize_index_queries(q):
