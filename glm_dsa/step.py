@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -59,6 +60,20 @@ def nest_params(flat: dict) -> dict:
     return out
 
 
+def params_dtype(params) -> jnp.dtype:
+    """The model's weight dtype (that of the first layer's kv_a_proj; norms and the router stay float32)."""
+    return params["layers"][0]["attn"]["kv_a_proj"].dtype
+
+
+def matmul_precision(params):
+    """A context for tracing the model: float32 weights get float32 dots. On a GPU, XLA's default for a float32
+    dot is TF32 (10-bit mantissas), which would make a float32 model neither a reference nor deterministic
+    under re-sharding (a last-bit change upstream can move a TF32 rounding by 2**-11)."""
+    if params_dtype(params) == jnp.float32:
+        return jax.default_matmul_precision("highest")
+    return contextlib.nullcontext()
+
+
 def run_sharded(body, params, caches, batch: StepBatch, parallel: ParallelConfig, out_specs):
     """`body(params, caches, batch)` per shard on the mesh of a resolved `parallel`: parameters split by the
     partition table, caches by token over 'dcp', the batch replicated."""
@@ -66,7 +81,8 @@ def run_sharded(body, params, caches, batch: StepBatch, parallel: ParallelConfig
     f = jax.shard_map(body, mesh=mesh_for(parallel),
                       in_specs=(param_partition_specs(params, parallel.q_replicate), cspecs, P()),
                       out_specs=out_specs(cspecs) if callable(out_specs) else out_specs, check_vma=False)
-    return f(params, caches, batch)
+    with matmul_precision(params):
+        return f(params, caches, batch)
 
 
 def step(params, caches, batch: StepBatch, *, config: GlmDsaConfig, parallel: ParallelConfig | None = None,
@@ -91,7 +107,7 @@ def prefill_inputs(params, token_ids, *, config: GlmDsaConfig, parallel: Paralle
     b, t = token_ids.shape
     pages_per_seq = pages_needed(t, block_size, parallel.dcp, parallel.interleave)
     num_pages = b * pages_per_seq + 1  # per rank; page 0 is the padding page
-    dtype = params["layers"][0]["attn"]["kv_a_proj"].dtype
+    dtype = params_dtype(params)
     caches = allocate_caches(config, num_pages * parallel.dcp, block_size, cache_dtype(kv_cache_dtype, dtype),
                              kv_cache_dtype=kv_cache_dtype)
     pos = np.tile(np.arange(t, dtype=np.int32), b)

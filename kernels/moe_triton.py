@@ -105,10 +105,14 @@ def _down_kernel(src_ref, te_ref, w_ref, h_ref, wd_ref, y_ref, *, bn, bk):
         plgpu.store(y_ref.at[rows[:, None], col_range(n0, bn)[None, :]], y, mask=valid[:, None])
 
 
-def default_config(t: int, k: int, n_exp: int, d: int, i: int) -> dict:
+def default_config(t: int, k: int, n_exp: int, d: int, i: int, itemsize: int = 2) -> dict:
     """Tile rows and block widths: decode-sized tiles stream weights (wide K steps, deep pipelines); prefill
-    tiles of 128 rows feed the tensor cores."""
+    tiles of 128 rows feed the tensor cores. float32 weights (`itemsize` 4: the reference models) take 64 x 32
+    blocks in 2 stages, since the bf16 blocks would ask for more shared memory than a CTA has."""
     tile = tile_rows(t, k, n_exp)
+    if itemsize >= 4:
+        return {"tile": tile, "bn_up": _block(i, 64), "bk_up": _block(d, 32), "bn_down": _block(d, 64),
+                "bk_down": _block(i, 32), "num_warps": 8 if tile >= 64 else 4, "num_stages": 2, "k_split": 1}
     big = tile >= 64
     return {"tile": tile, "bn_up": _block(i, 128 if big else 64), "bk_up": _block(d, 64 if big else 128),
             "bn_down": _block(d, 128 if big else 64), "bk_down": _block(i, 64 if big else 128),
@@ -121,7 +125,7 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, interpret: bool = False, 
     split over k_split programs along the hidden size, a launch option for few tiles)."""
     t, k = experts.shape
     n_exp, d, i = wg.shape
-    cfg = default_config(t, k, n_exp, d, i)
+    cfg = default_config(t, k, n_exp, d, i, jnp.dtype(wg.dtype).itemsize)
     unknown = set(options) - set(cfg)
     if unknown:
         raise ValueError(f"moe triton: unknown options {sorted(unknown)} (known: {sorted(cfg)})")

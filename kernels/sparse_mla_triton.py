@@ -206,23 +206,28 @@ def _kernel_r_split(idx_ref, q_ref, cache_ref, o_ref, lse_ref, *, scale, r, dr, 
     o_ref[...] = o * inv[:, None]
 
 
-def default_config(t: int, h: int, k: int, fp8: bool):
+def default_config(t: int, h: int, k: int, fp8: bool, itemsize: int = 2):
     """(block_h, block_k, n_split, num_warps, num_stages) from the H200 sweep (BENCHMARKS.md): with enough rows,
     64 heads x 64 keys per step, 8 warps, 3 stages, and just enough splits for ~one CTA per SM (each CTA
     holds ~220 KB of shared memory); for a few rows, 32 x 32 tiles and more splits. fp8_ds_mla always steps
     32 keys: its dequantised [block_k, R] bf16 tile is staged in shared memory beside the raw bytes, and at
-    64 keys the kernel asks for 242 KB (the H200 has 227 KB per CTA)."""
+    64 keys the kernel asks for 242 KB (the H200 has 227 KB per CTA). A float32 cache (`itemsize` 4: the
+    reference models) takes 16 x 16 tiles in 2 stages: its rows are twice as wide in shared memory, and the
+    bf16 tiles would ask for up to 440 KB."""
     many = t * max(1, h // 64) >= 32
-    block_h = 64 if (many and h % 64 == 0) else (32 if h % 32 == 0 else 16)
-    block_k = 64 if (many and not fp8) else 32
+    if itemsize >= 4:
+        block_h, block_k = 16, 16
+    else:
+        block_h = 64 if (many and h % 64 == 0) else (32 if h % 32 == 0 else 16)
+        block_k = 64 if (many and not fp8) else 32
     n_hb = max(1, h // block_h)
     target = 128 if many else 64
     max_split = max(1, k // block_k)
     n_split = 1
     while t * n_hb * n_split < target and n_split * 2 <= max_split:
         n_split *= 2
-    return {"block_h": block_h, "block_k": block_k, "n_split": n_split, "num_warps": 8,
-            "num_stages": 3 if many else 2, "r_split": 1}
+    return {"block_h": block_h, "block_k": block_k, "n_split": n_split, "num_warps": 4 if itemsize >= 4 else 8,
+            "num_stages": 3 if (many and itemsize < 4) else 2, "r_split": 1}
 
 
 def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, block_h: int | None = None,
@@ -250,7 +255,7 @@ def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, blo
         if v & (v - 1):
             raise ValueError(f"sparse_mla triton: {name} {v} must be a power of two")
     k = indices.shape[1]
-    cfg = default_config(t, h, k, fp8)
+    cfg = default_config(t, h, k, fp8, jnp.dtype(cache.dtype).itemsize)
     for key, v in (("block_h", block_h), ("block_k", block_k), ("n_split", n_split), ("num_warps", num_warps),
                    ("num_stages", num_stages), ("r_split", r_split)):
         if v is not None:

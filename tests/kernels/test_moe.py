@@ -121,3 +121,24 @@ def test_gpu_glm52_widths(t):
     want = moe.experts_xla(*(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args), mode="tiles")
     got = jax.jit(functools.partial(moe.routed_experts, impl="triton"))(*args)
     assert _rel(got, np.asarray(want, np.float64)) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [4, 2048])
+def test_gpu_float32_weights(t):
+    """A float32 model at GLM-5.2 widths: the float32 block sizes fit shared memory, and the dots are IEEE
+    float32 (the oracle under "highest" too: a GPU's float32 default is TF32)."""
+    args = _inputs(t, 8, 32, 6144, 512, seed=t)
+    with jax.default_matmul_precision("highest"):
+        want = np.asarray(moe.experts_xla(*args, mode="tiles"), np.float64)
+    got = jax.jit(functools.partial(moe.routed_experts, impl="triton"))(*args)
+    assert _rel(got, want) < 1e-4
+
+
+def test_float32_config_fits_shared_memory():
+    """Hand count of the pipelined tiles of the float32 blocks (x rows + gate and up blocks, bytes x stages)."""
+    for t in (1, 32, 2048):
+        c = moe_triton.default_config(t, 8, 256, 6144, 2048, itemsize=4)
+        up = (c["tile"] * c["bk_up"] + 2 * c["bk_up"] * c["bn_up"]) * 4 * c["num_stages"]
+        down = (c["tile"] * c["bk_down"] + c["bk_down"] * c["bn_down"]) * 4 * c["num_stages"]
+        assert max(up, down) <= 160 * 1024, c

@@ -145,6 +145,24 @@ def test_gpu_glm5_shapes(t, h, k, fp8):
     _check(*_inputs(t, h, k, 200_000, seed=t + h, fp8=fp8))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [4, 512])
+def test_gpu_float32_cache_glm5_shapes(t):
+    """A float32 model (the reference dtype) at GLM-5 heads: its default tiles must fit shared memory, and its
+    dots run in IEEE float32 (the oracle too, not the GPU's TF32 default)."""
+    q, cache, idx = _inputs(t, 64, 2048, 100_000, seed=t)
+    with jax.default_matmul_precision("highest"):
+        _check(q.astype(jnp.float32), cache.astype(jnp.float32), idx, tol=1e-4)
+
+
+def test_float32_default_config_fits_shared_memory():
+    """q tile + pipelined key tiles of a float32 cache stay under the H200's 227 KB per CTA (the bf16 tiles
+    would ask for ~440 KB); hand count: (block_h + stages * block_k) rows of 576 float32."""
+    for t in (1, 4, 32, 128, 2048):
+        c = sparse_mla_triton.default_config(t, 64, 2048, False, itemsize=4)
+        assert (c["block_h"] + c["num_stages"] * c["block_k"]) * 576 * 4 <= 160 * 1024, c
+
+
 def test_fp8_oracle_equals_attention_over_the_dequantised_cache():
     """The xla form's fp8_ds_mla read path = the bf16/f32 path over `dequantize_mla_rows` of the same bytes."""
     q, cache, idx = _inputs(4, 16, 40, 60, seed=3, fp8=True, r=256, dr=64)
