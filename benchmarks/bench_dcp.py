@@ -2,6 +2,7 @@
 the seeds' shape, with parameter and cache bytes per device. See `glm_dsa.dcp_bench`.
 
     PYTHONPATH=. python3 benchmarks/bench_dcp.py --tp 4 --dcp 4 --out dcp.json            # on nvidia-h200-x4
+    PYTHONPATH=. python3 benchmarks/bench_dcp.py --tp 2 --dcp 2 --no-timing --identity-dtype bfloat16  # x2
     PYTHONPATH=. python3 benchmarks/bench_dcp.py --preset tiny --tp 4 --dcp 4 --input-len 64 --cpu   # smoke run
 """
 
@@ -22,6 +23,7 @@ def main(argv=None):
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--dcp", type=int, default=4)
     ap.add_argument("--variants", default="qrep:a2a,qrep:ag_rs,noqrep:a2a,noqrep:ag_rs")
+    ap.add_argument("--identity-variants", default=None, help="variants of the identity check (default: --variants)")
     ap.add_argument("--identity-steps", type=int, default=128)
     ap.add_argument("--identity-prompt-len", type=int, default=512)
     ap.add_argument("--identity-batch", type=int, default=4)
@@ -40,7 +42,9 @@ def main(argv=None):
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     from glm_dsa.dcp_bench import DcpBenchConfig, run_dcp_bench
     bc = DcpBenchConfig(preset=args.preset, num_layers=args.num_layers, tp=args.tp, dcp=args.dcp,
-                        variants=tuple(args.variants.split(",")), identity_steps=args.identity_steps,
+                        variants=tuple(args.variants.split(",")),
+                        identity_variants=tuple(args.identity_variants.split(",")) if args.identity_variants else None,
+                        identity_steps=args.identity_steps,
                         identity_prompt_len=args.identity_prompt_len, identity_batch=args.identity_batch,
                         identity_dtype=args.identity_dtype, input_len=args.input_len, output_len=args.output_len,
                         batch=args.batch, dtype=args.dtype, impl=args.impl, timing=not args.no_timing)

@@ -5,19 +5,20 @@
 #          bench_indexer.py), decode at B = 1 and 128 (Triton and xla, no stage breakdown);
 #   GPU 1: the end-to-end bench at the seeds' shape (8 x 32K in, 128 out) with decode at B = 32 and its
 #          stage breakdown, Triton then xla.
-# Logs and JSON under $OUT (or ./gpu_out). Limits (s): DCP_S, TEST_S, E2E_S, XLA_S, DEC_S.
+# Logs and JSON go to $LOGS (default /tmp/gpu_pair), packed into $OUT/logs.tgz at the end (the device tool
+# returns only a few files from $OUT). Limits (s): DCP_S, TEST_S, E2E_S, XLA_S, DEC_S.
 set -uo pipefail
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+FINAL=${OUT:-gpu_out}; OUT=${LOGS:-/tmp/gpu_pair}; mkdir -p "$OUT" "$FINAL"
 export PYTHONPATH=. GLM_DSA_TEST_GPU=1 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 step() { local name=$1 limit=$2; shift 2; echo "== $name ($(date +%T))"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1;
          echo "rc $? ($(date +%T))" >> "$OUT/$name.log"; tail -${TAIL:-8} "$OUT/$name.log"; }
 BENCH="python3 -m glm_dsa bench --preset bench --decode-context 32768"
-XLA_PYTHON_CLIENT_PREALLOCATE=false step dcp_tests ${DCP_S:-120} python3 -m pytest -m gpu -q -p no:cacheprovider \
+XLA_PYTHON_CLIENT_PREALLOCATE=false step dcp_tests ${DCP_S:-300} python3 -m pytest -m gpu -q -p no:cacheprovider \
   tests/glm_dsa/test_gpu_dcp.py
 (
   export CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
-  step gpu_tests ${TEST_S:-240} python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider tests/kernels tests/glm_dsa
+  step gpu_tests ${TEST_S:-400} python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider tests/kernels tests/glm_dsa
   step mla 90 python3 benchmarks/bench_sparse_mla.py --batches 128,32,8,1 --formats bf16,fp8 --reps 6 --iters 3 \
     --out "$OUT/mla.json"
   step idx 70 python3 benchmarks/bench_indexer.py --batches 1,8,32,128 --formats fp8,bf16 --reps 6 --iters 3 \
@@ -33,4 +34,5 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false step dcp_tests ${DCP_S:-120} python3 -m pyte
     --decode-batches 32 --json-out "$OUT/e2e_xla.json"
 ) > "$OUT/gpu1.txt" 2>&1 &
 wait
+tar czf "$FINAL/logs.tgz" -C "$OUT" .
 cat "$OUT/gpu0.txt" "$OUT/gpu1.txt"

@@ -3,7 +3,9 @@
 For a reduced-depth model with random weights (the `bench` preset by default):
   1. identity: greedy tokens of DCP = N (every QREP x comm-backend variant) against DCP = 1 at the same TP, over
      `identity_steps` new tokens (float32 by default: a bf16 model with random weights has near-tied logits,
-     and the merge by LSE rounds differently from one softmax, which is not what this checks);
+     and the merge by LSE rounds differently from one softmax, which is not what this checks), and the
+     teacher-forced logits of the first prompt (relative L2 distance, top-1 agreement): the size of the
+     difference, which tells rounding (bf16: ~1e-2, top-1 agreement near 1) from a broken merge;
   2. timing: `Engine.generate` of `batch` prompts of `input_len` tokens, `output_len` new tokens, per variant:
      prefill seconds, decode ms/step, total; parameter, cache and peak bytes on the first device.
 Every variant draws the same weights (`init_params` with one seed; QREP only changes their sharding).
@@ -36,6 +38,7 @@ class DcpBenchConfig:
     tp: int = 4
     dcp: int = 4
     variants: tuple[str, ...] = VARIANTS
+    identity_variants: tuple[str, ...] | None = None  # None: the same as `variants`
     identity_prompt_len: int = 512
     identity_batch: int = 4
     identity_steps: int = 128
@@ -84,7 +87,8 @@ def run_dcp_bench(bc: DcpBenchConfig, log=print) -> dict:
     """Run the identity check and the timings; returns a JSON-able dict (and logs one line per result)."""
     if os.environ.get(QREP_ENV, "").strip():
         raise ValueError(f"unset {QREP_ENV}: it would override the QREP setting of every variant")
-    for v in bc.variants:
+    id_variants = bc.variants if bc.identity_variants is None else bc.identity_variants
+    for v in tuple(bc.variants) + tuple(id_variants):
         parse_variant(v)
     cfg = _config(bc)
     rng = np.random.default_rng(bc.seed)
@@ -101,18 +105,22 @@ def run_dcp_bench(bc: DcpBenchConfig, log=print) -> dict:
     if bc.identity_steps:
         prompts = [rng.integers(0, cfg.vocab_size, bc.identity_prompt_len).tolist() for _ in range(bc.identity_batch)]
         max_len = bc.identity_prompt_len + bc.identity_steps
-        want = None
-        for variant in (None,) + tuple(bc.variants):
+        want = want_logits = None
+        forced = np.asarray(prompts[:1])
+        for variant in (None,) + tuple(id_variants):
             eng = engine(variant, bc.identity_dtype, max_len, bc.identity_batch)
             got = eng.generate(prompts, bc.identity_steps, stop_token_ids=[])
+            logits = eng.logits(forced)[0]  # teacher-forced: how far apart the two are before any divergence
             del eng
             if variant is None:
-                want = got
+                want, want_logits = got, logits
                 continue
             same = [int(np.sum(np.asarray(a) == np.asarray(b))) for a, b in zip(got, want)]
             first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(got, want)]
             row = {"identical": got == want, "tokens_equal": sum(same), "tokens": sum(map(len, want)),
-                   "first_difference": first}
+                   "first_difference": first,
+                   "forced_logits_rel_l2": float(np.linalg.norm(logits - want_logits) / np.linalg.norm(want_logits)),
+                   "forced_top1_agreement": float(np.mean(logits.argmax(-1) == want_logits.argmax(-1)))}
             res["identity"][variant] = row
             log(f"identity DCP={bc.dcp} {variant} vs DCP=1 (TP={bc.tp}, {bc.identity_dtype}): {json.dumps(row)}")
     if bc.timing:

@@ -51,7 +51,10 @@ def _key_tile(bt_ref, k_ref, req, pos, vis, *, page, di, fp8, interpret):
 
 
 def _row_scores(q, w, k, s_k):
-    """sum_h w[h] relu(q[h] . k[s]) (* s_k[s]): q [H, Di], w [H], k [bs, Di] -> [bs] float32."""
+    """sum_h w[h] relu(q[h] . k[s]) (* s_k[s]): q [H, Di] (e4m3 bits as uint8 for an FP8 cache), w [H],
+    k [bs, Di] -> [bs] float32."""
+    if q.dtype == jnp.uint8:
+        q = jax.lax.bitcast_convert_type(q, jnp.float8_e4m3fn).astype(jnp.bfloat16)  # exact
     logits = dot(q, k, trans_b=True)  # [H, bs] f32
     sc = jnp.sum(w[:, None] * jnp.maximum(logits, 0.0), axis=0)
     return sc if s_k is None else sc * s_k
@@ -128,7 +131,14 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
     h_pad = max(16, h)
     if block_t is not None and (block_t < 1 or block_t & (block_t - 1)):
         raise ValueError(f"indexer_scores_triton: block_t {block_t} must be a power of two")
-    q = q.astype(jnp.bfloat16 if fp8 else k_cache.dtype)  # e4m3 values are exact in bf16
+    if fp8:
+        # The e4m3 bits go in as bytes and become bf16 inside the kernel. An XLA convert e4m3 -> bf16 here would
+        # meet the quantising convert f32 -> e4m3 of `prepare_queries` in one program, and XLA's GPU pipeline
+        # (SimplifyFPConversions, on under its default xla_allow_excess_precision) folds such a chain into one
+        # f32 -> bf16 convert: the kernel would score unquantised queries (the H200 test saw 0.6-2.4%).
+        q = jax.lax.bitcast_convert_type(q.astype(jnp.float8_e4m3fn), jnp.uint8)
+    else:
+        q = q.astype(k_cache.dtype)
     weights = weights.astype(jnp.float32)
     token_req = token_req.astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)

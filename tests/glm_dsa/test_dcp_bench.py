@@ -16,6 +16,7 @@ def test_dcp_bench_small_run(monkeypatch):
         ident = res["identity"][v]
         assert ident["identical"] and ident["tokens_equal"] == ident["tokens"] == 12
         assert ident["first_difference"] == [None, None]
+        assert ident["forced_logits_rel_l2"] < 1e-5 and ident["forced_top1_agreement"] == 1.0
     t = res["timing"]
     assert set(t) == {"dcp1", "qrep:a2a", "noqrep:ag_rs"}
     # QREP keeps the query projections whole on every DCP rank: more parameter bytes per device than without

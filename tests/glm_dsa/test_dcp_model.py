@@ -143,3 +143,15 @@ def test_defect_lse_merge_skipped_is_caught(ckpt, reference, monkeypatch, backen
     eng = _load(ckpt, ParallelConfig(4, 4, dcp_comm_backend=backend))
     assert np.abs(eng.logits(reference["ids"]) - reference["logits"]).max() > 1e-3
     assert eng.generate(_prompts(), NEW, stop_token_ids=[]) != reference["tokens"]
+
+
+@pytest.mark.parametrize("par", [ParallelConfig(2, 2, dcp_q_replicate=True, dcp_comm_backend="a2a"),
+                                 ParallelConfig(4, 4, dcp_q_replicate=False, dcp_comm_backend="ag_rs")],
+                         ids=["tp2-dcp2-qrep-a2a", "tp4-dcp4-gather-ag_rs"])
+def test_dcp_on_the_triton_kernels_matches_dcp1(ckpt, reference, par):
+    """The GPU default path under DCP, interpreted: the Triton sparse MLA (partials + LSE), indexer (local
+    scores for the global top-k) and fused norm kernels per rank give DCP = 1's logits and tokens."""
+    eng = glm_dsa.load(ckpt, dtype="float32", max_model_len=96, progress=False, parallel=par,
+                       impl="triton_interpret")
+    np.testing.assert_allclose(eng.logits(reference["ids"]), reference["logits"], atol=1e-5, rtol=0)
+    assert eng.generate(_prompts(), NEW, stop_token_ids=[]) == reference["tokens"]
