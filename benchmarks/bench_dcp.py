@@ -35,8 +35,13 @@ def main(argv=None):
     ap.add_argument("--impl", default=None)
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="8 simulated CPU devices (smoke runs)")
+    ap.add_argument("--xla-autotune", type=int, default=None,
+                    help="XLA's GPU autotune level (0 skips GEMM autotuning: the float32 identity engines at the "
+                         "bench preset did not finish compiling in 250 s with the default)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.xla_autotune is not None:
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_gpu_autotune_level={args.xla_autotune}"
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
