@@ -26,33 +26,34 @@ w = jnp.asarray(rng.uniform(0.1, 1.0, size=(T, H)), jnp.float32)
 req = jnp.arange(T, dtype=jnp.int32)
 
 q8_eager, w2_eager = indexer.prepare_queries(q, w, cache)
-q8_jit, w2_jit = jax.jit(indexer.prepare_queries)(q, w, cache)
+q8_jit, _ = jax.jit(indexer.prepare_queries)(q, w, cache)
 b_e = np.asarray(jax.lax.bitcast_convert_type(q8_eager, jnp.uint8))
 b_j = np.asarray(jax.lax.bitcast_convert_type(q8_jit, jnp.uint8))
 print("q8 jit == eager:", np.array_equal(b_e, b_j), "differing bytes:", int((b_e != b_j).sum()))
-ref_q8 = np.asarray(q, np.float32)
-print("q8 eager vs ml_dtypes RNE of the same f32:", np.array_equal(
-    b_e, (np.clip(ref_q8 / np.asarray(w2_eager / w)[..., None], -448, 448)).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)))
 
-# float64 oracle from the bytes
+# float64 oracles from the bytes: the e4m3 queries, and what a kernel fed unquantised queries would score
+# (XLA folding f32 -> e4m3 -> bf16 into f32 -> bf16)
 cb = np.asarray(cache)
 keys = cb[:, :DI].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
 s_k = cb[:, DI:].copy().view(np.float32)[:, 0].astype(np.float64)
-qf = b_e.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
 wf = np.asarray(w2_eager, np.float64)
 S = PAGES * PAGE
-want = np.full((T, S), -np.inf)
-for t in range(T):
-    slots = (bt[t][:, None] * PAGE + np.arange(PAGE)).reshape(-1)[: lens[t]]
-    logits = qf[t] @ keys[slots].T  # [H, n]
-    want[t, : lens[t]] = (wf[t] @ np.maximum(logits, 0)) * s_k[slots]
+slots_of = np.asarray(indexer.request_slots(jnp.asarray(bt), PAGE))  # [T, S]
 
-# what a kernel fed unquantised queries would score (XLA folding f32 -> e4m3 -> bf16 into f32 -> bf16)
-q_unq = (np.asarray(q, np.float32) / np.asarray(w2_eager / w)[..., None]).astype(ml_dtypes.bfloat16).astype(np.float64)
-want_unq = np.full((T, S), -np.inf)
-for t in range(T):
-    slots = (bt[t][:, None] * PAGE + np.arange(PAGE)).reshape(-1)[: lens[t]]
-    want_unq[t, : lens[t]] = (wf[t] @ np.maximum(q_unq[t] @ keys[slots].T, 0)) * s_k[slots]
+
+def scores64(qf):
+    out = np.full((T, S), -np.inf)
+    for t in range(T):
+        slots = slots_of[t, : lens[t]]
+        out[t, : lens[t]] = (wf[t] @ np.maximum(qf[t] @ keys[slots].T, 0)) * s_k[slots]
+    return out
+
+
+s_q = np.asarray(w2_eager / w)
+want = scores64(b_e.view(ml_dtypes.float8_e4m3fn).astype(np.float64))
+want_unq = scores64((np.asarray(q, np.float32) / s_q[..., None]).astype(ml_dtypes.bfloat16).astype(np.float64))
+print("q8 eager vs ml_dtypes RNE of the same f32:", np.array_equal(b_e, np.clip(
+    np.asarray(q, np.float32) / s_q[..., None], -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)))
 
 
 def rel(got, want=want):
@@ -61,16 +62,19 @@ def rel(got, want=want):
     assert np.array_equal(np.isfinite(got), fin)
     return float(np.max(np.abs(got[fin] - want[fin]) / np.maximum(np.abs(want[fin]), 1.0)))
 
+
+ON_GPU = jax.default_backend() == "gpu"
 args = (q8_eager, w2_eager, cache, req, jnp.asarray(lens), jnp.asarray(bt))
 tri = jax.jit(functools.partial(indexer_triton.indexer_scores_triton, block_size=PAGE,
-                                interpret=jax.default_backend() != "gpu"))(*args)
+                                interpret=not ON_GPU))(*args)
 print("triton scores vs float64: max rel", rel(tri), "| vs unquantised queries:", rel(tri, want_unq))
 tri_e2e = jax.jit(functools.partial(indexer.indexer_topk, block_size=PAGE, topk=2048, return_scores=True,
-                                    impl="triton" if jax.default_backend() == "gpu" else "triton_interpret"))(
+                                    impl="triton" if ON_GPU else "triton_interpret"))(
     q, w, cache, req, jnp.asarray(lens), jnp.asarray(bt))[1]
 top = np.sort(want, axis=1)[:, ::-1][:, :2048]
 with np.errstate(invalid="ignore"):  # -inf - -inf past each row's length
-    print("triton top-k scores (quantised inside the same jit) vs float64 top-2048:", float(np.nanmax(np.abs(np.asarray(tri_e2e, np.float64) - top) / np.maximum(np.abs(top), 1.0))))
+    err = np.nanmax(np.abs(np.asarray(tri_e2e, np.float64) - top) / np.maximum(np.abs(top), 1.0))
+print("triton top-k scores (quantised inside the same jit) vs float64 top-2048:", float(err))
 xla = jax.jit(functools.partial(indexer.indexer_scores_xla, block_size=PAGE))(*args)
 print("xla scores (jit) vs float64: max rel", rel(xla))
 with jax.default_matmul_precision("highest"):

@@ -44,17 +44,22 @@ def _key_tile(bt_ref, k_ref, req, pos, vis, *, page, di, fp8, interpret):
     k = gather(k_ref, slot, col_range(0, di), vis, interpret)  # [bs, Di]
     if not fp8:
         return k, None
-    k = jax.lax.bitcast_convert_type(k, jnp.float8_e4m3fn).astype(jnp.bfloat16)
+    k = _e4m3_bits_to_bf16(k)
     s_k = jax.lax.bitcast_convert_type(u8_words(gather(k_ref, slot, col_range(di, 4), vis, interpret))[0],
                                        jnp.float32)  # [bs, 1]
     return k, jnp.sum(s_k, axis=1)  # [bs] (a sum of one term: exact; Triton has no cheap reshape)
+
+
+def _e4m3_bits_to_bf16(b):
+    """uint8 e4m3 bits -> bf16 values (exact), inside a kernel, where XLA cannot fold the decode away."""
+    return jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn).astype(jnp.bfloat16)
 
 
 def _row_scores(q, w, k, s_k):
     """sum_h w[h] relu(q[h] . k[s]) (* s_k[s]): q [H, Di] (e4m3 bits as uint8 for an FP8 cache), w [H],
     k [bs, Di] -> [bs] float32."""
     if q.dtype == jnp.uint8:
-        q = jax.lax.bitcast_convert_type(q, jnp.float8_e4m3fn).astype(jnp.bfloat16)  # exact
+        q = _e4m3_bits_to_bf16(q)
     logits = dot(q, k, trans_b=True)  # [H, bs] f32
     sc = jnp.sum(w[:, None] * jnp.maximum(logits, 0.0), axis=0)
     return sc if s_k is None else sc * s_k

@@ -10,15 +10,11 @@ import pytest
 
 import glm_dsa
 from checkpoints.random import write_random_checkpoint
-from glm_dsa.config import indexer_schedule
 from sharding import ParallelConfig
+from test_gpu_engine import CFG  # the real head geometry at small width and depth
 
 pytestmark = pytest.mark.gpu
 
-CFG = glm_dsa.configs.glm52.replace(num_hidden_layers=4, hidden_size=1024, intermediate_size=1024,
-                                    moe_intermediate_size=256, n_routed_experts=16, num_experts_per_tok=4,
-                                    q_lora_rank=512, vocab_size=4096, first_k_dense_replace=1, index_topk=64,
-                                    indexer_types=indexer_schedule(4, freq=4, offset=3))
 PROMPT_LENS = [1, 70, 200]
 NEW = 24
 
