@@ -28,6 +28,8 @@ def main(argv=None):
     ap.add_argument("--identity-prompt-len", type=int, default=512)
     ap.add_argument("--identity-batch", type=int, default=4)
     ap.add_argument("--identity-dtype", default="float32")
+    ap.add_argument("--no-identity-trace", action="store_true",
+                    help="skip the layer-by-layer comparison of the forced prompt's MoE expert choices")
     ap.add_argument("--input-len", type=int, default=32768)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
@@ -51,7 +53,7 @@ def main(argv=None):
                         identity_variants=tuple(args.identity_variants.split(",")) if args.identity_variants else None,
                         identity_steps=args.identity_steps,
                         identity_prompt_len=args.identity_prompt_len, identity_batch=args.identity_batch,
-                        identity_dtype=args.identity_dtype, input_len=args.input_len, output_len=args.output_len,
+                        identity_dtype=args.identity_dtype, identity_trace=not args.no_identity_trace, input_len=args.input_len, output_len=args.output_len,
                         batch=args.batch, dtype=args.dtype, impl=args.impl, timing=not args.no_timing)
     res = run_dcp_bench(bc)
     if args.out:

@@ -4,8 +4,9 @@ For a reduced-depth model with random weights (the `bench` preset by default):
   1. identity: greedy tokens of DCP = N (every QREP x comm-backend variant) against DCP = 1 at the same TP, over
      `identity_steps` new tokens (float32 by default: a bf16 model with random weights has near-tied logits,
      and the merge by LSE rounds differently from one softmax, which is not what this checks), and the
-     teacher-forced logits of the first prompt (relative L2 distance, top-1 agreement): the size of the
-     difference, which tells rounding (bf16: ~1e-2, top-1 agreement near 1) from a broken merge;
+     teacher-forced logits of the first prompt (relative L2 distance, top-1 agreement, the median row's distance
+     and the rows past 1e-3): the size and spread of the difference, which tell rounding (bf16: ~1e-2, top-1
+     agreement near 1; float32: a median near 1e-6) from a broken merge;
   2. timing: `Engine.generate` of `batch` prompts of `input_len` tokens, `output_len` new tokens, per variant:
      prefill seconds, decode ms/step, total; parameter, cache and peak bytes on the first device.
 Every variant draws the same weights (`init_params` with one seed; QREP only changes their sharding).
@@ -43,6 +44,7 @@ class DcpBenchConfig:
     identity_batch: int = 4
     identity_steps: int = 128
     identity_dtype: str = "float32"
+    identity_trace: bool = True  # also compare the forced prompt's MoE expert choices layer by layer
     input_len: int = 32768
     output_len: int = 128
     batch: int = 8
@@ -111,16 +113,26 @@ def run_dcp_bench(bc: DcpBenchConfig, log=print) -> dict:
             eng = engine(variant, bc.identity_dtype, max_len, bc.identity_batch)
             got = eng.generate(prompts, bc.identity_steps, stop_token_ids=[])
             logits = eng.logits(forced)[0]  # teacher-forced: how far apart the two are before any divergence
+            experts = ({k: v for k, v in eng.trace(forced[0]).items() if k.endswith("moe.experts")}
+                       if bc.identity_trace else {})
             del eng
             if variant is None:
-                want, want_logits = got, logits
+                want, want_logits, want_experts = got, logits, experts
                 continue
             same = [int(np.sum(np.asarray(a) == np.asarray(b))) for a, b in zip(got, want)]
             first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(got, want)]
+            per_row = np.linalg.norm(logits - want_logits, axis=-1) / np.linalg.norm(want_logits, axis=-1)
             row = {"identical": got == want, "tokens_equal": sum(same), "tokens": sum(map(len, want)),
                    "first_difference": first,
                    "forced_logits_rel_l2": float(np.linalg.norm(logits - want_logits) / np.linalg.norm(want_logits)),
-                   "forced_top1_agreement": float(np.mean(logits.argmax(-1) == want_logits.argmax(-1)))}
+                   "forced_top1_agreement": float(np.mean(logits.argmax(-1) == want_logits.argmax(-1))),
+                   # a few far rows over a rounding-level median: discrete flips (an expert chosen at a near-tie
+                   # of the router), not a merge that is off everywhere
+                   "forced_row_rel_median": float(np.median(per_row)),
+                   "forced_rows_over_1e-3": np.flatnonzero(per_row > 1e-3).tolist()}
+            if experts:  # rows (positions) whose chosen experts differ, per MoE layer
+                row["forced_rows_rerouted"] = {k.split(".")[1]: np.flatnonzero(
+                    np.any(experts[k] != want_experts[k], axis=-1)).tolist() for k in sorted(experts)}
             res["identity"][variant] = row
             log(f"identity DCP={bc.dcp} {variant} vs DCP=1 (TP={bc.tp}, {bc.identity_dtype}): {json.dumps(row)}")
     if bc.timing:

@@ -30,6 +30,10 @@ from .sparse_mla_triton import check_addressable, col_range, dot, gather, u8_wor
 SCORE_BUDGET = 1 << 25  # float32 scores held at once by the top-k stage (128 MiB)
 ROW_BLOCK_MIN_T = 64  # rows from which indexer_scores_triton takes the row-block form
 ROW_BLOCK = 16  # its query rows per program: block_t unrolled [H, Di] x [Di, block_s] dots
+# float32 keys (the reference dtype): Triton runs an IEEE float32 dot on the FMA units, unrolled per thread
+# ([64, 128] x [128, 128] is 8K FMAs a thread, x16 rows x2 branches in the row-block form), which ptxas took
+# minutes to compile at GLM shapes. So float32 takes 32-key tiles and the per-row kernel only.
+FLOAT32_BLOCK_S = 32
 
 
 def _key_tile(bt_ref, k_ref, req, pos, vis, *, page, di, fp8, interpret):
@@ -115,7 +119,7 @@ def _scores_rows_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *,
 
 
 def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int,
-                          block_s: int = 128, block_t: int | None = None, num_warps: int = 4, num_stages: int = 1,
+                          block_s: int | None = None, block_t: int | None = None, num_warps: int = 4, num_stages: int = 1,
                           interpret: bool = False):
     """Scores [T, S_pad] float32 (S_pad = S rounded up to block_s; -inf at s >= kv_lens[t]).
 
@@ -125,12 +129,15 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
     kernel (prefill: one key gather per block of rows of one request). None: the per-row kernel below
     ROW_BLOCK_MIN_T rows; from there both are compiled and the rows pick at run time (`lax.cond`): the
     row-block kernel when requests run for ROW_BLOCK rows on average (prefill chunks), else per row
-    (a large decode batch, every row its own request)."""
+    (a large decode batch, every row its own request); a float32 cache always takes the per-row kernel.
+    block_s: keys per program (None: 128, or FLOAT32_BLOCK_S for a float32 cache)."""
     t, h, di = q.shape
     fp8 = k_cache.dtype == jnp.uint8
     if not interpret:
         check_addressable(k_cache, "indexer cache")
+    f32 = k_cache.dtype == jnp.float32
     s = block_tables.shape[1] * block_size
+    block_s = block_s or (FLOAT32_BLOCK_S if f32 else 128)
     block_s = min(block_s, max(16, pl.next_power_of_2(s)))
     n_blk = -(-s // block_s)
     h_pad = max(16, h)
@@ -178,7 +185,7 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
                                params=params, name=name + "_rows", opts=opts)
 
     args = (token_req, kv_lens, q, weights)
-    if block_t == 1 or (block_t is None and t < ROW_BLOCK_MIN_T):
+    if block_t == 1 or (block_t is None and (t < ROW_BLOCK_MIN_T or f32)):
         return per_row(*args)
     if block_t is not None:
         return row_block(*args, block_t)

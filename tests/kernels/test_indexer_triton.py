@@ -13,16 +13,16 @@ ON_GPU = jax.default_backend() == "gpu"
 IMPL = "triton" if ON_GPU else "triton_interpret"
 
 
-def _inputs(lens, *, h=16, di=32, page=16, pages=6, fp8=False, seed=0, reqs=None):
+def _inputs(lens, *, h=16, di=32, page=16, pages=6, fp8=False, seed=0, reqs=None, dtype=jnp.bfloat16):
     rng = np.random.default_rng(seed)
     lens = np.asarray(lens, np.int32)
     t = len(lens)
     n_req = t if reqs is None else max(reqs) + 1
     n_pages = n_req * pages + 3
     kc = rng.normal(size=(n_pages * page, di)).astype(np.float32)
-    cache = fp8_formats.quantize_index_rows(jnp.asarray(kc)) if fp8 else jnp.asarray(kc, jnp.bfloat16)
+    cache = fp8_formats.quantize_index_rows(jnp.asarray(kc)) if fp8 else jnp.asarray(kc, dtype)
     bt = rng.permutation(n_pages)[: n_req * pages].reshape(n_req, pages).astype(np.int32)
-    q = jnp.asarray(rng.normal(size=(t, h, di)), jnp.bfloat16)
+    q = jnp.asarray(rng.normal(size=(t, h, di)), dtype)
     w = jnp.asarray(rng.uniform(0.1, 1.0, size=(t, h)), jnp.float32)
     req = np.arange(t, dtype=np.int32) if reqs is None else np.asarray(reqs, np.int32)
     return q, w, cache, jnp.asarray(req), jnp.asarray(lens), jnp.asarray(bt), page
@@ -185,6 +185,21 @@ def test_row_block_chosen_by_rows(t):
     assert jaxpr.count("name=indexer_scores_bf16") == (2 if t >= 64 else 1)  # with the per-row kernel beside it
 
 
+def test_float32_cache_takes_small_per_row_tiles():
+    """A float32 cache (the reference model) scores in the per-row kernel over FLOAT32_BLOCK_S keys even at
+    prefill sizes: IEEE float32 dots are unrolled FMAs, and the bf16 tiles took minutes to compile on the H200."""
+    from kernels import indexer_triton
+
+    t = 256
+    f = functools.partial(indexer_triton.indexer_scores_triton, block_size=16, interpret=True)
+    args = (jnp.zeros((t, 16, 32), jnp.float32), jnp.ones((t, 16)), jnp.zeros((16 * 64, 32), jnp.float32),
+            jnp.zeros(t, jnp.int32), jnp.ones(t, jnp.int32), jnp.zeros((1, 64), jnp.int32))
+    jaxpr = str(jax.make_jaxpr(f)(*args))
+    assert "_rows" not in jaxpr and jaxpr.count("name=indexer_scores_bf16") == 1
+    assert jax.eval_shape(f, *args).shape == (t, 1024)
+    assert f"grid=({t}, {1024 // indexer_triton.FLOAT32_BLOCK_S})" in jaxpr  # one program per row and key tile
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_row_block_lowers_to_triton_at_prefill_dims(fp8):
     """The row-block kernel (16 rows x 128 keys, both branches unrolled) lowers at a 8K-row chunk of a 32K
@@ -207,6 +222,15 @@ def test_gpu_glm5_shapes(fp8):
     lens[0] = 8192
     lens[1] = 1000  # fewer candidates than k
     _check(_inputs(lens, h=32, di=128, page=64, pages=128, fp8=fp8, seed=1), topk=2048)
+
+
+@pytest.mark.gpu
+def test_gpu_float32_cache_prefill_rows():
+    """A float32 cache at GLM-5 dims over a prefill-sized batch (two requests of 96 rows): it compiles (its own
+    small tiles) and its IEEE float32 scores pick the oracle's top-k."""
+    lens = np.concatenate([np.arange(1, 97), 4000 + np.arange(96)]).astype(np.int32)
+    reqs = [0] * 96 + [1] * 96
+    _check(_inputs(lens, h=32, di=128, page=64, pages=64, seed=2, reqs=reqs, dtype=jnp.float32), topk=2048)
 
 
 @pytest.mark.parametrize("radix_bits", [4, 8])
