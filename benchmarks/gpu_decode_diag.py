@@ -11,10 +11,7 @@ from checkpoints.random import write_random_checkpoint
 from glm_dsa.bench import BenchConfig, run_bench
 
 out = sys.argv[1]
-cfg = glm_dsa.configs.glm52.replace(num_hidden_layers=4, hidden_size=1024, intermediate_size=1024,
-                                    moe_intermediate_size=256, n_routed_experts=16, num_experts_per_tok=4,
-                                    q_lora_rank=512, vocab_size=4096, first_k_dense_replace=1, index_topk=64,
-                                    indexer_types=("full", "full", "full", "shared"))
+cfg = glm_dsa.configs.heads
 d = tempfile.mkdtemp()
 write_random_checkpoint(cfg, d, dtype="bfloat16", progress=False)
 ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 200))

@@ -8,6 +8,10 @@ import sys
 import tempfile
 import time
 
+from .configs import PRESETS
+
+PRESET_NAMES = sorted(PRESETS)
+
 
 def _ids(text: str) -> list[int]:
     try:
@@ -267,14 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="config, layer schedule and memory per device, without loading weights")
     src = i.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint")
-    src.add_argument("--preset", choices=["glm5", "glm52", "tiny", "bench", "demo"])
+    src.add_argument("--preset", choices=PRESET_NAMES)
     i.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     i.add_argument("--json", action="store_true")
     _add_parallel_flags(i)
     i.set_defaults(fn=cmd_info)
 
     r = sub.add_parser("random-checkpoint", help="write a random checkpoint in the HF layout")
-    r.add_argument("--preset", default="tiny", choices=["glm5", "glm52", "tiny", "bench", "demo"])
+    r.add_argument("--preset", default="tiny", choices=PRESET_NAMES)
     r.add_argument("--out", required=True)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
@@ -292,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_convert)
 
     b = sub.add_parser("bench", help="prefill/decode speed of a reduced-depth model with random weights")
-    b.add_argument("--preset", default="bench", choices=["glm5", "glm52", "tiny", "bench", "demo"])
+    b.add_argument("--preset", default="bench", choices=PRESET_NAMES)
     b.add_argument("--num-layers", type=int, default=None)
     b.add_argument("--input-len", type=int, default=32768)
     b.add_argument("--output-len", type=int, default=128)

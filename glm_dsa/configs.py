@@ -54,6 +54,22 @@ bench = glm52.replace(
     indexer_types=("full", "full", "shared", "shared"),
 )
 
+#: GLM-5.2's attention geometry (64 heads, 576-wide MLA rows, a 32 x 128 indexer) at hidden 1024, 4 layers and 16
+#: experts: the GPU tests and diagnostics run the kernels at their real tile shapes in seconds.
+heads = glm52.replace(
+    num_hidden_layers=4,
+    hidden_size=1024,
+    intermediate_size=1024,
+    moe_intermediate_size=256,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    q_lora_rank=512,
+    vocab_size=4096,
+    first_k_dense_replace=1,
+    index_topk=64,
+    indexer_types=indexer_schedule(4, freq=4, offset=3),
+)
+
 #: A small model with GLM-5.2's structure (IndexShare schedule, 3 dense layers then MoE) for the demo.
 demo = GlmDsaConfig(
     vocab_size=1024,
@@ -80,7 +96,7 @@ demo = GlmDsaConfig(
     pad_token_id=0,
 )
 
-PRESETS = {"glm5": glm5, "glm52": glm52, "tiny": tiny, "bench": bench, "demo": demo}
+PRESETS = {"glm5": glm5, "glm52": glm52, "tiny": tiny, "bench": bench, "heads": heads, "demo": demo}
 
 
 def get(name: str) -> GlmDsaConfig:

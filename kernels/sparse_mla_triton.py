@@ -216,18 +216,19 @@ def default_config(t: int, h: int, k: int, fp8: bool, itemsize: int = 2):
     bf16 tiles would ask for up to 440 KB."""
     many = t * max(1, h // 64) >= 32
     if itemsize >= 4:
-        block_h, block_k = 16, 16
+        block_h, block_k, num_warps, num_stages = 16, 16, 4, 2
     else:
         block_h = 64 if (many and h % 64 == 0) else (32 if h % 32 == 0 else 16)
         block_k = 64 if (many and not fp8) else 32
+        num_warps, num_stages = 8, 3 if many else 2
     n_hb = max(1, h // block_h)
     target = 128 if many else 64
     max_split = max(1, k // block_k)
     n_split = 1
     while t * n_hb * n_split < target and n_split * 2 <= max_split:
         n_split *= 2
-    return {"block_h": block_h, "block_k": block_k, "n_split": n_split, "num_warps": 4 if itemsize >= 4 else 8,
-            "num_stages": 3 if (many and itemsize < 4) else 2, "r_split": 1}
+    return {"block_h": block_h, "block_k": block_k, "n_split": n_split, "num_warps": num_warps,
+            "num_stages": num_stages, "r_split": 1}
 
 
 def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, block_h: int | None = None,

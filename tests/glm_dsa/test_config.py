@@ -66,5 +66,10 @@ def test_missing_and_malformed_files(tmp_path):
 def test_presets():
     assert configs.get("bench").hidden_size == 6144 and configs.get("bench").num_hidden_layers == 4
     assert configs.bench.indexer_types == ("full", "full", "shared", "shared")
+    # `heads` keeps GLM-5.2's attention geometry (the kernels' real tile shapes) at a small width
+    h, g = configs.get("heads"), configs.glm52
+    assert (h.num_attention_heads, h.kv_lora_rank, h.qk_rope_head_dim, h.index_n_heads, h.index_head_dim) == \
+        (g.num_attention_heads, g.kv_lora_rank, g.qk_rope_head_dim, g.index_n_heads, g.index_head_dim)
+    assert h.hidden_size == 1024 and h.indexer_types == ("full", "full", "full", "shared")
     with pytest.raises(KeyError, match="unknown preset"):
         configs.get("glm6")

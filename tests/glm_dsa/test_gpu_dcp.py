@@ -11,9 +11,9 @@ import pytest
 import glm_dsa
 from checkpoints.random import write_random_checkpoint
 from sharding import ParallelConfig
-from test_gpu_engine import CFG  # the real head geometry at small width and depth
 
 pytestmark = pytest.mark.gpu
+CFG = glm_dsa.configs.heads  # the real head geometry at small width and depth
 
 PROMPT_LENS = [1, 70, 200]
 NEW = 24

@@ -6,15 +6,10 @@ import pytest
 
 import glm_dsa
 from checkpoints.random import write_random_checkpoint
-from glm_dsa.config import indexer_schedule
 
 pytestmark = pytest.mark.gpu
 
-# real head geometry (576-wide rows, 64 heads of the indexer's 128 dims) at small width and depth
-CFG = glm_dsa.configs.glm52.replace(num_hidden_layers=4, hidden_size=1024, intermediate_size=1024,
-                                    moe_intermediate_size=256, n_routed_experts=16, num_experts_per_tok=4,
-                                    q_lora_rank=512, vocab_size=4096, first_k_dense_replace=1, index_topk=64,
-                                    indexer_types=indexer_schedule(4, freq=4, offset=3))
+CFG = glm_dsa.configs.heads  # the real head geometry at small width and depth
 
 
 @pytest.fixture(scope="module")
