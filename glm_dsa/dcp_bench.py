@@ -121,10 +121,11 @@ def run_dcp_bench(bc: DcpBenchConfig, log=print) -> dict:
                 continue
             same = [int(np.sum(np.asarray(a) == np.asarray(b))) for a, b in zip(got, want)]
             first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(got, want)]
-            per_row = np.linalg.norm(logits - want_logits, axis=-1) / np.linalg.norm(want_logits, axis=-1)
+            diff = logits - want_logits
+            per_row = np.linalg.norm(diff, axis=-1) / np.linalg.norm(want_logits, axis=-1)
             row = {"identical": got == want, "tokens_equal": sum(same), "tokens": sum(map(len, want)),
                    "first_difference": first,
-                   "forced_logits_rel_l2": float(np.linalg.norm(logits - want_logits) / np.linalg.norm(want_logits)),
+                   "forced_logits_rel_l2": float(np.linalg.norm(diff) / np.linalg.norm(want_logits)),
                    "forced_top1_agreement": float(np.mean(logits.argmax(-1) == want_logits.argmax(-1))),
                    # a few far rows over a rounding-level median: discrete flips (an expert chosen at a near-tie
                    # of the router), not a merge that is off everywhere

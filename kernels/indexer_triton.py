@@ -119,8 +119,8 @@ def _scores_rows_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *,
 
 
 def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int,
-                          block_s: int | None = None, block_t: int | None = None, num_warps: int = 4, num_stages: int = 1,
-                          interpret: bool = False):
+                          block_s: int | None = None, block_t: int | None = None, num_warps: int = 4,
+                          num_stages: int = 1, interpret: bool = False):
     """Scores [T, S_pad] float32 (S_pad = S rounded up to block_s; -inf at s >= kv_lens[t]).
 
     q [T, H, Di]: bf16 queries for a bf16 cache; for an FP8 (uint8) cache, e4m3 values (any float dtype

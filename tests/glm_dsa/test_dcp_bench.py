@@ -4,12 +4,6 @@ import pytest
 
 from glm_dsa import configs, dcp_bench
 
-CFG_TINY = configs.get("tiny")
-
-
-def bc_layers(bc):
-    return bc.num_layers or CFG_TINY.num_hidden_layers
-
 
 def test_dcp_bench_small_run(monkeypatch):
     monkeypatch.delenv("GLM_DSA_DCP_Q_REPLICATE", raising=False)
@@ -24,7 +18,8 @@ def test_dcp_bench_small_run(monkeypatch):
         assert ident["first_difference"] == [None, None]
         assert ident["forced_logits_rel_l2"] < 1e-5 and ident["forced_top1_agreement"] == 1.0
         assert ident["forced_row_rel_median"] < 1e-5 and ident["forced_rows_over_1e-3"] == []
-        moe_layers = [str(i) for i in range(bc_layers(bc)) if i >= CFG_TINY.first_k_dense_replace]
+        cfg = configs.get(bc.preset)
+        moe_layers = [str(i) for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)]
         assert ident["forced_rows_rerouted"] == {layer: [] for layer in moe_layers}
     t = res["timing"]
     assert set(t) == {"dcp1", "qrep:a2a", "noqrep:ag_rs"}
