@@ -1,12 +1,14 @@
 """Ops of one GLM-5.2 layer, one module per op: a plain-jnp reference (`impl="xla"`) and, where landed, a
-Pallas kernel, behind one dispatcher. Arrays in, arrays out: nothing here knows the model or the mesh.
+Pallas kernel, behind one dispatch rule (`kernels.registry`). Arrays in, arrays out: nothing here knows the
+model or the mesh.
 
 Modules: `fused_norm_rope` (q/kv norm + RoPE + paged cache write), `indexer` (scores + top-k),
 `sparse_mla` (attention over selected cache rows -> (o, lse)), `moe` (routed SwiGLU experts), `lse_merge`,
-`rope`, `norms`.
+`rope`, `norms`, `fp8_formats`, `chunking`. The Pallas Triton kernels (`*_triton`, helpers in
+`triton_common`, MoE tile layout in `moe_tiles`) are imported on first use of their impl.
 """
 
-from . import chunking, fused_norm_rope, indexer, lse_merge, moe, norms, rope, sparse_mla
+from . import chunking, fp8_formats, fused_norm_rope, indexer, lse_merge, moe, norms, registry, rope, sparse_mla
 
 IMPLS = ("xla", "triton", "triton_interpret")
 
@@ -17,4 +19,5 @@ def default_impl() -> str:
     return "triton" if jax.default_backend() == "gpu" else "xla"
 
 
-__all__ = ["IMPLS", "default_impl", "chunking", "fused_norm_rope", "indexer", "lse_merge", "moe", "norms", "rope", "sparse_mla"]
+__all__ = ["IMPLS", "default_impl", "chunking", "fp8_formats", "fused_norm_rope", "indexer", "lse_merge", "moe",
+           "norms", "registry", "rope", "sparse_mla"]

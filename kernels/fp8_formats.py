@@ -1,4 +1,4 @@
-"""FP8 cache formats (SPEC §3): jnp reference quantisers / dequantisers, byte layouts as uint8 rows.
+"""FP8 cache formats (docs/math.md §3): jnp reference quantisers / dequantisers, byte layouts as uint8 rows.
 
 MLA cache, format ``fp8_ds_mla`` — one row per token slot, ``uint8 [slots, mla_row_bytes(R, Dr)]``:
 
@@ -16,9 +16,11 @@ are quantised per (t, h) with the same rule (``quantize_index_queries``); the in
 into its head weights. ``ue8m0_scale`` computes it exactly from the float32 bits (no division, no log).
 
 Value -> e4m3: ``(x / scale)`` in float32 (true IEEE division on the CPU: see ``exact_div``; XLA on the
-GPU may round the MLA scale and quotients differently in the last bit, the Triton kernel uses div.rn), clipped to +-448, round-to-nearest-even (the same as the
-GPU's ``cvt.rn.satfinite``). Values are read as float32 before quantising; kernels that normalise in
-bf16 must round to bf16 first, as the xla oracle does. Byte order is little-endian (bitcasts).
+GPU may round the MLA scale and quotients differently in the last bit, the Triton kernel uses div.rn),
+clipped to +-448, round-to-nearest-even (the same as the GPU's ``cvt.rn.satfinite``): ``to_e4m3``. The
+Pallas kernels call these same helpers (``to_e4m3``, ``e4m3_bits``, ``decode_e4m3_bits``,
+``ue8m0_scale_and_inverse``, ``mla_tile_scale``). Values are read as float32 before quantising; kernels that
+normalise in bf16 must round to bf16 first, as the xla oracle does. Byte order is little-endian (bitcasts).
 """
 
 from __future__ import annotations
@@ -84,8 +86,21 @@ def exact_div(a, b):
     return a / jax.lax.optimization_barrier(b)
 
 
-def _to_e4m3(x):
+def to_e4m3(x):
+    """float32 -> e4m3, saturated to +-448, round to nearest even (the GPU's ``cvt.rn.satfinite``). Plain jnp
+    ops: the xla forms and the Pallas kernels quantise through this one function."""
     return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(FP8)
+
+
+def e4m3_bits(x):
+    """float32 -> the uint8 bits of `to_e4m3(x)` (what a uint8 cache stores)."""
+    return jax.lax.bitcast_convert_type(to_e4m3(x), jnp.uint8)
+
+
+def decode_e4m3_bits(b, dtype=jnp.float32):
+    """uint8 e4m3 bits -> `dtype` (exact for float32 and bfloat16) by a bitcast and a convert. For kernels, where
+    XLA cannot fold the convert away; XLA graphs take `e4m3_to_f32` (a table) instead."""
+    return jax.lax.bitcast_convert_type(b, FP8).astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------- scales
@@ -96,14 +111,22 @@ def ue8m0_scale(amax):
     m / 448 = (f / 1.75) * 2^(e - 8), and ceil(log2(.)) = e - 8 + (f > 1.75). This equals the IEEE
     quotient's ceil(log2) too: the f32 neighbour above 1.75 * 2^j lies 1.14 * 2^-24 above, relatively,
     so its quotient never rounds down onto the power of two."""
+    return ue8m0_scale_and_inverse(amax)[0]
+
+
+def ue8m0_scale_and_inverse(amax):
+    """(s, 1 / s) of `ue8m0_scale`, both exact powers of two built from the exponent bits (also in kernels)."""
     m = jnp.maximum(amax.astype(jnp.float32), INDEX_AMAX_MIN)  # normal, positive
     bits = jax.lax.bitcast_convert_type(m, jnp.int32)
     e = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)  # biased exponent of s
-    return jax.lax.bitcast_convert_type(e << 23, jnp.float32)
+    return (jax.lax.bitcast_convert_type(e << 23, jnp.float32),
+            jax.lax.bitcast_convert_type((254 - e) << 23, jnp.float32))
 
 
-def mla_tile_scale(amax):
-    return jnp.maximum(exact_div(amax.astype(jnp.float32), FP8_MAX), MLA_SCALE_MIN)
+def mla_tile_scale(amax, div=exact_div):
+    """``max(amax / 448, 1.1754944e-38)`` per tile, float32. `div`: an IEEE division (`exact_div` here; the
+    Triton kernel passes its div.rn)."""
+    return jnp.maximum(div(amax.astype(jnp.float32), FP8_MAX), MLA_SCALE_MIN)
 
 
 # ---------------------------------------------------------------------------------------- MLA rows
@@ -114,14 +137,16 @@ def quantize_mla_rows(kv, k_pe):
     tile = mla_tile(r)
     x = kv.astype(jnp.float32).reshape(n, r // tile, tile)
     scale = mla_tile_scale(jnp.max(jnp.abs(x), axis=-1))  # [N, tiles]
-    q = _to_e4m3(exact_div(x, scale[..., None])).reshape(n, r)
+    q = to_e4m3(exact_div(x, scale[..., None])).reshape(n, r)
     return jnp.concatenate([_to_bytes(q), _to_bytes(scale), _to_bytes(k_pe.astype(jnp.bfloat16))], axis=-1)
 
 
 def split_mla_rows(rows, kv_lora_rank: int, rope_dim: int):
     """uint8 rows -> (kv e4m3 [N, R], scales float32 [N, tiles], k_pe bf16 [N, Dr]), no arithmetic."""
     r, nt = kv_lora_rank, mla_num_tiles(kv_lora_rank)
-    assert rows.shape[-1] == mla_row_bytes(r, rope_dim), (rows.shape, r, rope_dim)
+    if rows.shape[-1] != mla_row_bytes(r, rope_dim):
+        raise ValueError(f"split_mla_rows: rows of {rows.shape[-1]} bytes (shape {rows.shape}) != "
+                         f"mla_row_bytes(R={r}, Dr={rope_dim}) = {mla_row_bytes(r, rope_dim)}")
     q = _from_bytes(rows[..., :r], FP8)
     scale = _from_bytes(rows[..., r:r + 4 * nt], jnp.float32)
     k_pe = _from_bytes(rows[..., r + 4 * nt:], jnp.bfloat16)
@@ -149,13 +174,15 @@ def quantize_index_rows(k):
     """k [N, Di] -> uint8 [N, Di + 4]: e4m3(k / s), then s (float32, UE8M0) per row."""
     x = k.astype(jnp.float32)
     s = ue8m0_scale(jnp.max(jnp.abs(x), axis=-1))
-    q = _to_e4m3(x / s[..., None])  # s is a power of two: multiply-by-reciprocal is exact too
+    q = to_e4m3(x / s[..., None])  # s is a power of two: multiply-by-reciprocal is exact too
     return jnp.concatenate([_to_bytes(q), _to_bytes(s[..., None])], axis=-1)
 
 
 def split_index_rows(rows, index_dim: int):
     """uint8 [..., Di + 4] -> (e4m3 [..., Di], scale float32 [...])."""
-    assert rows.shape[-1] == index_row_bytes(index_dim), (rows.shape, index_dim)
+    if rows.shape[-1] != index_row_bytes(index_dim):
+        raise ValueError(f"split_index_rows: rows of {rows.shape[-1]} bytes (shape {rows.shape}) != "
+                         f"index_row_bytes(Di={index_dim}) = {index_row_bytes(index_dim)}")
     return _from_bytes(rows[..., :index_dim], FP8), _from_bytes(rows[..., index_dim:], jnp.float32)[..., 0]
 
 
@@ -173,4 +200,4 @@ def quantize_index_queries(q):
     """
     x = q.astype(jnp.float32)
     s = ue8m0_scale(jnp.max(jnp.abs(x), axis=-1))
-    return _to_e4m3(x / s[..., None]), s
+    return to_e4m3(x / s[..., None]), s

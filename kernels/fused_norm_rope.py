@@ -1,4 +1,4 @@
-"""Fused q/kv norm + RoPE + paged cache write, one op per layer (SPEC §4).
+"""Fused q/kv norm + RoPE + paged cache write, one op per layer (docs/math.md §4).
 
 Per token row:
   (a) q RMSNorm, ALWAYS, whatever the slot;
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from . import fp8_formats
+from . import fp8_formats, registry
 from .norms import layer_norm, rms_norm
 from .rope import apply_rope, rope_cos_sin
 
@@ -86,30 +86,23 @@ def fused_norm_rope_cache(q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_
     (wk output, before LayerNorm), its LayerNorm weight/bias, index_cache [slots, Di], optionally their
     own index_slot_mapping and the top-k buffer to clear. Returns (q_normed, mla_cache, index_cache, topk_buf).
 
-    Cache formats (SPEC §3): a uint8 mla_cache holds fp8_ds_mla rows ([slots, mla_row_bytes(R, Dr)]), a
+    Cache formats (docs/math.md §3): a uint8 mla_cache holds fp8_ds_mla rows ([slots, mla_row_bytes(R, Dr)]), a
     uint8 index_cache FP8 keys + UE8M0 scale ([slots, Di + 4]); see `kernels.fp8_formats`. Any other dtype
     holds the rows cast to it. Caches may also be [pages, page_rows, pitch] with slot = page * block_size +
     offset (block_size <= page_rows, default page_rows) and pitch >= the row width: padding is untouched.
 
-    impl="triton": the Pallas Triton kernel (`fused_norm_rope_triton`; interpret mode off the GPU;
-    "triton_interpret" forces interpret mode), caches
-    aliased input -> output: donate them (jit donate_argnums) and they are updated in place.
-    `triton_options`: interpret, rows_per_program, num_warps, num_stages.
+    impl (`kernels.registry`): "xla" (the oracle above), "triton" (the Pallas Triton kernel
+    `fused_norm_rope_triton`, caches aliased input -> output: donate them (jit donate_argnums) and they are
+    updated in place), "triton_interpret" (that kernel under the Pallas interpreter: CPU tests).
+    `triton_options` go to the kernel: config, q_rows, cache_rows, num_warps, num_stages.
     """
-    if impl == "xla":
-        return fused_norm_rope_cache_xla(
-            q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_w, mla_cache, rope_theta=rope_theta,
-            rope_interleave=rope_interleave, eps=eps, index_k=index_k, index_norm_w=index_norm_w,
-            index_norm_b=index_norm_b, index_cache=index_cache, index_slot_mapping=index_slot_mapping,
-            index_rope_interleave=index_rope_interleave, topk_buf=topk_buf, block_size=block_size)
-    if impl in ("triton", "triton_interpret"):
-        from .fused_norm_rope_triton import fused_norm_rope_cache_triton
-        if impl == "triton_interpret":
-            triton_options = {**triton_options, "interpret": True}
-        return fused_norm_rope_cache_triton(
-            q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_w, mla_cache, rope_theta=rope_theta,
-            rope_interleave=rope_interleave, eps=eps, index_k=index_k, index_norm_w=index_norm_w,
-            index_norm_b=index_norm_b, index_cache=index_cache, index_slot_mapping=index_slot_mapping,
-            index_rope_interleave=index_rope_interleave, topk_buf=topk_buf, block_size=block_size,
-            **triton_options)
-    raise ValueError(f"fused_norm_rope_cache: unknown impl {impl!r} (available: 'xla', 'triton', 'triton_interpret')")
+    return registry.dispatch(
+        "fused_norm_rope", impl, q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_w, mla_cache,
+        rope_theta=rope_theta, rope_interleave=rope_interleave, eps=eps, index_k=index_k, index_norm_w=index_norm_w,
+        index_norm_b=index_norm_b, index_cache=index_cache, index_slot_mapping=index_slot_mapping,
+        index_rope_interleave=index_rope_interleave, topk_buf=topk_buf, block_size=block_size, **triton_options)
+
+
+registry.register("fused_norm_rope", "xla", fused_norm_rope_cache_xla)
+registry.register_triton("fused_norm_rope", "kernels.fused_norm_rope_triton:fused_norm_rope_cache_triton",
+                         supports="kernels.fused_norm_rope_triton:supports")

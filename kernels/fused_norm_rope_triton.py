@@ -1,7 +1,7 @@
-"""Pallas Triton form of the fused q/kv norm + RoPE + paged cache write (SPEC §4), one kernel per layer.
+"""Pallas Triton form of the fused q/kv norm + RoPE + paged cache write (docs/math.md §4), one kernel per layer.
 
-One launch. Mode "split": a 1-D grid of q programs then cache programs, one block of rows each; mode
-"loop": fewer programs (a few per SM) walking blocks pid, pid + P, ... with the weights loaded once.
+One launch: a 1-D grid of q programs then cache programs, one block of rows each (`FusedNormRopeConfig`:
+`q_rows` / `cache_rows` token rows per program, warps, stages).
   q part (a): q RMSNorm, written for EVERY row — the slot is not looked at (3/4 of the bytes);
   cache part, per row:
       (b) `slot < 0` (or past the cache) masks every cache store of the row — MLA and indexer;
@@ -19,12 +19,14 @@ mod Dr neox) and computes `x_j cos - x_partner sin` (first of a pair) or `x_j co
 
 Numerics follow the xla oracle step by step: norms in float32 rounded to the input dtype, RoPE in
 float32 of the rounded values rounded again, then the cache cast or the FP8 quantiser of
-`kernels.fp8_formats`: IEEE division (`div.rn.f32` inline PTX; Triton's `/` is div.full.f32) for the
-MLA scale and values, UE8M0 scales from the float32 bits, values times the exact power-of-two 1/s.
+`kernels.fp8_formats` (its `mla_tile_scale`, `e4m3_bits`, `ue8m0_scale_and_inverse`, called in the kernel):
+IEEE division (`div.rn.f32` inline PTX; Triton's `/` is div.full.f32) for the MLA scale and values, UE8M0
+scales from the float32 bits, values times the exact power-of-two 1/s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -33,10 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import fp8_formats as f8
-from .sparse_mla_triton import check_addressable
-
-_F32_MIN_NORMAL = 1.1754944e-38
-_MASKED_ROW = 2**30  # row index given to masked stores: out of range, so interpret mode drops them too
+from .triton_common import MASKED_ROW, bytes_of, check_addressable
 
 
 def _p2(n: int) -> int:
@@ -47,32 +46,12 @@ def _p2(n: int) -> int:
 
 def _div_rn(a, b, interpret: bool):
     """IEEE float32 a / b (Triton's `/` is div.full.f32, ~2 ulp; XLA turns A / broadcast(b) into A * 1/b)."""
-    b = jnp.broadcast_to(b, a.shape)
+    b = jnp.broadcast_to(jnp.asarray(b, jnp.float32), a.shape)
     if interpret:
-        return a / jax.lax.optimization_barrier(b)
+        return f8.exact_div(a, b)
     [out] = plgpu.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
                                          result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
     return out
-
-
-def _ue8m0(amax):
-    """(s, 1/s), s = 2^ceil(log2(max(amax, 1e-4) / 448)) from the float32 bits (fp8_formats.ue8m0_scale)."""
-    bits = jax.lax.bitcast_convert_type(jnp.maximum(amax, f8.INDEX_AMAX_MIN), jnp.int32)
-    e = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
-    return (jax.lax.bitcast_convert_type(e << 23, jnp.float32),
-            jax.lax.bitcast_convert_type((254 - e) << 23, jnp.float32))
-
-
-def _e4m3_bytes(x):
-    """float32 -> e4m3 (saturated, round to nearest even) -> uint8 bits."""
-    q = jnp.clip(x, -f8.FP8_MAX, f8.FP8_MAX).astype(jnp.float8_e4m3fn)
-    return jax.lax.bitcast_convert_type(q, jnp.uint8)
-
-
-def _bytes_of(bits, nbytes: int):
-    """int32 bits [...] -> uint8 [..., nbytes] little-endian."""
-    shift = 8 * jax.lax.broadcasted_iota(jnp.int32, (1,) * bits.ndim + (nbytes,), bits.ndim)
-    return ((bits[..., None] >> shift) & 0xFF).astype(jnp.uint8)
 
 
 def _and(a, b):
@@ -102,7 +81,7 @@ def _rope_cols(width: int, dr: int, interleave: bool):
 
 
 def _q_rows_to_write(in_range, slot_ok_fn):
-    """Rows whose normalised q is written: every row in range, whatever its slot (SPEC §4 (a)).
+    """Rows whose normalised q is written: every row in range, whatever its slot (docs/math.md §4 (a)).
 
     Kept as a module-level function so a test can swap in the defective variant
     (`in_range & slot_ok_fn()`) and show that its check catches it."""
@@ -128,15 +107,51 @@ def _q_weights(qw_ref, Rq):
     return _ld(qw_ref.at[qcol[0]], None if qcm is None else qcm[0]).astype(jnp.float32)[None, :]
 
 
-def _q_rows(blk, qc_ref, qn_ref, slot_ref, qw, *, T, Rq, eps, bt):
+@dataclasses.dataclass(frozen=True)
+class _QGeometry:
+    """Static shape of the q part: T rows of width Rq, `bt` rows per program."""
+    T: int
+    Rq: int
+    eps: float
+    bt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _CacheGeometry:
+    """Static shape of the cache part: widths, FP8 formats, logical rows / block size / page rows of each
+    cache (slot = page * bs + offset -> row page * page_rows + offset), RoPE layouts, `bc` rows per program."""
+    T: int
+    R: int
+    Dr: int
+    Di: int
+    tile: int
+    nt: int
+    mla_fp8: bool
+    idx_fp8: bool
+    has_index: bool
+    mla_rows: int
+    mla_bs: int
+    mla_pr: int
+    idx_rows: int
+    idx_bs: int
+    idx_pr: int
+    rope_il: bool
+    index_rope_il: bool
+    eps: float
+    bc: int
+    interpret: bool
+
+
+def _q_rows(blk, qc_ref, qn_ref, slot_ref, qw, g: _QGeometry):
     """(a) q RMSNorm of rows [blk * bt, +bt), written for every row whatever its slot."""
+    T, Rq, eps, bt = g.T, g.Rq, g.eps, g.bt
     rows, in_range, rows_ld = _row_block(blk, bt, T)
     qcol, qcm = _q_geometry(Rq)
     x = _ld(qc_ref.at[rows_ld[:, None], qcol], qcm).astype(jnp.float32)
     ms = jnp.sum(x * x, axis=1) / Rq
     y = qw * (x * jax.lax.rsqrt(ms + eps)[:, None])
     write = _q_rows_to_write(in_range, lambda: plgpu.load(slot_ref.at[rows_ld]) >= 0)
-    plgpu.store(qn_ref.at[jnp.where(write, rows, _MASKED_ROW)[:, None], qcol], y.astype(qn_ref.dtype),
+    plgpu.store(qn_ref.at[jnp.where(write, rows, MASKED_ROW)[:, None], qcol], y.astype(qn_ref.dtype),
                 mask=_and(write[:, None], qcm))
 
 
@@ -148,11 +163,11 @@ def _kv_geometry(tile, nt):
     return ti * tile + tc, kcm, ntp
 
 
-def _cache_weights(refs, cfg):
-    """Loop-invariant loads of a cache program: kv norm weight, RoPE frequencies per column, indexer
-    LayerNorm weight/bias at each column and at its RoPE partner."""
-    (T, R, Dr, Di, tile, nt, mla_fp8, idx_fp8, has_index, *_rest) = cfg
-    rope_il, index_rope_il = cfg[15], cfg[16]
+def _cache_weights(refs, g: _CacheGeometry):
+    """Loads of a cache program that do not depend on its rows: kv norm weight, RoPE frequencies per column,
+    indexer LayerNorm weight/bias at each column and at its RoPE partner."""
+    Dr, Di, tile, nt, has_index = g.Dr, g.Di, g.tile, g.nt, g.has_index
+    rope_il, index_rope_il = g.rope_il, g.index_rope_il
     kvw_ref, invf_ref, inw_ref, inb_ref = refs
     f32 = jnp.float32
     kcol, kcm, _ = _kv_geometry(tile, nt)
@@ -170,10 +185,10 @@ def _cache_weights(refs, cfg):
     return wts
 
 
-def _cache_rows(blk, refs, wts, cfg):
+def _cache_rows(blk, refs, wts, g: _CacheGeometry):
     """(b)-(d) for rows [blk * bc, +bc): MLA row and indexer key row at their slots, unless slot < 0."""
-    (T, R, Dr, Di, tile, nt, mla_fp8, idx_fp8, has_index, mla_rows, mla_bs, mla_pr, idx_rows, idx_bs, idx_pr,
-     rope_il, index_rope_il, eps, bc, interpret) = cfg
+    T, R, Dr, Di, tile, nt, eps, bc, interpret = g.T, g.R, g.Dr, g.Di, g.tile, g.nt, g.eps, g.bc, g.interpret
+    mla_rows, mla_bs, mla_pr, idx_rows, idx_bs, idx_pr = g.mla_rows, g.mla_bs, g.mla_pr, g.idx_rows, g.idx_bs, g.idx_pr
     kvc_ref, pos_ref, slot_ref, islot_ref, ik_ref, mla_ref, icache_ref = refs
     f32 = jnp.float32
     in_dtype = kvc_ref.dtype
@@ -190,7 +205,7 @@ def _cache_rows(blk, refs, wts, cfg):
     kv_n = (wts["kw"] * (kv * jax.lax.rsqrt(ms + eps)[:, None, None])).astype(in_dtype)
 
     # k_pe RoPE: x_j cos - x_partner sin (first of a pair) / x_j cos + x_partner sin.
-    j, partner, sign, _, _ = _rope_cols(Dr, Dr, rope_il)
+    j, partner, sign, _, _ = _rope_cols(Dr, Dr, g.rope_il)
     ang = pos * wts["pe_invf"]
     pe_x = plgpu.load(kvc_ref.at[r2, R + j]).astype(f32)
     pe_p = plgpu.load(kvc_ref.at[r2, R + partner]).astype(f32)
@@ -198,32 +213,32 @@ def _cache_rows(blk, refs, wts, cfg):
 
     # (b) + (c): store the MLA row at its physical row (page * page_rows + offset), only where slot_ok.
     phys = slot if mla_bs == mla_pr else (slot // mla_bs) * mla_pr + slot % mla_bs
-    phys = jnp.where(slot_ok, phys, _MASKED_ROW)
+    phys = jnp.where(slot_ok, phys, MASKED_ROW)
     ok2 = slot_ok[:, None]
-    if not mla_fp8:
+    if not g.mla_fp8:
         plgpu.store(mla_ref.at[phys[:, None, None], kcol], kv_n.astype(mla_ref.dtype), mask=_and(ok2[:, :, None], kcm))
         plgpu.store(mla_ref.at[phys[:, None], R + j], pe.astype(mla_ref.dtype), mask=ok2)
     else:
         kvf = kv_n.astype(f32)
         amax = jnp.max(jnp.abs(kvf) if kcm is None else jnp.where(kcm, jnp.abs(kvf), 0.0), axis=2)  # [bc, ntp]
-        scale = jnp.maximum(_div_rn(amax, jnp.full(amax.shape, f8.FP8_MAX, f32), interpret), _F32_MIN_NORMAL)
-        qb = _e4m3_bytes(_div_rn(kvf, scale[:, :, None], interpret))
+        scale = f8.mla_tile_scale(amax, div=functools.partial(_div_rn, interpret=interpret))
+        qb = f8.e4m3_bits(_div_rn(kvf, scale[:, :, None], interpret))
         plgpu.store(mla_ref.at[phys[:, None, None], kcol], qb, mask=_and(ok2[:, :, None], kcm))
-        sb = _bytes_of(jax.lax.bitcast_convert_type(scale, jnp.int32), 4)  # [bc, ntp, 4]
+        sb = bytes_of(jax.lax.bitcast_convert_type(scale, jnp.int32), 4)  # [bc, ntp, 4]
         sj = jax.lax.broadcasted_iota(jnp.int32, (1, ntp, 4), 1)
         sbyte = jax.lax.broadcasted_iota(jnp.int32, (1, ntp, 4), 2)
         plgpu.store(mla_ref.at[phys[:, None, None], R + 4 * sj + sbyte], sb,
                     mask=_and(ok2[:, :, None], None if ntp == nt else sj < nt))
         pb = jax.lax.bitcast_convert_type(pe.astype(jnp.bfloat16), jnp.uint16).astype(jnp.int32)
         bcol = R + 4 * nt + 2 * j[..., None] + jax.lax.broadcasted_iota(jnp.int32, (1, Dr, 2), 2)
-        plgpu.store(mla_ref.at[phys[:, None, None], bcol], _bytes_of(pb, 2), mask=ok2[:, :, None])
+        plgpu.store(mla_ref.at[phys[:, None, None], bcol], bytes_of(pb, 2), mask=ok2[:, :, None])
 
-    if has_index:
+    if g.has_index:
         # (d) indexer key: LayerNorm over Di, RoPE on dims [0, Dr), FP8 or plain store at its own slot.
         islot = plgpu.load(islot_ref.at[rows_ld])
         iok = in_range & (slot >= 0) & (islot >= 0) & (islot < idx_rows)  # (b) looks at the MLA slot's sign
         pi = _p2(Di)
-        j, partner, sign, _, rotated = _rope_cols(pi, Dr, index_rope_il)
+        j, partner, sign, _, rotated = _rope_cols(pi, Dr, g.index_rope_il)
         cm = None if pi == Di else j < Di
         x = _ld(ik_ref.at[r2, j], cm).astype(f32)
         mu = jnp.sum(x, axis=1, keepdims=True) / Di
@@ -236,17 +251,17 @@ def _cache_rows(blk, refs, wts, cfg):
         ang = pos * wts["i_invf"]
         k = jnp.where(rotated, k * jnp.cos(ang) + sign * (kp * jnp.sin(ang)), k).astype(in_dtype)
         iphys = islot if idx_bs == idx_pr else (islot // idx_bs) * idx_pr + islot % idx_bs
-        iphys = jnp.where(iok, iphys, _MASKED_ROW)[:, None]
+        iphys = jnp.where(iok, iphys, MASKED_ROW)[:, None]
         iok2 = iok[:, None]
-        if not idx_fp8:
+        if not g.idx_fp8:
             plgpu.store(icache_ref.at[iphys, j], k.astype(icache_ref.dtype), mask=_and(iok2, cm))
         else:
             kf = k.astype(f32)
             amax = jnp.max(jnp.abs(kf) if cm is None else jnp.where(cm, jnp.abs(kf), 0.0), axis=1)
-            s, inv_s = _ue8m0(amax)
-            plgpu.store(icache_ref.at[iphys, j], _e4m3_bytes(kf * inv_s[:, None]), mask=_and(iok2, cm))
+            s, inv_s = f8.ue8m0_scale_and_inverse(amax)
+            plgpu.store(icache_ref.at[iphys, j], f8.e4m3_bits(kf * inv_s[:, None]), mask=_and(iok2, cm))
             scol = Di + jax.lax.broadcasted_iota(jnp.int32, (1, 4), 1)
-            plgpu.store(icache_ref.at[iphys, scol], _bytes_of(jax.lax.bitcast_convert_type(s, jnp.int32), 4),
+            plgpu.store(icache_ref.at[iphys, scol], bytes_of(jax.lax.bitcast_convert_type(s, jnp.int32), 4),
                         mask=iok2)
 
 
@@ -263,9 +278,9 @@ def _topk_share(pid, topk_ref, topk_n, chunk):
         plgpu.store(topk_ref.at[jnp.where(ok, idx, topk_n)], jnp.full((chunk,), -1, topk_ref.dtype), mask=ok)
 
 
-def _kernel(*refs, mode, n_q, n_blocks, q_cfg, c_cfg, has_index, has_topk, topk_n, topk_chunk):
-    """mode "split": programs [0, n_q) normalise q blocks, the rest write cache blocks (one block each).
-    mode "loop": every program walks blocks pid, pid + P, ... and does both for each (weights loaded once)."""
+def _kernel(*refs, n_q, q_geom, c_geom, has_index, has_topk, topk_n, topk_chunk):
+    """Programs [0, n_q) normalise q blocks, the rest write cache blocks (one block each); every program
+    clears its share of the top-k buffer."""
     it = iter(refs)
     qc_ref, kvc_ref, pos_ref, slot_ref = next(it), next(it), next(it), next(it)
     islot_ref = next(it) if has_index else None
@@ -285,24 +300,13 @@ def _kernel(*refs, mode, n_q, n_blocks, q_cfg, c_cfg, has_index, has_topk, topk_
     w_refs = (kvw_ref, invf_ref, inw_ref, inb_ref)
     pid = pl.program_id(0)
 
-    if mode == "split":
-        @pl.when(pid < n_q)
-        def _():
-            _q_rows(pid, qc_ref, qn_ref, slot_ref, _q_weights(qw_ref, q_cfg["Rq"]), **q_cfg)
+    @pl.when(pid < n_q)
+    def _():
+        _q_rows(pid, qc_ref, qn_ref, slot_ref, _q_weights(qw_ref, q_geom.Rq), q_geom)
 
-        @pl.when(pid >= n_q)
-        def _():
-            _cache_rows(pid - n_q, c_refs, _cache_weights(w_refs, c_cfg), c_cfg)
-    else:
-        qw = _q_weights(qw_ref, q_cfg["Rq"])
-        wts = _cache_weights(w_refs, c_cfg)
-        nprog = pl.num_programs(0)
-
-        @pl.loop(0, pl.cdiv(n_blocks - pid, nprog))
-        def _(i):
-            blk = pid + i * nprog
-            _q_rows(blk, qc_ref, qn_ref, slot_ref, qw, **q_cfg)
-            _cache_rows(blk, c_refs, wts, c_cfg)
+    @pl.when(pid >= n_q)
+    def _():
+        _cache_rows(pid - n_q, c_refs, _cache_weights(w_refs, c_geom), c_geom)
 
     if has_topk:
         _topk_share(pid, topk_ref, topk_n, topk_chunk)
@@ -310,50 +314,60 @@ def _kernel(*refs, mode, n_q, n_blocks, q_cfg, c_cfg, has_index, has_topk, topk_
 
 # ------------------------------------------------------------------------------ the wrapper
 
-def _page_geometry(cache, block_size):
+def _page_geometry(cache, block_size, what: str):
     """cache [rows, pitch] (flat, slot = row) or [pages, page_rows, pitch] with slot = page * block_size + off."""
     if cache.ndim == 2:
         return cache, cache.shape[0], cache.shape[0], cache.shape[0]  # flat: bs = page_rows = rows
     pages, page_rows, pitch = cache.shape
     bs = page_rows if block_size is None else block_size
-    assert bs <= page_rows, (bs, page_rows)
+    if not 1 <= bs <= page_rows:
+        raise ValueError(f"fused_norm_rope: block_size {bs} must be in [1, page_rows = {page_rows}] of the {what} "
+                         f"{cache.shape}")
     return cache.reshape(pages * page_rows, pitch), pages * bs, bs, page_rows
 
 
-def _sm_count() -> int:
-    try:
-        return int(getattr(jax.devices()[0], "core_count", 0)) or 132
-    except Exception:  # noqa: BLE001
-        return 132
+def _pow2(v) -> bool:
+    return isinstance(v, int) and v >= 1 and v & (v - 1) == 0
 
 
-def default_launch(T: int) -> dict:
-    """Launch defaults, from the H200 sweeps in BENCHMARKS.md: "split" with 2-row blocks and 4 warps was
-    the best or near-best measured at T = 4096 and 65536; "loop" with a few programs per SM was slower."""
-    if T < 256:
-        return dict(mode="split", q_rows=1, cache_rows=1, num_warps=4)
-    return dict(mode="split", q_rows=2, cache_rows=2, num_warps=4)
+@dataclasses.dataclass(frozen=True)
+class FusedNormRopeConfig:
+    """Launch config: `q_rows` token rows per q program, `cache_rows` per cache program, warps (all powers of
+    two: Triton's tiles are), pipeline stages."""
+    q_rows: int
+    cache_rows: int
+    num_warps: int
+    num_stages: int = 1
+
+    def __post_init__(self):
+        for name in ("q_rows", "cache_rows", "num_warps"):
+            if not _pow2(getattr(self, name)):
+                raise ValueError(f"FusedNormRopeConfig: {name} {getattr(self, name)!r} must be a power of two")
+        if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
+            raise ValueError(f"FusedNormRopeConfig: num_stages {self.num_stages!r} must be an int >= 1")
+
+
+def default_config(T: int) -> FusedNormRopeConfig:
+    """The launch config from the H200 sweeps in BENCHMARKS.md: 2-row blocks and 4 warps were the best or
+    near-best measured at T = 4096 and 65536; one row per program below 256 rows."""
+    rows = 1 if T < 256 else 2
+    return FusedNormRopeConfig(q_rows=rows, cache_rows=rows, num_warps=4)
 
 
 def fused_norm_rope_cache_triton(q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_w, mla_cache, *,
                                  rope_theta: float, rope_interleave: bool = True, eps: float = 1e-6,
                                  index_k=None, index_norm_w=None, index_norm_b=None, index_cache=None,
                                  index_slot_mapping=None, index_rope_interleave: bool = True, topk_buf=None,
-                                 block_size=None, interpret: bool | None = None, mode=None, q_rows=None,
-                                 cache_rows=None, rows_per_program=None, programs_per_sm=None, num_warps=None,
-                                 num_stages=None):
+                                 block_size=None, config: FusedNormRopeConfig | None = None, interpret: bool = False,
+                                 **overrides):
     """Pallas Triton kernel; same contract as `fused_norm_rope.fused_norm_rope_cache_xla`.
 
     Caches: 2-D [slots, pitch] (slot = row) or 3-D [pages, page_rows, pitch] with `block_size <= page_rows`
     (slot = page * block_size + offset; padded pages and padded row pitches are left untouched). A uint8
     cache holds FP8 rows (`fp8_formats`). Returns (q_normed, mla_cache, index_cache, topk_buf).
-    Launch (defaults from `default_launch(T)`): mode "split" (one q block or one cache block per program,
-    `q_rows` / `cache_rows` token rows each) or "loop" (min(blocks, programs_per_sm * SMs) programs walk
-    blocks of `rows_per_program` rows, doing q and cache writes for each; programs_per_sm=0: one program
-    per block); `num_warps`, `num_stages`.
+    `config` (default `default_config(T)`); `overrides` replace fields of it by name (q_rows, cache_rows,
+    num_warps, num_stages; None keeps the field). `interpret`: run under the Pallas interpreter.
     """
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
     if not interpret:
         check_addressable(mla_cache, "fused_norm_rope MLA cache")
         if index_cache is not None:
@@ -361,12 +375,16 @@ def fused_norm_rope_cache_triton(q_c, kv_c, positions, slot_mapping, q_norm_w, k
     T, Rq = q_c.shape
     R = kv_norm_w.shape[0]
     Dr = kv_c.shape[-1] - R
-    assert Dr % 2 == 0 and Dr >= 2 and (Dr // 2) & (Dr // 2 - 1) == 0, f"rope dim {Dr}: half must be a power of 2"
+    why = supports(q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_w, mla_cache, index_k=index_k)
+    if why:
+        raise ValueError(f"fused_norm_rope triton: {why}")
     mla_shape = mla_cache.shape
-    mla_flat, mla_logical, mla_bs, mla_pr = _page_geometry(mla_cache, block_size)
+    mla_flat, mla_logical, mla_bs, mla_pr = _page_geometry(mla_cache, block_size, "MLA cache")
     mla_fp8 = mla_cache.dtype == jnp.uint8
     need = f8.mla_row_bytes(R, Dr) if mla_fp8 else R + Dr
-    assert mla_flat.shape[1] >= need, f"MLA cache pitch {mla_flat.shape[1]} < row width {need}"
+    if mla_flat.shape[1] < need:
+        raise ValueError(f"fused_norm_rope: MLA cache pitch {mla_flat.shape[1]} < its row width {need} "
+                         f"(R={R}, Dr={Dr}, {'fp8_ds_mla' if mla_fp8 else mla_cache.dtype})")
     tile = f8.mla_tile(R) if mla_fp8 else (128 if R % 128 == 0 else R)
     nt = R // tile
 
@@ -376,44 +394,37 @@ def fused_norm_rope_cache_triton(q_c, kv_c, positions, slot_mapping, q_norm_w, k
     idx_shape = None
     if has_index:
         Di = index_k.shape[-1]
-        assert Di >= Dr
         idx_shape = index_cache.shape
-        idx_flat, idx_logical, idx_bs, idx_pr = _page_geometry(index_cache, block_size)
+        idx_flat, idx_logical, idx_bs, idx_pr = _page_geometry(index_cache, block_size, "indexer cache")
         idx_fp8 = index_cache.dtype == jnp.uint8
-        assert (Dr // 2) & (Dr // 2 - 1) == 0
-        assert idx_flat.shape[1] >= (f8.index_row_bytes(Di) if idx_fp8 else Di)
+        need = f8.index_row_bytes(Di) if idx_fp8 else Di
+        if idx_flat.shape[1] < need:
+            raise ValueError(f"fused_norm_rope: indexer cache pitch {idx_flat.shape[1]} < its row width {need} "
+                             f"(Di={Di}, {'fp8' if idx_fp8 else index_cache.dtype})")
     if T == 0:
         topk_out = jnp.full_like(topk_buf, -1) if has_topk else topk_buf
         return q_c, mla_cache, index_cache, topk_out
 
-    launch = default_launch(T)
-    mode = mode or launch["mode"]
-    if mode == "split":
-        bq = q_rows or rows_per_program or launch.get("q_rows", 2)
-        bc = cache_rows or rows_per_program or launch.get("cache_rows", 2)
-        n_q, n_blocks = pl.cdiv(T, bq), pl.cdiv(T, bc)
-        grid = n_q + n_blocks
-    elif mode == "loop":
-        bq = bc = rows_per_program or q_rows or launch.get("rows_per_program", 2)
-        n_q, n_blocks = 0, pl.cdiv(T, bq)
-        pps = launch.get("programs_per_sm", 8) if programs_per_sm is None else programs_per_sm
-        if pps == 0:  # one program per block: q and cache work of a block in one program
-            grid = n_blocks
-        elif interpret:  # one program per block, unless programs_per_sm asks for a loop (tests)
-            grid = min(n_blocks, programs_per_sm or n_blocks)
-        else:
-            grid = min(n_blocks, pps * _sm_count())
-    else:
-        raise ValueError(f"mode must be 'split' or 'loop', got {mode!r}")
+    cfg = config or default_config(T)
+    fields = {f.name for f in dataclasses.fields(FusedNormRopeConfig)}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise ValueError(f"fused_norm_rope triton: unknown options {sorted(unknown)} (known: {sorted(fields)})")
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    n_q, n_blocks = pl.cdiv(T, cfg.q_rows), pl.cdiv(T, cfg.cache_rows)
+    grid = n_q + n_blocks
     topk_n = topk_buf.size if has_topk else 0
     topk_chunk = min(1024, _p2(max(1, pl.cdiv(topk_n, grid)))) if has_topk else 1
     inv_freq = 1.0 / (rope_theta ** (jnp.arange(0, Dr, 2, dtype=jnp.float32) / Dr))
 
-    q_cfg = dict(T=T, Rq=Rq, eps=float(eps), bt=bq)
-    c_cfg = (T, R, Dr, Di, tile, nt, mla_fp8, idx_fp8, has_index, mla_logical, mla_bs, mla_pr, idx_logical,
-             idx_bs, idx_pr, bool(rope_interleave), bool(index_rope_interleave), float(eps), bc, bool(interpret))
-    kernel = functools.partial(_kernel, mode=mode, n_q=n_q, n_blocks=n_blocks, q_cfg=q_cfg, c_cfg=c_cfg,
-                               has_index=has_index, has_topk=has_topk, topk_n=topk_n, topk_chunk=topk_chunk)
+    q_geom = _QGeometry(T=T, Rq=Rq, eps=float(eps), bt=cfg.q_rows)
+    c_geom = _CacheGeometry(T=T, R=R, Dr=Dr, Di=Di, tile=tile, nt=nt, mla_fp8=mla_fp8, idx_fp8=idx_fp8,
+                            has_index=has_index, mla_rows=mla_logical, mla_bs=mla_bs, mla_pr=mla_pr,
+                            idx_rows=idx_logical, idx_bs=idx_bs, idx_pr=idx_pr, rope_il=bool(rope_interleave),
+                            index_rope_il=bool(index_rope_interleave), eps=float(eps), bc=cfg.cache_rows,
+                            interpret=bool(interpret))
+    kernel = functools.partial(_kernel, n_q=n_q, q_geom=q_geom, c_geom=c_geom, has_index=has_index,
+                               has_topk=has_topk, topk_n=topk_n, topk_chunk=topk_chunk)
 
     ins = [q_c, kv_c, positions.astype(jnp.int32), slot_mapping.astype(jnp.int32)]
     if has_index:
@@ -437,10 +448,22 @@ def fused_norm_rope_cache_triton(q_c, kv_c, positions, slot_mapping, q_norm_w, k
         kernel, grid=(grid,), out_shape=outs,
         in_specs=[any_spec] * len(ins), out_specs=[any_spec] * len(outs),
         input_output_aliases=aliases, interpret=interpret, name="fused_norm_rope_cache",
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps or launch["num_warps"],
-                                             num_stages=num_stages or 1))
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     res = call(*ins)
     q_n, mla_out = res[0], res[1].reshape(mla_shape)
     idx_out = res[2].reshape(idx_shape) if has_index else index_cache
     topk_out = res[3].reshape(topk_buf.shape) if has_topk else topk_buf
     return q_n, mla_out, idx_out, topk_out
+
+
+def supports(q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_w, mla_cache, *, index_k=None, **_) -> str | None:
+    """Why the kernel cannot take these shapes (None: it can): RoPE partners are found by bit tricks over
+    power-of-two column ranges, so the rope dim Dr (kv_c width - kv_lora_rank) must be 2 x a power of two,
+    and the indexer key width Di must be at least Dr."""
+    R = kv_norm_w.shape[0]
+    Dr = kv_c.shape[-1] - R
+    if Dr < 2 or Dr % 2 or not _pow2(Dr // 2):
+        return f"rope dim {Dr} (kv_c width {kv_c.shape[-1]} - kv_lora_rank {R}) must be 2 x a power of two"
+    if index_k is not None and index_k.shape[-1] < Dr:
+        return f"indexer key width {index_k.shape[-1]} must be >= the rope dim {Dr}"
+    return None

@@ -1,4 +1,4 @@
-"""Lightning indexer scores and top-k (SPEC §2): which cached tokens each query row attends to.
+"""Lightning indexer scores and top-k (docs/math.md §2): which cached tokens each query row attends to.
 
 score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) over the keys of the row's own request, read from the
 paged indexer cache through the block table. Row t sees the first `kv_lens[t]` cached positions of its
@@ -13,13 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import fp8_formats
+from . import fp8_formats, registry
 from .chunking import map_row_chunks
 
-# Top-k stage of impl="triton": "xla" (jax.lax.top_k over the kernel's scores; the default: 148 us for
-# B=32 x 32K on the H200) or "triton" (the radix-select kernel of indexer_triton: one CTA per row, exact and
-# CPU-tested, but latency-bound at ~330 us per row on the H200 and not yet checked natively there).
-TOPK_IMPL = "xla"
 ROW_CHUNK = 16  # query rows per chunk: bounds the [chunk, S, Di] key gather and [chunk, H, S] logits
 
 
@@ -80,33 +76,6 @@ def indexer_topk_xla(q, weights, k_cache, token_req, kv_lens, block_tables, *, b
     return (pos, val) if return_scores else pos
 
 
-def indexer_topk_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int, topk: int,
-                        return_scores: bool = False, row_chunk: int | None = None, interpret: bool = False,
-                        topk_impl: str = TOPK_IMPL, **kernel_options):
-    """Pallas Triton scores, then `topk_positions`, `row_chunk` query rows at a time (default: as many rows
-    as keep the float32 scores under SCORE_BUDGET, rounded down to a power of two), so a 32K x 32K prefill never
-    holds [T, S] scores.
-    topk_impl: "triton" (radix select + compaction kernel, then a stable sort of the k winners) or "xla"
-    (`jax.lax.top_k` over the scores)."""
-    from .indexer_triton import SCORE_BUDGET, indexer_scores_triton, topk_triton
-
-    q, weights = prepare_queries(q, weights, k_cache)
-    s = block_tables.shape[1] * block_size
-    if row_chunk is None:
-        # a power of two: prefill chunks (powers of two) then split into whole row chunks, no padded rows
-        row_chunk = 1 << max(0, (SCORE_BUDGET // max(s, 1)).bit_length() - 1)
-
-    def rows(q_, w_, r_, n_):
-        sc = indexer_scores_triton(q_, w_, k_cache, r_, n_, block_tables, block_size=block_size,
-                                   interpret=interpret, **kernel_options)
-        if topk_impl == "triton":
-            return topk_triton(sc, n_, topk, s, interpret=interpret)
-        return topk_positions(sc, n_, topk, width=s)
-
-    pos, val = map_row_chunks(rows, (q, weights, token_req, kv_lens), row_chunk)
-    return (pos, val) if return_scores else pos
-
-
 def indexer_topk(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int, topk: int,
                  return_scores: bool = False, impl: str = "xla", **kernel_options):
     """Top-k positions [T, min(topk, S)] (int32, -1 padded) for indexer queries `q` [T, H, Di] (roped),
@@ -114,14 +83,14 @@ def indexer_topk(q, weights, k_cache, token_req, kv_lens, block_tables, *, block
     request `token_req` [T], its number of visible keys `kv_lens` [T] and `block_tables` [R, pages].
     With `return_scores`, also their float32 scores (-inf where -1): the DCP global top-k merges these.
     `k_cache` is bf16 [slots, Di] or FP8 uint8 [slots, Di + 4] (queries are then quantised per (t, h)).
-    impl: "xla" (oracle, CPU default), "triton" (Pallas Triton scores + chunked top-k, the GPU default),
-    "triton_interpret" (the same kernel under the Pallas interpreter, for CPU tests); `kernel_options`
-    (block_s, num_warps, num_stages, row_chunk) go to the Triton form."""
-    if impl == "xla":
-        return indexer_topk_xla(q, weights, k_cache, token_req, kv_lens, block_tables, block_size=block_size,
-                                topk=topk, return_scores=return_scores)
-    if impl in ("triton", "triton_interpret"):
-        return indexer_topk_triton(q, weights, k_cache, token_req, kv_lens, block_tables, block_size=block_size,
-                                   topk=topk, return_scores=return_scores, interpret=impl == "triton_interpret",
-                                   **kernel_options)
-    raise ValueError(f"indexer_topk: unknown impl {impl!r} (available: 'xla', 'triton', 'triton_interpret')")
+    impl (`kernels.registry`): "xla" (oracle, CPU default), "triton" (Pallas Triton scores + chunked
+    `topk_positions`, the GPU default), "triton_interpret" (the same kernel under the Pallas interpreter, for
+    CPU tests); `kernel_options` go to `indexer_triton.indexer_topk_triton` (config, block_s, block_t,
+    num_warps, num_stages, row_chunk); the xla form takes `row_chunk`."""
+    return registry.dispatch("indexer", impl, q, weights, k_cache, token_req, kv_lens, block_tables,
+                             block_size=block_size, topk=topk, return_scores=return_scores, **kernel_options)
+
+
+registry.register("indexer", "xla", indexer_topk_xla)
+registry.register_triton("indexer", "kernels.indexer_triton:indexer_topk_triton",
+                         supports="kernels.indexer_triton:supports")

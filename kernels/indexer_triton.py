@@ -1,5 +1,6 @@
-"""Pallas Triton indexer scores (SPEC §2): score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) over the paged
-indexer cache, then the top-k with the SPEC tie rule by `kernels.indexer.topk_positions`.
+"""Pallas Triton indexer scores (docs/math.md §2): score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) over the paged
+indexer cache, then the top-k with the tie rule of docs/math.md §2 by `kernels.indexer.topk_positions` (`indexer_topk_triton`,
+the op's "triton" impl).
 
 Grid (T, S / block_s). Program (t, j) reads row t's request, its visible length n = kv_lens[t], the pages of
 positions [j * block_s, +block_s) from the block table, gathers those key rows from the cache (bf16
@@ -13,11 +14,12 @@ prefill chunk's rows are contiguous per request, so a block's rows nearly always
 key tile is then gathered once and reused by all block_t rows, cutting the cache reads block_t-fold (per
 row, a 32K prefill re-reads every key 32K times). Blocks whose rows span requests (a request boundary,
 decode rows) gather per row in the same program.
-Everything Triton-specific lives in this module and sparse_mla_triton.py.
+Launch configs are `IndexerConfig`s (`default_config` picks one per shape).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -25,7 +27,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .sparse_mla_triton import check_addressable, col_range, dot, gather, u8_words
+from . import fp8_formats
+from .chunking import map_row_chunks
+from .indexer import prepare_queries, topk_positions
+from .triton_common import check_addressable, col_range, dot, gather, u8_words
 
 SCORE_BUDGET = 1 << 25  # float32 scores held at once by the top-k stage (128 MiB)
 ROW_BLOCK_MIN_T = 64  # rows from which indexer_scores_triton takes the row-block form
@@ -48,22 +53,17 @@ def _key_tile(bt_ref, k_ref, req, pos, vis, *, page, di, fp8, interpret):
     k = gather(k_ref, slot, col_range(0, di), vis, interpret)  # [bs, Di]
     if not fp8:
         return k, None
-    k = _e4m3_bits_to_bf16(k)
+    k = fp8_formats.decode_e4m3_bits(k, jnp.bfloat16)
     s_k = jax.lax.bitcast_convert_type(u8_words(gather(k_ref, slot, col_range(di, 4), vis, interpret))[0],
                                        jnp.float32)  # [bs, 1]
     return k, jnp.sum(s_k, axis=1)  # [bs] (a sum of one term: exact; Triton has no cheap reshape)
-
-
-def _e4m3_bits_to_bf16(b):
-    """uint8 e4m3 bits -> bf16 values (exact), inside a kernel, where XLA cannot fold the decode away."""
-    return jax.lax.bitcast_convert_type(b, jnp.float8_e4m3fn).astype(jnp.bfloat16)
 
 
 def _row_scores(q, w, k, s_k):
     """sum_h w[h] relu(q[h] . k[s]) (* s_k[s]): q [H, Di] (e4m3 bits as uint8 for an FP8 cache), w [H],
     k [bs, Di] -> [bs] float32."""
     if q.dtype == jnp.uint8:
-        q = _e4m3_bits_to_bf16(q)
+        q = fp8_formats.decode_e4m3_bits(q, jnp.bfloat16)
     logits = dot(q, k, trans_b=True)  # [H, bs] f32
     sc = jnp.sum(w[:, None] * jnp.maximum(logits, 0.0), axis=0)
     return sc if s_k is None else sc * s_k
@@ -118,31 +118,78 @@ def _scores_rows_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *,
         o_ref[...] = jnp.full((block_t, block_s), -jnp.inf, jnp.float32)
 
 
+def _pow2(v) -> bool:
+    return isinstance(v, int) and v >= 1 and v & (v - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerConfig:
+    """Launch config of the scores kernels: `block_s` keys per program (a power of two >= 16); `block_t` query
+    rows per program: 1 the per-row kernel (decode), a power of two > 1 the row-block kernel (prefill: one key
+    gather per block of rows of one request), None both compiled and picked at run time by how long the rows'
+    requests run (`lax.cond`: the row-block kernel of ROW_BLOCK rows when requests run for ROW_BLOCK rows on
+    average); warps; pipeline stages."""
+    block_s: int
+    block_t: int | None
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self):
+        if not (_pow2(self.block_s) and self.block_s >= 16):
+            raise ValueError(f"IndexerConfig: block_s {self.block_s!r} must be a power of two >= 16")
+        if self.block_t is not None and not _pow2(self.block_t):
+            raise ValueError(f"IndexerConfig: block_t {self.block_t!r} must be a power of two (or None)")
+        if not _pow2(self.num_warps):
+            raise ValueError(f"IndexerConfig: num_warps {self.num_warps!r} must be a power of two")
+        if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
+            raise ValueError(f"IndexerConfig: num_stages {self.num_stages!r} must be an int >= 1")
+
+
+def default_config(t: int, s: int, cache_dtype) -> IndexerConfig:
+    """128-key tiles (FLOAT32_BLOCK_S for a float32 cache), never wider than S; the per-row kernel below
+    ROW_BLOCK_MIN_T rows and for a float32 cache, else both kernels picked at run time."""
+    f32 = jnp.dtype(cache_dtype) == jnp.float32
+    block_s = min(FLOAT32_BLOCK_S if f32 else 128, max(16, pl.next_power_of_2(s)))
+    return IndexerConfig(block_s=block_s, block_t=1 if (t < ROW_BLOCK_MIN_T or f32) else None)
+
+
+def supports(q, weights, k_cache, *_, **__) -> str | None:
+    """Why the kernel cannot take these shapes (None: it can): its tiles are powers of two, so the key width Di
+    must be a power of two >= 16 (the narrowest dot) and the head count H at most 16 (padded) or a power of
+    two."""
+    t, h, di = q.shape
+    if not (_pow2(di) and di >= 16):
+        return f"indexer key width Di {di} must be a power of two >= 16"
+    if h > 16 and not _pow2(h):
+        return f"indexer heads H {h} must be <= 16 or a power of two"
+    return None
+
+
 def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int,
-                          block_s: int | None = None, block_t: int | None = None, num_warps: int = 4,
-                          num_stages: int = 1, interpret: bool = False):
+                          config: IndexerConfig | None = None, interpret: bool = False, **overrides):
     """Scores [T, S_pad] float32 (S_pad = S rounded up to block_s; -inf at s >= kv_lens[t]).
 
     q [T, H, Di]: bf16 queries for a bf16 cache; for an FP8 (uint8) cache, e4m3 values (any float dtype
     holding them exactly) with s_q already folded into `weights` [T, H].
-    block_t: query rows per program; 1 is the per-row kernel (decode), a power of two > 1 the row-block
-    kernel (prefill: one key gather per block of rows of one request). None: the per-row kernel below
-    ROW_BLOCK_MIN_T rows; from there both are compiled and the rows pick at run time (`lax.cond`): the
-    row-block kernel when requests run for ROW_BLOCK rows on average (prefill chunks), else per row
-    (a large decode batch, every row its own request); a float32 cache always takes the per-row kernel.
-    block_s: keys per program (None: 128, or FLOAT32_BLOCK_S for a float32 cache)."""
+    `config` (default `default_config`); `overrides` replace fields of it by name (block_s, block_t,
+    num_warps, num_stages; None keeps the field); block_s is clamped to S rounded up to a power of two.
+    `interpret`: run under the Pallas interpreter."""
     t, h, di = q.shape
+    s = block_tables.shape[1] * block_size
+    cfg = config or default_config(t, s, k_cache.dtype)
+    fields = {f.name for f in dataclasses.fields(IndexerConfig)}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise ValueError(f"indexer triton: unknown options {sorted(unknown)} (known: {sorted(fields)})")
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    block_t = cfg.block_t
     fp8 = k_cache.dtype == jnp.uint8
     if not interpret:
         check_addressable(k_cache, "indexer cache")
     f32 = k_cache.dtype == jnp.float32
-    s = block_tables.shape[1] * block_size
-    block_s = block_s or (FLOAT32_BLOCK_S if f32 else 128)
-    block_s = min(block_s, max(16, pl.next_power_of_2(s)))
+    block_s = min(cfg.block_s, max(16, pl.next_power_of_2(s)))
     n_blk = -(-s // block_s)
     h_pad = max(16, h)
-    if block_t is not None and (block_t < 1 or block_t & (block_t - 1)):
-        raise ValueError(f"indexer_scores_triton: block_t {block_t} must be a power of two")
     if fp8:
         # The e4m3 bits go in as bytes and become bf16 inside the kernel. An XLA convert e4m3 -> bf16 here would
         # meet the quantising convert f32 -> e4m3 of `prepare_queries` in one program, and XLA's GPU pipeline
@@ -158,7 +205,7 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
         q = jnp.pad(q, ((0, 0), (0, h_pad - h), (0, 0)))
         weights = jnp.pad(weights, ((0, 0), (0, h_pad - h)))
     name = "indexer_scores_fp8" if fp8 else "indexer_scores_bf16"
-    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     opts = {"block_s": block_s, "page": block_size, "di": di, "fp8": fp8, "interpret": interpret}
     bt_cache = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
 
@@ -223,105 +270,25 @@ def _row_block_call(token_req, kv_lens, q, weights, block_tables, k_cache, *, bl
     return out if t_pad == t else out[:t]
 
 
-def _float_order_key(x):
-    """float32 -> uint32 whose unsigned order is the float order (+0 and -0 equal)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    neg = (bits >> 31) == 1
-    u = jnp.where(neg, ~bits, bits | jnp.uint32(0x80000000))
-    return jnp.where(x == 0.0, jnp.uint32(0x80000000), u)
+def indexer_topk_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int, topk: int,
+                        return_scores: bool = False, row_chunk: int | None = None, interpret: bool = False,
+                        **kernel_options):
+    """The "triton" impl of `kernels.indexer.indexer_topk`: Pallas Triton scores, then `topk_positions`,
+    `row_chunk` query rows at a time (default: as many rows as keep the float32 scores under SCORE_BUDGET,
+    rounded down to a power of two), so a 32K x 32K prefill never holds [T, S] scores. `kernel_options` go
+    to `indexer_scores_triton` (config, block_s, block_t, num_warps, num_stages)."""
+    q, weights = prepare_queries(q, weights, k_cache)
+    s = block_tables.shape[1] * block_size
+    if row_chunk is None:
+        # a power of two: prefill chunks (powers of two) then split into whole row chunks, no padded rows
+        row_chunk = 1 << max(0, (SCORE_BUDGET // max(s, 1)).bit_length() - 1)
+    elif not (isinstance(row_chunk, int) and row_chunk >= 1):
+        raise ValueError(f"indexer triton: row_chunk {row_chunk!r} must be an int >= 1")
 
+    def rows(q_, w_, r_, n_):
+        sc = indexer_scores_triton(q_, w_, k_cache, r_, n_, block_tables, block_size=block_size,
+                                   interpret=interpret, **kernel_options)
+        return topk_positions(sc, n_, topk, width=s)
 
-def _topk_kernel(len_ref, sc_ref, pos_ref, val_ref, *, k, chunk, radix_bits, interpret):
-    """One query row: radix-select the k-th largest score key, then compact in position order.
-
-    Writes the min(k, n) selected (position, score) pairs in ascending position order to slots [0, min(k, n))
-    and (-1, -inf) after them: the SPEC tie rule (equal scores: smaller positions first) decides which keys
-    equal to the threshold are kept; the final score order is one stable sort outside."""
-    n = len_ref[0]
-    ke = jnp.minimum(n, k)
-    n_chunks = (n + chunk - 1) // chunk
-    k_pad = pos_ref.shape[0]
-    n_cand = 1 << radix_bits
-
-    slots = jax.lax.iota(jnp.int32, k_pad)
-    fill = slots >= ke
-    if interpret:
-        pos_ref[...] = jnp.where(fill, -1, pos_ref[...])
-        val_ref[...] = jnp.where(fill, -jnp.inf, val_ref[...])
-    else:
-        plgpu.store(pos_ref, jnp.full((k_pad,), -1, jnp.int32), mask=fill)
-        plgpu.store(val_ref, jnp.full((k_pad,), -jnp.inf, jnp.float32), mask=fill)
-
-    def keys(c):
-        x = sc_ref[pl.ds(c * chunk, chunk)]
-        return x, _float_order_key(x)
-
-    cand_j = jax.lax.iota(jnp.uint32, n_cand)
-    tau = jnp.uint32(0)
-    for p in range(32 // radix_bits):
-        shift = 32 - radix_bits * (p + 1)
-        cand = tau | (cand_j << shift)
-
-        def count(c, acc, cand=cand):
-            _, u = keys(c)
-            return acc + jnp.sum((u[None, :] >= cand[:, None]).astype(jnp.int32), axis=1)
-
-        cnt = jax.lax.fori_loop(0, n_chunks, count, jnp.zeros((n_cand,), jnp.int32))
-        j = jnp.sum((cnt >= ke).astype(jnp.int32)) - 1  # counts fall with j; cnt[0] >= ke always
-        tau = tau | (j.astype(jnp.uint32) << shift)
-
-    def count_gt(c, acc):
-        _, u = keys(c)
-        return acc + jnp.sum((u > tau).astype(jnp.int32))
-
-    need_eq = ke - jax.lax.fori_loop(0, n_chunks, count_gt, jnp.int32(0))
-
-    def compact(c, carry):
-        sel_before, eq_before = carry
-        x, u = keys(c)
-        pos = c * chunk + jax.lax.iota(jnp.int32, chunk)
-        eq = (u == tau).astype(jnp.int32)
-        eq_rank = eq_before + jnp.cumsum(eq) - eq
-        sel = ((u > tau) | ((eq == 1) & (eq_rank < need_eq))) & (pos < n)
-        sel_i = sel.astype(jnp.int32)
-        slot = sel_before + jnp.cumsum(sel_i) - sel_i
-        if interpret:
-            tgt = jnp.where(sel, slot, k_pad)  # out of range: dropped
-            pos_ref[...] = pos_ref[...].at[tgt].set(pos, mode="drop")
-            val_ref[...] = val_ref[...].at[tgt].set(x, mode="drop")
-        else:
-            plgpu.store(pos_ref.at[slot], pos, mask=sel)
-            plgpu.store(val_ref.at[slot], x, mask=sel)
-        return sel_before + jnp.sum(sel_i), eq_before + jnp.sum(eq)
-
-    jax.lax.fori_loop(0, n_chunks, compact, (jnp.int32(0), jnp.int32(0)))
-
-
-def topk_triton(scores, kv_lens, topk: int, width: int, *, chunk: int = 1024, radix_bits: int = 4,
-                num_warps: int = 8, interpret: bool = False):
-    """Top-k (positions int32, scores float32) [T, min(topk, width)] of `scores` [T, S_pad] (-inf past
-    kv_lens[t]) with the SPEC order: higher score first, then smaller position; (-1, -inf) padding."""
-    t, s_pad = scores.shape
-    k = min(topk, width)
-    k_pad = pl.next_power_of_2(k)
-    chunk = min(chunk, pl.next_power_of_2(s_pad))
-    if s_pad % chunk:
-        scores = jnp.pad(scores, ((0, 0), (0, chunk - s_pad % chunk)), constant_values=-jnp.inf)
-    kernel = functools.partial(_topk_kernel, k=k, chunk=chunk, radix_bits=radix_bits, interpret=interpret)
-    pos, val = pl.pallas_call(
-        kernel,
-        grid=(t,),
-        in_specs=[pl.BlockSpec((1,), lambda i: (i,)),
-                  pl.BlockSpec((None, scores.shape[1]), lambda i: (i, 0))],
-        out_specs=[pl.BlockSpec((None, k_pad), lambda i: (i, 0)),
-                   pl.BlockSpec((None, k_pad), lambda i: (i, 0))],
-        out_shape=[jax.ShapeDtypeStruct((t, k_pad), jnp.int32), jax.ShapeDtypeStruct((t, k_pad), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="indexer_topk_select",
-    )(kv_lens.astype(jnp.int32), scores)
-    pos, val = pos[:, :k], val[:, :k]
-    val = jnp.where(val == 0.0, 0.0, val)  # -0.0 -> +0.0, as the xla form
-    # positions are ascending within equal scores: a stable sort by descending score gives the tie rule
-    neg, pos = jax.lax.sort((-val, pos), dimension=1, is_stable=True, num_keys=1)
-    return pos, -neg
+    pos, val = map_row_chunks(rows, (q, weights, token_req, kv_lens), row_chunk)
+    return (pos, val) if return_scores else pos

@@ -1,4 +1,4 @@
-"""Merge partial attention results by their log-sum-exp (SPEC §6): the identity of a split is (0, -inf)."""
+"""Merge partial attention results by their log-sum-exp (docs/math.md §6): the identity of a split is (0, -inf)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Routed SwiGLU experts (SPEC §2, MoE): y[t] = sum_j w[t, j] * down_e(silu(x[t] gate_e) * (x[t] up_e)), e = experts[t, j].
+"""Routed SwiGLU experts (docs/math.md §2, MoE): y[t] = sum_j w[t, j] * down_e(silu(x[t] gate_e) * (x[t] up_e)),
+e = experts[t, j].
 
 Weights: gate, up [E, D, I]; down [E, I, D] (I is this shard's slice under TP). Returns float32 [T, D].
 
@@ -8,7 +9,8 @@ Forms (`mode`, impl="xla"), each reading weights differently:
   "tiles":  pairs sorted by expert into tiles of one expert each, one GEMM chain per tile in a scan (prefill);
   "ragged": one `jax.lax.ragged_dot` per projection (XLA's GPU lowering materialises a dense
             [rows, experts x width] product: kept as an option, not picked).
-impl="triton" runs the same tile layout as one grouped-GEMM Pallas kernel per projection (kernels/moe_triton.py):
+impl="triton" runs the same tile layout (kernels/moe_tiles.py) as one grouped-GEMM Pallas kernel per projection
+(kernels/moe_triton.py):
 each non-empty tile reads its expert's weights once, so a decode step reads only the experts it uses.
 """
 
@@ -16,6 +18,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from . import registry
+from .moe_tiles import tile_plan, tile_rows
 
 MODES = ("gather", "dense", "tiles", "ragged")
 DENSE_MAX_TOKENS = 256
@@ -26,35 +31,6 @@ def pick_mode(t: int, k: int, n_exp: int) -> str:
     if t * k <= n_exp // 4:
         return "gather"
     return "dense" if t <= DENSE_MAX_TOKENS else "tiles"
-
-
-def tile_rows(t: int, k: int, n_exp: int) -> int:
-    """Rows per expert tile: about the mean rows per expert, a power of two in [16, 128]."""
-    per_expert = max(1, (t * k) // n_exp)
-    return min(128, max(16, 1 << (per_expert - 1).bit_length()))
-
-
-def tile_plan(experts, n_exp: int, tile: int):
-    """Layout of the (token, expert) pairs sorted by expert, each expert's run padded to whole tiles.
-
-    Returns (src, tile_expert): src int32 [n_tiles * tile], the pair index (token * k + j) at each padded row or
-    -1; tile_expert int32 [n_tiles], the expert of each tile (tiles past the last are all -1 rows). A tile's
-    padding rows come after its real rows, so a tile is empty exactly when its first row is -1.
-    n_tiles = ceil(P / tile) + min(E, P) bounds sum_e ceil(size_e / tile) for P = T * k pairs."""
-    t, k = experts.shape
-    p = t * k
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    group = flat[order]
-    sizes = jnp.bincount(flat, length=n_exp)
-    padded = (sizes + tile - 1) // tile * tile
-    start = jnp.cumsum(padded) - padded
-    dest = start[group] + jnp.arange(p) - (jnp.cumsum(sizes) - sizes)[group]
-    n_tiles = -(-p // tile) + min(n_exp, p)
-    src = jnp.full((n_tiles * tile,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32))
-    # one broadcast compare, not the default binary-search loop (a while loop of ~9 launches on a GPU)
-    tile_expert = jnp.searchsorted(start + padded, jnp.arange(n_tiles) * tile, side="right", method="compare_all")
-    return src, jnp.minimum(tile_expert, n_exp - 1).astype(jnp.int32)
 
 
 def _tiles(x, experts, weights, wg, wu, wd):
@@ -112,21 +88,24 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: 
     """float32 [T, D]: the routed SwiGLU experts of rows `x` [T, D] at `experts` [T, k] (int) with routing
     `weights` [T, k]; gate/up [E, D, I], down [E, I, D].
 
-    impl: "xla" (the forms above; `mode` forces one), "triton" (the grouped-GEMM Pallas kernel; falls back to
-    xla when a width is below the kernel's 16-wide tiles), "triton_interpret" (that kernel interpreted: CPU
-    tests). `kernel_options` go to `moe_triton.grouped_swiglu`."""
+    impl (`kernels.registry`): "xla" (the forms above), "triton" (the grouped-GEMM Pallas kernel, any widths),
+    "triton_interpret" (that kernel interpreted: CPU tests). `mode` forces one xla form whatever `impl` says
+    (the model's switch for comparing forms). `kernel_options` go to `moe_triton.grouped_swiglu` (config, tile,
+    bn_up, bk_up, bn_down, bk_down, num_warps, num_stages, k_split)."""
     e, d, i = wg.shape
     if x.shape[-1] != d or wu.shape != wg.shape or wd.shape != (e, i, d):
         raise ValueError(f"moe: x {x.shape}, gate {wg.shape}, up {wu.shape}, down {wd.shape} do not agree "
                          "(want x [T, D], gate/up [E, D, I], down [E, I, D])")
     if experts.shape != weights.shape or experts.shape[0] != x.shape[0]:
         raise ValueError(f"moe: experts {experts.shape} and weights {weights.shape} must both be [T={x.shape[0]}, k]")
-    if impl == "xla" or mode is not None:
+    if mode is not None:
+        if kernel_options:
+            raise ValueError(f"moe: mode {mode!r} forces an xla form, which takes no kernel options "
+                             f"({sorted(kernel_options)})")
+        registry.get("moe", impl)  # an unknown impl is an error even when `mode` overrides it
         return experts_xla(x, experts, weights, wg, wu, wd, mode=mode)
-    if impl in ("triton", "triton_interpret"):
-        from .moe_triton import grouped_swiglu, supported
-        if not supported(d, i):
-            return experts_xla(x, experts, weights, wg, wu, wd)
-        return grouped_swiglu(x, experts, weights, wg, wu, wd, interpret=impl == "triton_interpret",
-                              **kernel_options)
-    raise ValueError(f"moe: unknown impl {impl!r} (available: 'xla', 'triton', 'triton_interpret')")
+    return registry.dispatch("moe", impl, x, experts, weights, wg, wu, wd, **kernel_options)
+
+
+registry.register("moe", "xla", experts_xla)
+registry.register_triton("moe", "kernels.moe_triton:grouped_swiglu")

@@ -6,10 +6,14 @@ a column block and consecutive tiles of one expert find its weight block in L2:
   down: y[pair, d-block] = w_pair * (h[tile rows] @ down_e), stored at each row's (token, j) pair index.
 Empty tiles (first row -1) do no work, so a decode step reads only the weights of the experts it uses.
 The combine y[T, k, D].sum(1) is one XLA reduction outside.
+Widths that are not a multiple of the blocks (a tiny model's expert slice under TP: I = 4..8) take 16-wide
+blocks whose columns past the width are masked: loads read zeros there (so those h columns are exactly 0) and
+stores skip them. Launch configs are `MoEConfig`s (`default_config` picks one per shape).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,61 +21,77 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .moe import tile_plan, tile_rows
-from .sparse_mla_triton import col_range, dot, gather
-
-_DROP = 2**30  # row index of masked stores: out of range, so the interpreter drops them too
+from .moe_tiles import tile_plan, tile_rows
+from .triton_common import MASKED_ROW, col_range, dot, gather
 
 
 def _block(n: int, cap: int) -> int:
-    """Largest power of two <= cap dividing n, or 0 below 16 (the narrowest dot)."""
+    """Largest power of two <= cap dividing n, else 16 (the narrowest dot; the kernels mask the rest)."""
     b = cap
-    while b >= 16 and n % b:
+    while b > 16 and n % b:
         b //= 2
-    return b if b >= 16 else 0
+    return b
 
 
-def supported(d: int, i: int) -> bool:
-    """Whether the kernels take these widths (hidden D, this shard's expert width I)."""
-    return bool(_block(d, 16) and _block(i, 16))
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _weight_block(ref, e, r0, nr, c0, nc, n_rows, n_cols, interpret):
+    """ref[e, r0:r0 + nr, c0:c0 + nc] of a weight [E, n_rows, n_cols], zeros past its rows or columns. Widths
+    that the blocks divide take the plain block load (no mask)."""
+    if n_rows % nr == 0 and n_cols % nc == 0:
+        return ref[e, pl.ds(r0, nr), pl.ds(c0, nc)]
+    rows, cols = col_range(r0, nr), col_range(c0, nc)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    if interpret:  # the interpreter cannot discharge masked loads: clamp, then zero
+        x = ref[e, jnp.minimum(rows, n_rows - 1)[:, None], jnp.minimum(cols, n_cols - 1)[None, :]]
+        return jnp.where(mask, x, jnp.zeros((), x.dtype))
+    return plgpu.load(ref.at[e, rows[:, None], cols[None, :]], mask=mask, other=0)
 
 
 def _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, *, tile, n0, bn, k0, steps, k, bk, interpret):
     """float32 (x @ gate_e, x @ up_e) [tile, bn] of columns [n0, n0 + bn) over hidden columns
-    [k0, k0 + steps * bk), the x rows gathered by the tile's tokens (padding rows read as zeros). Program ids
-    are read by the caller, outside its `pl.when` (the interpreter cannot evaluate them inside)."""
+    [k0, k0 + steps * bk), the x rows gathered by the tile's tokens (padding rows, and columns past the
+    widths, read as zeros). Program ids are read by the caller, outside its `pl.when` (the interpreter cannot
+    evaluate them inside)."""
     src = src_ref[...]
     e = te_ref[0]
     valid = src >= 0
     token = jnp.where(valid, src // k, 0)
+    d, i = wg_ref.shape[1], wg_ref.shape[2]
 
     def body(s, acc):
         c0 = k0 + s * bk
-        xt = gather(x_ref, token, col_range(c0, bk), valid, interpret)  # [tile, bk]
-        return (acc[0] + dot(xt, wg_ref[e, pl.ds(c0, bk), pl.ds(n0, bn)]),
-                acc[1] + dot(xt, wu_ref[e, pl.ds(c0, bk), pl.ds(n0, bn)]))
+        cols = col_range(c0, bk)
+        if d % bk:  # hidden columns past D: zeros (their weight rows are zeros too)
+            xt = gather(x_ref, token, jnp.minimum(cols, d - 1), valid, interpret)
+            xt = jnp.where((cols < d)[None, :], xt, jnp.zeros((), xt.dtype))
+        else:
+            xt = gather(x_ref, token, cols, valid, interpret)  # [tile, bk]
+        return (acc[0] + dot(xt, _weight_block(wg_ref, e, c0, bk, n0, bn, d, i, interpret)),
+                acc[1] + dot(xt, _weight_block(wu_ref, e, c0, bk, n0, bn, d, i, interpret)))
 
     z = jnp.zeros((tile, bn), jnp.float32)
     return jax.lax.fori_loop(0, steps, body, (z, z))
 
 
-def _up_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, h_ref, *, k, bk, interpret):
+def _up_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, h_ref, *, k, bk, steps, interpret):
     tile, bn = h_ref.shape
     n0 = pl.program_id(0) * bn
 
     @pl.when(src_ref[0] >= 0)
     def _():
         g, u = _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, tile=tile, n0=n0, bn=bn, k0=0,
-                        steps=x_ref.shape[1] // bk, k=k, bk=bk, interpret=interpret)
+                        steps=steps, k=k, bk=bk, interpret=interpret)
         h_ref[...] = (jax.nn.silu(g) * u).astype(h_ref.dtype)
 
 
-def _up_partial_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, k, bk, interpret):
-    """Split-K form of the up kernel (few tiles: decode at small batch): program (n, m, c) sums hidden columns
-    [c * D / k_split, +D / k_split) into float32 partials of gate and up; SwiGLU after the sum, outside."""
+def _up_partial_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, k, bk, steps, interpret):
+    """Split-K form of the up kernel (few tiles: decode at small batch): program (n, m, c) sums `steps` hidden
+    blocks from c * steps * bk into float32 partials of gate and up; SwiGLU after the sum, outside."""
     tile, bn = g_ref.shape
     n0 = pl.program_id(0) * bn
-    steps = x_ref.shape[1] // bk // pl.num_programs(2)
     k0 = pl.program_id(2) * steps * bk
 
     @pl.when(src_ref[0] >= 0)
@@ -85,76 +105,122 @@ def _up_partial_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, 
         u_ref[...] = jnp.zeros((tile, bn), jnp.float32)
 
 
-def _down_kernel(src_ref, te_ref, w_ref, h_ref, wd_ref, y_ref, *, bn, bk):
+def _down_kernel(src_ref, te_ref, w_ref, h_ref, wd_ref, y_ref, *, bn, bk, steps, interpret):
     tile = src_ref.shape[0]
     n0 = pl.program_id(0) * bn
     m0 = pl.program_id(1) * tile
+    i, d = wd_ref.shape[1], wd_ref.shape[2]
 
     @pl.when(src_ref[0] >= 0)
     def _():
         src = src_ref[...]
         e = te_ref[0]
 
-        def body(s, acc):
-            return acc + dot(h_ref[pl.ds(m0, tile), pl.ds(s * bk, bk)], wd_ref[e, pl.ds(s * bk, bk), pl.ds(n0, bn)])
+        def body(s, acc):  # h columns past I are exactly 0 (the up kernel wrote them from zero weights)
+            wd = _weight_block(wd_ref, e, s * bk, bk, n0, bn, i, d, interpret)
+            return acc + dot(h_ref[pl.ds(m0, tile), pl.ds(s * bk, bk)], wd)
 
-        acc = jax.lax.fori_loop(0, h_ref.shape[1] // bk, body, jnp.zeros((tile, bn), jnp.float32))
+        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((tile, bn), jnp.float32))
         y = (acc * w_ref[...][:, None]).astype(y_ref.dtype)
         valid = src >= 0
-        rows = jnp.where(valid, src, _DROP)  # out of range: the interpreter drops masked rows too
-        plgpu.store(y_ref.at[rows[:, None], col_range(n0, bn)[None, :]], y, mask=valid[:, None])
+        rows = jnp.where(valid, src, MASKED_ROW)  # out of range: the interpreter drops masked rows too
+        cols = col_range(n0, bn)
+        if d % bn:
+            col_ok = cols < d
+            mask = valid[:, None] & col_ok[None, :]
+            cols = jnp.where(col_ok, cols, MASKED_ROW)
+        else:
+            mask = valid[:, None]
+        plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y, mask=mask)
 
 
-def default_config(t: int, k: int, n_exp: int, d: int, i: int, itemsize: int = 2) -> dict:
+def _pow2(v) -> bool:
+    return isinstance(v, int) and v >= 1 and v & (v - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Launch config of the grouped-GEMM kernels: `tile` rows per expert tile; up kernel blocks (`bn_up`
+    columns of I, `bk_up` hidden columns per step), down kernel blocks (`bn_down` columns of D, `bk_down`
+    columns of I per step), all powers of two >= 16; warps, pipeline stages; `k_split` (a power of two)
+    programs splitting the up projection's hidden size (a launch option for few tiles)."""
+    tile: int
+    bn_up: int
+    bk_up: int
+    bn_down: int
+    bk_down: int
+    num_warps: int
+    num_stages: int
+    k_split: int = 1
+
+    def __post_init__(self):
+        for name in ("tile", "bn_up", "bk_up", "bn_down", "bk_down"):
+            v = getattr(self, name)
+            if not (_pow2(v) and v >= 16):
+                raise ValueError(f"MoEConfig: {name} {v!r} must be a power of two >= 16")
+        for name in ("num_warps", "k_split"):
+            if not _pow2(getattr(self, name)):
+                raise ValueError(f"MoEConfig: {name} {getattr(self, name)!r} must be a power of two")
+        if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
+            raise ValueError(f"MoEConfig: num_stages {self.num_stages!r} must be an int >= 1")
+
+
+def default_config(t: int, k: int, n_exp: int, d: int, i: int, itemsize: int = 2) -> MoEConfig:
     """Tile rows and block widths: decode-sized tiles stream weights (wide K steps, deep pipelines); prefill
     tiles of 128 rows feed the tensor cores. float32 weights (`itemsize` 4: the reference models) take 64 x 32
     blocks in 2 stages, since the bf16 blocks would ask for more shared memory than a CTA has."""
     tile = tile_rows(t, k, n_exp)
     if itemsize >= 4:
-        return {"tile": tile, "bn_up": _block(i, 64), "bk_up": _block(d, 32), "bn_down": _block(d, 64),
-                "bk_down": _block(i, 32), "num_warps": 8 if tile >= 64 else 4, "num_stages": 2, "k_split": 1}
+        return MoEConfig(tile=tile, bn_up=_block(i, 64), bk_up=_block(d, 32), bn_down=_block(d, 64),
+                         bk_down=_block(i, 32), num_warps=8 if tile >= 64 else 4, num_stages=2)
     big = tile >= 64
-    return {"tile": tile, "bn_up": _block(i, 128 if big else 64), "bk_up": _block(d, 64 if big else 128),
-            "bn_down": _block(d, 128 if big else 64), "bk_down": _block(i, 64 if big else 128),
-            "num_warps": 8 if big else 4, "num_stages": 3 if big else 4, "k_split": 1}
+    return MoEConfig(tile=tile, bn_up=_block(i, 128 if big else 64), bk_up=_block(d, 64 if big else 128),
+                     bn_down=_block(d, 128 if big else 64), bk_down=_block(i, 64 if big else 128),
+                     num_warps=8 if big else 4, num_stages=3 if big else 4)
 
 
-def grouped_swiglu(x, experts, weights, wg, wu, wd, *, interpret: bool = False, **options):
-    """float32 [T, D]: the routed experts by the two grouped-GEMM kernels; `options` override
-    `default_config` (tile, bn_up, bk_up, bn_down, bk_down, num_warps, num_stages, k_split: the up projection
-    split over k_split programs along the hidden size, a launch option for few tiles)."""
+def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None = None, interpret: bool = False,
+                   **overrides):
+    """float32 [T, D]: the routed experts by the two grouped-GEMM kernels. `config` (default `default_config`
+    for the shape); `overrides` replace fields of it by name (tile, bn_up, bk_up, bn_down, bk_down, num_warps,
+    num_stages, k_split). `interpret`: run under the Pallas interpreter."""
     t, k = experts.shape
     n_exp, d, i = wg.shape
-    cfg = default_config(t, k, n_exp, d, i, jnp.dtype(wg.dtype).itemsize)
-    unknown = set(options) - set(cfg)
+    cfg = config or default_config(t, k, n_exp, d, i, jnp.dtype(wg.dtype).itemsize)
+    fields = {f.name for f in dataclasses.fields(MoEConfig)}
+    unknown = set(overrides) - fields
     if unknown:
-        raise ValueError(f"moe triton: unknown options {sorted(unknown)} (known: {sorted(cfg)})")
-    cfg.update(options)
-    tile = cfg["tile"]
+        raise ValueError(f"moe triton: unknown options {sorted(unknown)} (known: {sorted(fields)})")
+    cfg = dataclasses.replace(cfg, **overrides)
+    tile = cfg.tile
     src, tile_expert = tile_plan(experts, n_exp, tile)
     n_tiles = tile_expert.shape[0]
     pair_w = jnp.where(src >= 0, weights.reshape(-1).astype(jnp.float32)[jnp.maximum(src, 0)], 0.0)
-    params = plgpu.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     tile_specs = [pl.BlockSpec((tile,), lambda n, m: (m,)), pl.BlockSpec((1,), lambda n, m: (m,))]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
 
-    bn, ks = cfg["bn_up"], cfg["k_split"]
-    if ks < 1 or ks & (ks - 1) or d % (ks * cfg["bk_up"]):
-        raise ValueError(f"moe triton: k_split {ks} must be a power of two dividing D / bk_up = {d // cfg['bk_up']}")
+    # h [rows, i_h]: I rounded up to whole up-kernel column blocks and down-kernel K steps; the up kernel
+    # writes every column of it (zeros past I), so the down kernel reads no unwritten memory
+    i_h = _cdiv(i, max(cfg.bn_up, cfg.bk_down)) * max(cfg.bn_up, cfg.bk_down)
+    bn, ks = cfg.bn_up, cfg.k_split
+    up_steps = _cdiv(d, cfg.bk_up)
+    if up_steps % ks:
+        raise ValueError(f"moe triton: k_split {ks} must be a power of two dividing D / bk_up = {up_steps}")
     if ks == 1:
         h = pl.pallas_call(
-            functools.partial(_up_kernel, k=k, bk=cfg["bk_up"], interpret=interpret),
-            grid=(i // bn, n_tiles),
+            functools.partial(_up_kernel, k=k, bk=cfg.bk_up, steps=up_steps, interpret=interpret),
+            grid=(i_h // bn, n_tiles),
             in_specs=tile_specs + [any_spec] * 3,
             out_specs=pl.BlockSpec((tile, bn), lambda n, m: (m, n)),
-            out_shape=jax.ShapeDtypeStruct((n_tiles * tile, i), x.dtype),
+            out_shape=jax.ShapeDtypeStruct((n_tiles * tile, i_h), x.dtype),
             compiler_params=params, interpret=interpret, name="moe_up",
         )(src, tile_expert, x, wg, wu)
     else:
-        part = jax.ShapeDtypeStruct((ks, n_tiles * tile, i), jnp.float32)
+        part = jax.ShapeDtypeStruct((ks, n_tiles * tile, i_h), jnp.float32)
         g, u = pl.pallas_call(
-            functools.partial(_up_partial_kernel, k=k, bk=cfg["bk_up"], interpret=interpret),
-            grid=(i // bn, n_tiles, ks),
+            functools.partial(_up_partial_kernel, k=k, bk=cfg.bk_up, steps=up_steps // ks, interpret=interpret),
+            grid=(i_h // bn, n_tiles, ks),
             in_specs=[pl.BlockSpec((tile,), lambda n, m, c: (m,)), pl.BlockSpec((1,), lambda n, m, c: (m,))]
             + [any_spec] * 3,
             out_specs=[pl.BlockSpec((None, tile, bn), lambda n, m, c: (c, m, n))] * 2,
@@ -163,10 +229,10 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, interpret: bool = False, 
         )(src, tile_expert, x, wg, wu)
         h = (jax.nn.silu(g.sum(0)) * u.sum(0)).astype(x.dtype)
 
-    bn = cfg["bn_down"]
+    bn = cfg.bn_down
     y = pl.pallas_call(
-        functools.partial(_down_kernel, bn=bn, bk=cfg["bk_down"]),
-        grid=(d // bn, n_tiles),
+        functools.partial(_down_kernel, bn=bn, bk=cfg.bk_down, steps=_cdiv(i, cfg.bk_down), interpret=interpret),
+        grid=(_cdiv(d, bn), n_tiles),
         in_specs=tile_specs + [pl.BlockSpec((tile,), lambda n, m: (m,)), any_spec, any_spec],
         out_specs=any_spec,
         out_shape=jax.ShapeDtypeStruct((t * k, d), x.dtype),

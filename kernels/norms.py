@@ -1,4 +1,4 @@
-"""RMSNorm and LayerNorm, computed in float32 (SPEC §2)."""
+"""RMSNorm and LayerNorm, computed in float32 (docs/math.md §2)."""
 
 from __future__ import annotations
 

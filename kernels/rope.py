@@ -1,4 +1,4 @@
-"""Rotary position embedding (SPEC §2): interleaved pairs (GLM default) or neox halves."""
+"""Rotary position embedding (docs/math.md §2): interleaved pairs (GLM default) or neox halves."""
 
 from __future__ import annotations
 

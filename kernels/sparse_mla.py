@@ -1,4 +1,4 @@
-"""Sparse MLA attention (SPEC §5): absorbed query rows against selected rows of the paged MLA cache.
+"""Sparse MLA attention (docs/math.md §5): absorbed query rows against selected rows of the paged MLA cache.
 
 q [T, H, R + Dr] attends cache rows [kv (R) | k_pe (Dr)] at `indices` [T, K] (physical slots, -1 = none);
 the value of a row is its kv latent. Returns o [T, H, R] float32 and lse [T, H] (natural log), with
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from . import fp8_formats
+from . import fp8_formats, registry
 from .chunking import map_row_chunks
 
 ROW_CHUNK = 64  # query rows per chunk in the xla form: bounds the gathered [chunk, K, R + Dr] workspace
@@ -60,14 +60,15 @@ def sparse_mla(q, cache, indices, *, scale: float, kv_lora_rank: int, impl: str 
     """o [T, H, R] float32, lse [T, H] for query rows `q` [T, H, R + Dr] against `cache` (bf16 [slots, R + Dr]
     or fp8_ds_mla uint8 [slots, mla_row_bytes]) at `indices` [T, K] (physical slots, -1 = none).
 
-    impl: "xla" (the oracle, CPU default), "triton" (Pallas Triton, the GPU default), "triton_interpret"
-    (the Triton kernel run by the Pallas interpreter: CPU tests). `kernel_options` (block_h, block_k,
-    n_split, num_warps, num_stages) go to the Triton kernel.
+    impl (`kernels.registry`): "xla" (the oracle, CPU default), "triton" (Pallas Triton, the GPU default),
+    "triton_interpret" (the Triton kernel run by the Pallas interpreter: CPU tests). `kernel_options` go to
+    the kernel (`sparse_mla_triton.sparse_mla_triton`: config, block_h, block_k, n_split, num_warps,
+    num_stages, return_partials); the xla form takes `row_chunk`.
     """
-    if impl == "xla":
-        return sparse_mla_xla(q, cache, indices, scale=scale, kv_lora_rank=kv_lora_rank)
-    if impl in ("triton", "triton_interpret"):
-        from .sparse_mla_triton import sparse_mla_triton
-        return sparse_mla_triton(q, cache, indices, scale=scale, kv_lora_rank=kv_lora_rank,
-                                 interpret=impl == "triton_interpret", **kernel_options)
-    raise ValueError(f"sparse_mla: unknown impl {impl!r} (available: 'xla', 'triton', 'triton_interpret')")
+    return registry.dispatch("sparse_mla", impl, q, cache, indices, scale=scale, kv_lora_rank=kv_lora_rank,
+                             **kernel_options)
+
+
+registry.register("sparse_mla", "xla", sparse_mla_xla)
+registry.register_triton("sparse_mla", "kernels.sparse_mla_triton:sparse_mla_triton",
+                         supports="kernels.sparse_mla_triton:supports")

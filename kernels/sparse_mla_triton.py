@@ -1,4 +1,4 @@
-"""Pallas Triton sparse MLA attention (SPEC §5): gathered rows of the paged MLA cache, split-K partials.
+"""Pallas Triton sparse MLA attention (docs/math.md §5): gathered rows of the paged MLA cache, split-K partials.
 
 Grid (T, H / block_h, n_split). Program (t, hb, s) attends query row t's heads [hb * block_h, +block_h)
 over the indices [s * K_s, (s + 1) * K_s) of row t (K_s = K / n_split, padded with -1), gathering
@@ -14,15 +14,14 @@ gathered as one contiguous [block_k, R] byte tile and scaled as [block_k, tiles,
 (the same loop body as bf16); with smaller head blocks (few rows) as one part per scale tile. The scales and
 k_pe are gathered as contiguous byte runs and reassembled with reshapes and 2-way splits: strided byte
 gathers cannot become async copies, so they stalled every step.
-Folding the tile scales into the [block_h, block_k] matrices instead (s += (q_g . k_g^T) * scale_g,
-o_g += bf16(p * scale_g) @ k_g, no [block_k, R] multiply) was measured 14-26% slower on the H200 (B = 128,
-GLM-5 dims): ALU work is not what limits this kernel, and four live scale vectors in the MMA layout plus
-per-tile score accumulators that no longer fuse into the wgmma push it deeper into register spills.
-Everything Triton-specific lives in this module (the Triton backend is deprecated in jax 0.11).
+The scales multiply the [block_k, R] tile, not the [block_h, block_k] score and output matrices: ALU work is not
+what limits this kernel, and per-tile scale vectors in the MMA layout add register spills (BENCHMARKS.md).
+Launch configs are `SparseMLAConfig`s (`default_config` picks one per shape).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,69 +31,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import fp8_formats
 from .lse_merge import merge_partials
-
-NUM_SMS = 132  # H200
-
-
-def check_addressable(x, what: str) -> None:
-    """Refuse a 1-byte array of more than 2**31 elements and at most 4 GiB. Pallas Triton addresses an array of
-    at most 4 GiB with 32-bit element offsets, which Triton adds to the pointer as signed: past 2**31 they read
-    and write before the buffer, silently. (Larger arrays get 64-bit offsets; 2- and 4-byte arrays of at most
-    4 GiB stay under 2**31 elements.)"""
-    if jnp.dtype(x.dtype).itemsize == 1 and 2**31 < x.size <= 2**32:
-        raise ValueError(f"{what}: a uint8 array of {x.size / 2**30:.2f} GiB ({x.shape}) is misaddressed by the Pallas "
-                         "Triton kernels (32-bit signed offsets between 2 and 4 GiB); keep each layer's FP8 cache "
-                         "under 2 GiB (fewer pages) or above 4 GiB")
-
-
-def gather(ref, rows, cols, valid, interpret):
-    """ref[rows[:, None], cols[None, :]] ([len(rows), len(cols)]), zero where not `valid` (rows not read)."""
-    shape = (rows.shape[0], cols.shape[0])
-    if interpret:  # the interpreter cannot discharge masked gathers
-        x = ref[rows[:, None], cols[None, :]]
-        return jnp.where(valid[:, None], x, jnp.zeros((), x.dtype))
-    return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=jnp.broadcast_to(valid[:, None], shape), other=0)
-
-
-def dot(a, b, trans_b=False):
-    """float32 accumulation; float32 operands exactly (IEEE, not TF32): the tiny test models are float32."""
-    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return plgpu.dot(a, b, trans_b=trans_b, precision=precision)
-
-
-def col_range(start, size, stride=1):
-    return start + stride * jax.lax.iota(jnp.int32, size)
-
-
-def u8_words(b):
-    """uint8 [N, 4 n] (little-endian words) -> list of n int32 [N, 1] words."""
-    n = b.shape[1] // 4
-    x = b.astype(jnp.int32)
-    col = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
-    shifted = x << (8 * (col % 4))
-    return [jnp.sum(jnp.where(col // 4 == g, shifted, 0), axis=1, keepdims=True) for g in range(n)]
-
-
-def u8_pairs_to_bf16(lo, hi):
-    bits = (lo.astype(jnp.int32) | (hi.astype(jnp.int32) << 8)).astype(jnp.uint16)
-    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
-
-
-def _unpair(b):
-    """[N, 2 m] -> ([N, m] even columns, [N, m] odd columns): a reshape and Triton's 2-way split."""
-    return jax.lax.unstack(b.reshape(b.shape[0], b.shape[1] // 2, 2), axis=2)
-
-
-def u8_to_bf16(b):
-    """uint8 [N, 2 n] (n little-endian bfloat16, one contiguous byte run per row) -> bfloat16 [N, n]."""
-    return u8_pairs_to_bf16(*_unpair(b))
-
-
-def u8_to_f32(b):
-    """uint8 [N, 4 n] (n little-endian float32, one contiguous byte run per row) -> float32 [N, n]."""
-    lo, hi = _unpair(b)
-    h_lo, h_hi = _unpair(lo.astype(jnp.int32) | (hi.astype(jnp.int32) << 8))  # 16-bit halves
-    return jax.lax.bitcast_convert_type(h_lo | (h_hi << 16), jnp.float32)
+from .triton_common import check_addressable, col_range, dot, gather, u8_to_bf16, u8_to_f32, u8_words
 
 
 def _load_rows(cache_ref, slot, valid, r, dr, tile, fp8, n_parts, interpret):
@@ -109,13 +46,13 @@ def _load_rows(cache_ref, slot, valid, r, dr, tile, fp8, n_parts, interpret):
     if n_parts == 1:
         scales = u8_to_f32(scale_bytes)  # [bk, tiles]
         q8 = gather(cache_ref, slot, col_range(0, r), valid, interpret)  # uint8 [bk, R], one contiguous run
-        x = jax.lax.bitcast_convert_type(q8, jnp.float8_e4m3fn).astype(jnp.float32).reshape(bk, n_tiles, tile)
+        x = fp8_formats.decode_e4m3_bits(q8, jnp.float32).reshape(bk, n_tiles, tile)
         parts = [(x * scales[:, :, None]).reshape(bk, r).astype(jnp.bfloat16)]
     else:
         parts = []
         for g, word in enumerate(u8_words(scale_bytes)):
             q8 = gather(cache_ref, slot, col_range(g * tile, tile), valid, interpret)  # uint8 [bk, tile]
-            x = jax.lax.bitcast_convert_type(q8, jnp.float8_e4m3fn).astype(jnp.float32)
+            x = fp8_formats.decode_e4m3_bits(q8, jnp.float32)
             parts.append((x * jax.lax.bitcast_convert_type(word, jnp.float32)).astype(jnp.bfloat16))
     pe = u8_to_bf16(gather(cache_ref, slot, col_range(r + 4 * n_tiles, 2 * dr), valid, interpret))
     return parts, pe
@@ -176,44 +113,41 @@ def _kernel(idx_ref, q_ref, cache_ref, o_ref, lse_ref, *, scale, r, dr, block_k,
         o_ref[:, pl.ds(g * w, w)] = o[g] * inv[:, None]
 
 
-def _kernel_r_split(idx_ref, q_ref, cache_ref, o_ref, lse_ref, *, scale, r, dr, block_k, split_len, r_split,
-                    interpret):
-    """bf16 cache, the output split over `r_split` programs: program part p computes the scores over the whole
-    row (the same for every part) but accumulates only o[:, p * R/r_split : +R/r_split], so its float32
-    accumulator is r_split times smaller (no register spills at 64 heads x 512). Each part gathers the whole
-    row once, its own columns first."""
-    block_h = q_ref.shape[0]
-    part = pl.program_id(2) % r_split
-    wr = r // r_split
-    cols = [((part + j) % r_split) * wr for j in range(r_split)]  # its own columns first
-    q_parts = [q_ref[:, pl.ds(c, wr)] for c in cols]
-    q_pe = q_ref[:, pl.ds(r, dr)]
-
-    def body(i, carry):
-        o, m, l = carry
-        valid, slot = _key_slots(idx_ref, i, block_k)
-        kv = [gather(cache_ref, slot, col_range(c, wr), valid, interpret) for c in cols]
-        s = dot(q_pe, gather(cache_ref, slot, col_range(r, dr), valid, interpret), trans_b=True)
-        for qp, kp in zip(q_parts, kv):
-            s = s + dot(qp, kp, trans_b=True)
-        p, alpha, m_new, l = _softmax_step(s, valid, scale, m, l)
-        return o * alpha[:, None] + dot(p.astype(kv[0].dtype), kv[0]), m_new, l
-
-    o0 = jnp.zeros((block_h, wr), jnp.float32)
-    o, m, l = jax.lax.fori_loop(0, split_len // block_k, body, (o0, *_softmax_init(block_h)))
-    inv, lse = _softmax_finish(m, l)
-    lse_ref[...] = lse
-    o_ref[...] = o * inv[:, None]
+def _pow2(v) -> bool:
+    return isinstance(v, int) and v >= 1 and v & (v - 1) == 0
 
 
-def default_config(t: int, h: int, k: int, fp8: bool, itemsize: int = 2):
-    """(block_h, block_k, n_split, num_warps, num_stages) from the H200 sweep (BENCHMARKS.md): with enough rows,
-    64 heads x 64 keys per step, 8 warps, 3 stages, and just enough splits for ~one CTA per SM (each CTA
-    holds ~220 KB of shared memory); for a few rows, 32 x 32 tiles and more splits. fp8_ds_mla always steps
-    32 keys: its dequantised [block_k, R] bf16 tile is staged in shared memory beside the raw bytes, and at
-    64 keys the kernel asks for 242 KB (the H200 has 227 KB per CTA). A float32 cache (`itemsize` 4: the
-    reference models) takes 16 x 16 tiles in 2 stages: its rows are twice as wide in shared memory, and the
-    bf16 tiles would ask for up to 440 KB."""
+@dataclasses.dataclass(frozen=True)
+class SparseMLAConfig:
+    """Launch config of the sparse MLA kernel: `block_h` heads x `block_k` keys per step (powers of two >= 16),
+    `n_split` programs per (row, head block) over the indices (split-K, merged by LSE), warps, pipeline stages."""
+    block_h: int
+    block_k: int
+    n_split: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for name in ("block_h", "block_k"):
+            v = getattr(self, name)
+            if not (_pow2(v) and v >= 16):
+                raise ValueError(f"SparseMLAConfig: {name} {v!r} must be a power of two >= 16")
+        if not _pow2(self.num_warps):
+            raise ValueError(f"SparseMLAConfig: num_warps {self.num_warps!r} must be a power of two")
+        for name in ("n_split", "num_stages"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"SparseMLAConfig: {name} {v!r} must be an int >= 1")
+
+
+def default_config(t: int, h: int, k: int, fp8: bool, itemsize: int = 2) -> SparseMLAConfig:
+    """The launch config from the H200 sweep (BENCHMARKS.md): with enough rows, 64 heads x 64 keys per step,
+    8 warps, 3 stages, and just enough splits for ~one CTA per SM (each CTA holds ~220 KB of shared memory);
+    for a few rows, 32 x 32 tiles and more splits. fp8_ds_mla always steps 32 keys: its dequantised
+    [block_k, R] bf16 tile is staged in shared memory beside the raw bytes, and at 64 keys the kernel asks for
+    242 KB (the H200 has 227 KB per CTA). A float32 cache (`itemsize` 4: the reference models) takes 16 x 16
+    tiles in 2 stages: its rows are twice as wide in shared memory, and the bf16 tiles would ask for up to
+    440 KB."""
     many = t * max(1, h // 64) >= 32
     if itemsize >= 4:
         block_h, block_k, num_warps, num_stages = 16, 16, 4, 2
@@ -227,17 +161,27 @@ def default_config(t: int, h: int, k: int, fp8: bool, itemsize: int = 2):
     n_split = 1
     while t * n_hb * n_split < target and n_split * 2 <= max_split:
         n_split *= 2
-    return {"block_h": block_h, "block_k": block_k, "n_split": n_split, "num_warps": num_warps,
-            "num_stages": num_stages, "r_split": 1}
+    return SparseMLAConfig(block_h=block_h, block_k=block_k, n_split=n_split, num_warps=num_warps,
+                           num_stages=num_stages)
 
 
-def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, block_h: int | None = None,
-                      block_k: int | None = None, n_split: int | None = None, num_warps: int | None = None,
-                      num_stages: int | None = None, r_split: int | None = None, interpret: bool = False,
-                      return_partials: bool = False):
+def supports(q, cache, indices, *, kv_lora_rank: int, **_) -> str | None:
+    """Why the kernel cannot take these shapes (None: it can). Its tiles are powers of two: the latent R and the
+    rope dim Dr must be powers of two."""
+    r = kv_lora_rank
+    dr = q.shape[-1] - r
+    for name, v in (("kv_lora_rank", r), ("rope dim (q width - kv_lora_rank)", dr)):
+        if not _pow2(v):
+            return f"{name} {v} must be a power of two"
+    return None
+
+
+def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, config: SparseMLAConfig | None = None,
+                      interpret: bool = False, return_partials: bool = False, **overrides):
     """o [T, H, R] float32, lse [T, H]. `cache` is bf16 [slots, R + Dr] or fp8_ds_mla uint8 [slots, bytes].
-    r_split (bf16 caches; default 1): programs per (row, head block, split) that each own R / r_split output
-    columns (`_kernel_r_split`); a launch option to sweep against register spills."""
+    `config` (default `default_config` for the shape); `overrides` replace fields of it by name (block_h,
+    block_k, n_split, num_warps, num_stages; None keeps the field). `interpret`: run under the Pallas
+    interpreter. `return_partials`: the per-split (o, lse) [n_split, T, H, ...] instead of their merge."""
     t, h, d = q.shape
     r = kv_lora_rank
     dr = d - r
@@ -252,25 +196,22 @@ def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, blo
         raise ValueError(f"sparse_mla: query row width {d} != cache row width {cache.shape[-1]}")
     if indices.shape[0] != t:
         raise ValueError(f"sparse_mla: indices rows {indices.shape[0]} != query rows {t}")
-    for name, v in (("kv_lora_rank", r), ("rope dim", dr)):
-        if v & (v - 1):
-            raise ValueError(f"sparse_mla triton: {name} {v} must be a power of two")
+    why = supports(q, cache, indices, kv_lora_rank=r)
+    if why:
+        raise ValueError(f"sparse_mla triton: {why}")
     k = indices.shape[1]
-    cfg = default_config(t, h, k, fp8, jnp.dtype(cache.dtype).itemsize)
-    for key, v in (("block_h", block_h), ("block_k", block_k), ("n_split", n_split), ("num_warps", num_warps),
-                   ("num_stages", num_stages), ("r_split", r_split)):
-        if v is not None:
-            cfg[key] = v
-    rs = cfg["r_split"]
-    if rs != 1 and (fp8 or rs < 1 or rs & (rs - 1) or r // rs < 16):
-        raise ValueError(f"sparse_mla triton: r_split {rs} must be a power of two with R / r_split >= 16, "
-                         "on a bf16 cache")
-    bh = cfg["block_h"]
+    cfg = config or default_config(t, h, k, fp8, jnp.dtype(cache.dtype).itemsize)
+    fields = {f.name for f in dataclasses.fields(SparseMLAConfig)}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise ValueError(f"sparse_mla triton: unknown options {sorted(unknown)} (known: {sorted(fields)})")
+    cfg = dataclasses.replace(cfg, **{key: v for key, v in overrides.items() if v is not None})
+    bh = cfg.block_h
     h_pad = max(16, -(-h // bh) * bh)
     bh = min(bh, h_pad)
     if h_pad != h:
         q = jnp.pad(q, ((0, 0), (0, h_pad - h), (0, 0)))
-    bk, ns = cfg["block_k"], cfg["n_split"]
+    bk, ns = cfg.block_k, cfg.n_split
     split_len = -(-k // (ns * bk)) * bk
     k_pad = split_len * ns
     indices = indices.astype(jnp.int32)
@@ -283,28 +224,24 @@ def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, blo
     # fp8: one [bk, R] kv tile with 64-head blocks (measured faster at B = 32, 128), one part per scale tile
     # with smaller head blocks (the few-row configs: measured faster at B = 1)
     n_parts = r // tile if fp8 and bh < 64 else 1
-    if rs == 1:
-        kernel = functools.partial(_kernel, scale=float(scale), r=r, dr=dr, block_k=bk, split_len=split_len,
-                                   fp8=fp8, tile=tile, n_parts=n_parts, interpret=interpret)
-    else:
-        kernel = functools.partial(_kernel_r_split, scale=float(scale), r=r, dr=dr, block_k=bk,
-                                   split_len=split_len, r_split=rs, interpret=interpret)
+    kernel = functools.partial(_kernel, scale=float(scale), r=r, dr=dr, block_k=bk, split_len=split_len,
+                               fp8=fp8, tile=tile, n_parts=n_parts, interpret=interpret)
     n_hb = h_pad // bh
     o, lse = pl.pallas_call(
         kernel,
-        grid=(t, n_hb, ns * rs),  # axis 2: split s, output part p at s * rs + p
+        grid=(t, n_hb, ns),
         in_specs=[
-            pl.BlockSpec((None, split_len), lambda i, j, s: (i, s // rs)),
+            pl.BlockSpec((None, split_len), lambda i, j, s: (i, s)),
             pl.BlockSpec((None, bh, d), lambda i, j, s: (i, j, 0)),
             pl.BlockSpec(memory_space=pl.ANY),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, bh, r // rs), lambda i, j, s: (s // rs, i, j, s % rs)),
-            pl.BlockSpec((None, None, bh), lambda i, j, s: (s // rs, i, j)),  # every part writes the same lse
+            pl.BlockSpec((None, None, bh, r), lambda i, j, s: (s, i, j, 0)),
+            pl.BlockSpec((None, None, bh), lambda i, j, s: (s, i, j)),
         ],
         out_shape=[jax.ShapeDtypeStruct((ns, t, h_pad, r), jnp.float32),
                    jax.ShapeDtypeStruct((ns, t, h_pad), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="sparse_mla_fp8" if fp8 else "sparse_mla_bf16",
     )(indices, q, cache)
@@ -315,17 +252,3 @@ def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, blo
     else:
         o, lse = merge_partials(o, lse, axis=0)
     return o[:, :h], lse[:, :h]
-
-
-def lower_for_gpu(fn, *args, compute_capability: int = 90):
-    """Lower `fn(*args)` (args may be ShapeDtypeStructs) to StableHLO for CUDA on a machine with no GPU:
-    runs the Pallas -> Triton IR lowering of every kernel inside (not Triton's own compiler). A check for
-    CPU CI that the kernels lower at production shapes. Returns the lowered text."""
-    import types
-    from unittest import mock
-
-    from jax._src.pallas.triton import pallas_call_registration as reg
-
-    info = types.SimpleNamespace(compute_capability=compute_capability)
-    with mock.patch.object(reg.gpu_info_lib, "get_gpu_info", lambda *a, **k: info):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -1,4 +1,4 @@
-"""FP8 cache formats (SPEC §3) against hand-written numpy (ml_dtypes) references."""
+"""FP8 cache formats (docs/math.md §3) against hand-written numpy (ml_dtypes) references."""
 
 import math
 
@@ -126,3 +126,33 @@ def test_ue8m0_at_power_of_two_boundaries():
                         np.random.default_rng(5).uniform(1e-4, 1e5, 2000).astype(np.float32)]).astype(np.float32)
     want = np.exp2(np.ceil(np.log2((np.maximum(m, np.float32(1e-4)) / np.float32(448)).astype(np.float64))))
     np.testing.assert_array_equal(np.asarray(f8.ue8m0_scale(jnp.asarray(m))), want.astype(np.float32))
+
+
+def test_e4m3_helpers_match_ml_dtypes():
+    """to_e4m3 / e4m3_bits (saturating, RNE) and decode_e4m3_bits (every one of the 256 codes) against ml_dtypes."""
+    rng = np.random.default_rng(2)
+    x = np.concatenate([rng.normal(size=500) * 100, [0.0, -0.0, 448.0, 449.0, -1e6, 1e-9, 464.0]]).astype(np.float32)
+    want = np.clip(x, -448, 448).astype(E4M3)
+    np.testing.assert_array_equal(np.asarray(f8.e4m3_bits(jnp.asarray(x))), want.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(f8.to_e4m3(jnp.asarray(x))).view(np.uint8), want.view(np.uint8))
+    codes = np.arange(256, dtype=np.uint8)
+    finite = ~np.isnan(codes.view(E4M3).astype(np.float32))
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = np.asarray(f8.decode_e4m3_bits(jnp.asarray(codes), dtype)).astype(np.float32)
+        np.testing.assert_array_equal(got[finite], codes.view(E4M3).astype(np.float32)[finite])
+    np.testing.assert_array_equal(np.asarray(f8.e4m3_to_f32(jnp.asarray(codes).view(jnp.float8_e4m3fn)))[finite],
+                                  codes.view(E4M3).astype(np.float32)[finite])
+
+
+def test_ue8m0_inverse_is_exact():
+    amax = np.concatenate([[0.0, 1e-4, 448.0], np.random.default_rng(4).uniform(1e-3, 1e5, 300)]).astype(np.float32)
+    s, inv = (np.asarray(a) for a in f8.ue8m0_scale_and_inverse(jnp.asarray(amax)))
+    np.testing.assert_array_equal(s, np.asarray(f8.ue8m0_scale(jnp.asarray(amax))))
+    np.testing.assert_array_equal(s * inv, np.ones_like(s))  # powers of two: the product is exactly 1
+
+
+def test_row_widths_are_checked_by_name():
+    with pytest.raises(ValueError, match="split_mla_rows: rows of 60 bytes.*= 68"):
+        f8.split_mla_rows(jnp.zeros((2, 60), jnp.uint8), 32, 16)
+    with pytest.raises(ValueError, match="split_index_rows: rows of 40 bytes.*= 36"):
+        f8.split_index_rows(jnp.zeros((2, 40), jnp.uint8), 32)

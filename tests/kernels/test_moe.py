@@ -1,5 +1,7 @@
-"""Routed experts: every xla form and the Pallas Triton grouped GEMMs against a per-token loop (numpy, float64)."""
+"""Routed experts: every xla form and the Pallas Triton grouped GEMMs against a per-token loop (numpy, float64),
+narrow expert widths (a tiny model's TP shard) in the kernel itself, the lowering at GLM-5.2 widths."""
 
+import dataclasses
 import functools
 
 import jax
@@ -7,10 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import moe, moe_triton, sparse_mla_triton
-
-ON_GPU = jax.default_backend() == "gpu"
-IMPL = "triton" if ON_GPU else "triton_interpret"
+from kernels import moe, moe_tiles, moe_triton
+from kernels.triton_common import lower_for_gpu, triton_calls
 
 
 def _oracle(x, experts, weights, wg, wu, wd):
@@ -43,10 +43,16 @@ def _rel(a, b):
     return np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
 
 
+def _run(impl, args, **options):
+    with jax.default_matmul_precision("highest"):  # IEEE float32 on every backend (a GPU's default is TF32)
+        return jax.jit(functools.partial(moe.routed_experts, impl=impl, **options))(*args)
+
+
 @pytest.mark.parametrize("mode", moe.MODES)
 def test_xla_forms_match_oracle(mode):
     args = _inputs(11, 3, 8, 32, 16, seed=1)
-    assert _rel(moe.routed_experts(*args, mode=mode), _oracle(*args)) < 1e-5
+    with jax.default_matmul_precision("highest"):  # IEEE float32 on a GPU too (its default is TF32)
+        assert _rel(moe.routed_experts(*args, mode=mode), _oracle(*args)) < 1e-5
 
 
 @pytest.mark.parametrize("t,k,n_exp,skew,options", [
@@ -57,21 +63,37 @@ def test_xla_forms_match_oracle(mode):
     (1, 2, 8, False, {"k_split": 2, "bk_up": 32}),       # split-K up projection, one token
     (13, 4, 8, False, {"k_split": 4, "bk_up": 16}),      # split-K with empty tiles beside full ones
 ])
-def test_triton_matches_oracle(t, k, n_exp, skew, options):
+def test_triton_matches_oracle(kernel_impl, t, k, n_exp, skew, options):
     args = _inputs(t, k, n_exp, 64, 32, seed=t * k, skew=skew)
-    got = moe.routed_experts(*args, impl=IMPL, **options)
+    got = _run(kernel_impl, args, **options)
     assert got.shape == (t, 64) and got.dtype == jnp.float32
     assert _rel(got, _oracle(*args)) < 1e-5
 
 
-def test_triton_bf16_close_to_oracle():
+def test_triton_bf16_close_to_oracle(kernel_impl):
     args = _inputs(24, 4, 8, 64, 32, seed=7, dtype=jnp.bfloat16)
-    assert _rel(moe.routed_experts(*args, impl=IMPL), _oracle(*args)) < 2e-2
+    assert _rel(moe.routed_experts(*args, impl=kernel_impl), _oracle(*args)) < 2e-2
+
+
+@pytest.mark.parametrize("d,i,options", [
+    (64, 4, {}),                        # the tiny model's expert width 32 over TP = 8: one masked 16-wide block
+    (24, 8, {}),                        # hidden 24: masked hidden steps and output columns too
+    (40, 20, {"k_split": 2, "bk_up": 32}),  # widths past one block, not multiples of 16; split-K, masked D
+])
+def test_narrow_widths_run_in_the_kernel(impl, d, i, options):
+    """Widths below or not a multiple of the 16-wide blocks: every impl matches the float64 oracle, and the
+    kernel impl runs the kernels (moe_up, moe_down in its program), not a silent xla fallback."""
+    args = _inputs(5, 2, 4, d, i, seed=d + i)
+    opts = options if impl != "xla" else {}
+    assert _rel(_run(impl, args, **opts), _oracle(*args)) < 1e-5
+    jaxpr = str(jax.make_jaxpr(functools.partial(moe.routed_experts, impl=impl, **opts))(*args))
+    kernels = ("moe_up_split_k" if options.get("k_split", 1) > 1 else "moe_up", "moe_down")
+    assert all((f"name={n}" in jaxpr) == (impl != "xla") for n in kernels), impl
 
 
 def test_tile_plan_covers_every_pair_once():
     experts = jnp.asarray(np.random.default_rng(3).integers(0, 6, size=(17, 3)), jnp.int32)
-    src, tile_expert = moe.tile_plan(experts, 6, 4)
+    src, tile_expert = moe_tiles.tile_plan(experts, 6, 4)
     src, tile_expert = np.asarray(src), np.asarray(tile_expert)
     assert sorted(src[src >= 0].tolist()) == list(range(17 * 3))
     tiles = src.reshape(-1, 4)
@@ -81,64 +103,96 @@ def test_tile_plan_covers_every_pair_once():
         assert np.all(tile[: len(real)] >= 0)  # real rows first: a tile is empty iff its first row is -1
 
 
-def test_narrow_widths_fall_back_to_xla():
-    args = _inputs(5, 2, 4, 24, 8, seed=2)  # I = 8 < the 16-wide dots
-    assert not moe_triton.supported(24, 8)
-    assert _rel(moe.routed_experts(*args, impl=IMPL), _oracle(*args)) < 1e-5
-
-
-def test_bad_k_split_is_named():
+def test_bad_options_are_named(kernel_impl):
+    args = _inputs(3, 2, 4, 64, 32, seed=0)
     with pytest.raises(ValueError, match="k_split 3"):
-        moe.routed_experts(*_inputs(3, 2, 4, 64, 32, seed=0), impl=IMPL, k_split=3)
+        moe.routed_experts(*args, impl=kernel_impl, k_split=3)
+    with pytest.raises(ValueError, match="k_split 4 must be a power of two dividing D / bk_up = 2"):
+        moe.routed_experts(*args, impl=kernel_impl, k_split=4, bk_up=32)
+    with pytest.raises(ValueError, match=r"unknown options \['block_h'\]"):
+        moe.routed_experts(*args, impl=kernel_impl, block_h=16)
+    with pytest.raises(ValueError, match="bn_up 8 must be a power of two >= 16"):
+        moe.routed_experts(*args, impl=kernel_impl, bn_up=8)
+    with pytest.raises(ValueError, match="mode 'tiles' forces an xla form"):
+        moe.routed_experts(*args, impl=kernel_impl, mode="tiles", tile=16)
 
 
 def test_bad_shapes_are_named():
     x, e, w, wg, wu, wd = _inputs(3, 2, 4, 32, 16, seed=0)
     with pytest.raises(ValueError, match="down"):
-        moe.routed_experts(x, e, w, wg, wu, wd[:, :8], impl=IMPL)
+        moe.routed_experts(x, e, w, wg, wu, wd[:, :8], impl="triton_interpret")
     with pytest.raises(ValueError, match="weights"):
         moe.routed_experts(x, e, w[:, :1], wg, wu, wd)
 
 
 def test_lowers_at_glm52_shapes():
-    """The Pallas -> Triton lowering at GLM-5.2 widths (D 6144, I 2048, 256 experts) for decode and prefill."""
+    """The Pallas -> Triton lowering at GLM-5.2 widths (D 6144, I 2048, 256 experts) for decode and prefill:
+    the up kernel on grid (I / bn_up, tiles), the down kernel on (D / bn_down, tiles), tiles = ceil(T k / tile)
+    + min(E, T k); at T = 32 the split-K up kernel on (I / bn_up, tiles, k_split)."""
     s = jax.ShapeDtypeStruct
     for t in (32, 4096):
         args = (s((t, 6144), jnp.bfloat16), s((t, 8), jnp.int32), s((t, 8), jnp.float32),
                 s((256, 6144, 2048), jnp.bfloat16), s((256, 6144, 2048), jnp.bfloat16),
                 s((256, 2048, 6144), jnp.bfloat16))
-        assert "triton" in sparse_mla_triton.lower_for_gpu(moe_triton.grouped_swiglu, *args)
+        cfg = moe_triton.default_config(t, 8, 256, 6144, 2048)
+        n_tiles = -(-t * 8 // cfg.tile) + min(256, t * 8)
+        assert (t, cfg.tile, n_tiles) in ((32, 16, 272), (4096, 128, 512))
+        calls = triton_calls(lower_for_gpu(moe_triton.grouped_swiglu, *args))
+        assert [(c.name, c.grid) for c in calls] == [("moe_up", (2048 // cfg.bn_up, n_tiles, 1)),
+                                                     ("moe_down", (6144 // cfg.bn_down, n_tiles, 1))]
         if t == 32:
-            f = functools.partial(moe_triton.grouped_swiglu, k_split=4)
-            assert "moe_up_split_k" in sparse_mla_triton.lower_for_gpu(f, *args)
+            calls = triton_calls(lower_for_gpu(functools.partial(moe_triton.grouped_swiglu, k_split=4), *args))
+            assert [(c.name, c.grid) for c in calls] == [("moe_up_split_k", (2048 // cfg.bn_up, n_tiles, 4)),
+                                                         ("moe_down", (6144 // cfg.bn_down, n_tiles, 1))]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 32, 128, 2048])
-def test_gpu_glm52_widths(t):
-    """Native kernels at GLM-5.2 widths (64 experts to keep the test small) against the xla forms in float32."""
-    args = _inputs(t, 8, 64, 6144, 512, seed=t, dtype=jnp.bfloat16)
-    want = moe.experts_xla(*(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args), mode="tiles")
-    got = jax.jit(functools.partial(moe.routed_experts, impl="triton"))(*args)
-    assert _rel(got, np.asarray(want, np.float64)) < 2e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [4, 2048])
-def test_gpu_float32_weights(t):
-    """A float32 model at GLM-5.2 widths: the float32 block sizes fit shared memory, and the dots are IEEE
-    float32 (the oracle under "highest" too: a GPU's float32 default is TF32)."""
-    args = _inputs(t, 8, 32, 6144, 512, seed=t)
-    with jax.default_matmul_precision("highest"):
-        want = np.asarray(moe.experts_xla(*args, mode="tiles"), np.float64)
-    got = jax.jit(functools.partial(moe.routed_experts, impl="triton"))(*args)
-    assert _rel(got, want) < 1e-4
+def test_narrow_widths_lower():
+    """The masked loads and stores of narrow widths lower to Triton too (D 24, I 4: 16-wide blocks)."""
+    s = jax.ShapeDtypeStruct
+    args = (s((5, 24), jnp.float32), s((5, 2), jnp.int32), s((5, 2), jnp.float32), s((4, 24, 4), jnp.float32),
+            s((4, 24, 4), jnp.float32), s((4, 4, 24), jnp.float32))
+    calls = triton_calls(lower_for_gpu(moe_triton.grouped_swiglu, *args))
+    assert [(c.name, c.grid) for c in calls] == [("moe_up", (1, 1 + 4, 1)), ("moe_down", (2, 1 + 4, 1))]
 
 
 def test_float32_config_fits_shared_memory():
     """Hand count of the pipelined tiles of the float32 blocks (x rows + gate and up blocks, bytes x stages)."""
     for t in (1, 32, 2048):
         c = moe_triton.default_config(t, 8, 256, 6144, 2048, itemsize=4)
-        up = (c["tile"] * c["bk_up"] + 2 * c["bk_up"] * c["bn_up"]) * 4 * c["num_stages"]
-        down = (c["tile"] * c["bk_down"] + c["bk_down"] * c["bn_down"]) * 4 * c["num_stages"]
+        up = (c.tile * c.bk_up + 2 * c.bk_up * c.bn_up) * 4 * c.num_stages
+        down = (c.tile * c.bk_down + c.bk_down * c.bn_down) * 4 * c.num_stages
         assert max(up, down) <= 160 * 1024, c
+    assert dataclasses.replace(c, k_split=2).k_split == 2
+
+
+# ------------------------------------------------------------------------------ GPU (native Triton)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 32, 128, 2048])
+def test_gpu_glm52_widths(kernel_impl, t):
+    """Native kernels at GLM-5.2 widths (64 experts to keep the test small) against the xla forms in float32."""
+    args = _inputs(t, 8, 64, 6144, 512, seed=t, dtype=jnp.bfloat16)
+    want = moe.experts_xla(*(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args), mode="tiles")
+    got = jax.jit(functools.partial(moe.routed_experts, impl=kernel_impl))(*args)
+    assert _rel(got, np.asarray(want, np.float64)) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [4, 2048])
+def test_gpu_float32_weights(kernel_impl, t):
+    """A float32 model at GLM-5.2 widths: the float32 block sizes fit shared memory, and the dots are IEEE
+    float32 (the oracle under "highest" too: a GPU's float32 default is TF32)."""
+    args = _inputs(t, 8, 32, 6144, 512, seed=t)
+    with jax.default_matmul_precision("highest"):
+        want = np.asarray(moe.experts_xla(*args, mode="tiles"), np.float64)
+    got = jax.jit(functools.partial(moe.routed_experts, impl=kernel_impl))(*args)
+    assert _rel(got, want) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,i", [(64, 4), (24, 8), (1024, 40)])
+def test_gpu_narrow_widths(kernel_impl, d, i):
+    """The masked narrow-width blocks natively (the tiny models under TP), float32 and bf16."""
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)):
+        args = _inputs(37, 4, 8, d, i, seed=d + i, dtype=dtype)
+        assert _rel(_run(kernel_impl, args), _oracle(*args)) < tol

@@ -1,0 +1,146 @@
+"""One dispatch rule (kernels/registry.py): every op registers the same impls; an unknown impl or an impl that
+does not support the inputs raises, naming the op and what is available or the constraint; "triton_interpret"
+is the "triton" function with interpret=True; the xla path imports no Triton module; kernels/ has no import
+cycle and no module imports a sibling's private names. Per op, the shapes a kernel refuses are tested in its
+module (test_moe's narrow widths also show the MoE kernel runs where it used to fall back to xla)."""
+
+import ast
+import functools
+import pathlib
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+import kernels
+from kernels import fused_norm_rope, indexer, moe, registry, sparse_mla
+
+OPS = ("fused_norm_rope", "indexer", "sparse_mla", "moe")
+KERNELS_DIR = pathlib.Path(kernels.__file__).parent
+
+
+def _calls():
+    """Each op's public entry point on tiny valid inputs, as a function of impl."""
+    z = functools.partial(jnp.zeros, dtype=jnp.float32)
+    return {
+        "sparse_mla": lambda impl: sparse_mla.sparse_mla(z((2, 4, 48)), z((8, 48)), jnp.zeros((2, 4), jnp.int32),
+                                                         scale=0.1, kv_lora_rank=32, impl=impl),
+        "indexer": lambda impl: indexer.indexer_topk(z((2, 16, 16)), z((2, 16)), z((32, 16)),
+                                                     jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.int32),
+                                                     jnp.zeros((1, 2), jnp.int32), block_size=16, topk=4, impl=impl),
+        "moe": lambda impl: moe.routed_experts(z((2, 16)), jnp.zeros((2, 1), jnp.int32), z((2, 1)), z((2, 16, 16)),
+                                               z((2, 16, 16)), z((2, 16, 16)), impl=impl),
+        "fused_norm_rope": lambda impl: fused_norm_rope.fused_norm_rope_cache(
+            z((2, 16)), z((2, 48)), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), z((16,)), z((32,)),
+            z((8, 48)), rope_theta=1e4, impl=impl),
+    }
+
+
+def test_every_op_registers_the_same_impls():
+    assert set(OPS) <= set(registry.ops())
+    for op in OPS:
+        assert registry.impls(op) == kernels.IMPLS, op
+    assert kernels.default_impl() in kernels.IMPLS
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("bad", ["mosaic", "Triton", "interpret"])
+def test_unknown_impl_raises_naming_op_and_impls(op, bad):
+    with pytest.raises(ValueError, match=f"{op}: unknown impl '{bad}' \\(available: 'xla', 'triton', "
+                                         "'triton_interpret'\\)"):
+        _calls()[op](bad)
+
+
+def test_unknown_impl_raises_even_when_moe_mode_forces_xla():
+    x = jnp.zeros((2, 16))
+    with pytest.raises(ValueError, match="moe: unknown impl 'mosaic'"):
+        moe.routed_experts(x, jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1)), jnp.zeros((2, 16, 16)),
+                           jnp.zeros((2, 16, 16)), jnp.zeros((2, 16, 16)), impl="mosaic", mode="dense")
+
+
+def test_unknown_op_raises():
+    with pytest.raises(ValueError, match="registry: unknown op 'attention'"):
+        registry.dispatch("attention", "xla")
+
+
+def test_interpret_means_the_same_function_interpreted():
+    for op in OPS:
+        native, interp = registry.get(op, "triton").function(), registry.get(op, "triton_interpret").function()
+        assert isinstance(native, functools.partial) and isinstance(interp, functools.partial)
+        assert native.func is interp.func, op  # the same kernel function
+        assert native.keywords == {"interpret": False} and interp.keywords == {"interpret": True}, op
+        assert registry.get(op, "xla").interpret is None
+
+
+def test_unsupported_inputs_raise_naming_the_constraint(monkeypatch):
+    """A toy op: the supports check runs before the impl, and its reason is in the error; no fallback runs."""
+    monkeypatch.setitem(registry._OPS, "toy", {})
+    ran = []
+    registry.register("toy", "xla", lambda x: ran.append("xla") or x)
+    registry.register("toy", "fast", lambda x: ran.append("fast") or x,
+                      supports=lambda x: None if x % 16 == 0 else f"width {x} must be a multiple of 16")
+    assert registry.dispatch("toy", "fast", 32) == 32 and ran == ["fast"]
+    with pytest.raises(ValueError, match="toy: impl 'fast' does not support these inputs: width 8 must be a multiple"):
+        registry.dispatch("toy", "fast", 8)
+    assert ran == ["fast"]  # neither impl ran for the refused call
+    with pytest.raises(ValueError, match="already has an impl 'fast'"):
+        registry.register("toy", "fast", lambda x: x)
+
+
+def test_xla_dispatch_imports_no_triton_module():
+    """Dispatching to "xla" stays cheap: no kernels.*_triton module (nor Pallas Triton through them) is imported."""
+    code = ("import sys, jax.numpy as jnp; from kernels import moe; "
+            "moe.routed_experts(jnp.ones((2, 16)), jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1)), "
+            "jnp.ones((2, 16, 16)), jnp.ones((2, 16, 16)), jnp.ones((2, 16, 16)), impl='xla'); "
+            "print(sorted(m for m in sys.modules if m.startswith('kernels.') and 'triton' in m))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=KERNELS_DIR.parent, env={"JAX_PLATFORMS": "cpu", "PATH": ""})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def _intra_imports():
+    """{module: [(imported module, names)]} over kernels/*.py, every `from .x import ...` / `from . import x`
+    at any depth (function-level imports too)."""
+    mods = {p.stem: ast.parse(p.read_text()) for p in KERNELS_DIR.glob("*.py")}
+    edges = {m: [] for m in mods}
+    for m, tree in mods.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:
+                    edges[m].append((node.module, [a.name for a in node.names]))
+                else:
+                    edges[m] += [(a.name, []) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kernels."):
+                edges[m].append((node.module.split(".")[1], [a.name for a in node.names]))
+    return edges
+
+
+def test_no_private_imports_and_no_cycles():
+    edges = _intra_imports()
+    private = [(m, t, n) for m, es in edges.items() for t, names in es for n in names if n.startswith("_")]
+    assert not private, private
+    graph = {m: {t for t, _ in es if t in edges} for m, es in edges.items() if m != "__init__"}
+    state = {}
+
+    def visit(m, path):
+        if state.get(m) == "done":
+            return
+        assert state.get(m) != "open", f"import cycle: {' -> '.join(path + [m])}"
+        state[m] = "open"
+        for t in sorted(graph.get(m, ())):
+            visit(t, path + [m])
+        state[m] = "done"
+
+    for m in graph:
+        visit(m, [])
+    for m in ("indexer_triton", "moe_triton", "fused_norm_rope_triton", "sparse_mla_triton"):
+        assert not ({t for t in graph[m] if t.endswith("_triton")}), (m, graph[m])  # helpers: triton_common
+    assert "moe_triton" not in graph["moe"]
+
+
+def test_no_settings_in_module_globals():
+    """The old top-k switch (a module global read at call time) is gone; the radix select with it."""
+    assert not hasattr(indexer, "TOPK_IMPL")
+    from kernels import indexer_triton
+    assert not hasattr(indexer_triton, "topk_triton")
