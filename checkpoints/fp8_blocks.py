@@ -1,4 +1,4 @@
-"""FP8 block-scaled weights as the DeepSeek-V3 / GLM-5.x FP8 releases store them (SPEC §8), on the host.
+"""FP8 block-scaled weights as the DeepSeek-V3 / GLM-5.x FP8 releases store them (docs/math.md §8), on the host.
 
 A 2-D weight [rows, cols] becomes e4m3 values plus `weight_scale_inv` [ceil(rows / 128), ceil(cols / 128)]
 (float32), one scale per 128 x 128 block, edge blocks ragged; the weight is `w8 * scale_inv`. The loader
@@ -80,13 +80,15 @@ def write_fp8_release(src: str | os.PathLike, dst: str | os.PathLike, *,
             else:
                 yield k, np.array(ckpt.raw(k))
 
-    names = write_hf_tensors(dst, entries, tensors(), max_shard_bytes=max_shard_bytes)
-    for extra in os.listdir(ckpt.path):
-        if extra.endswith(".json") and not extra.startswith("model.safetensors"):
-            shutil.copyfile(os.path.join(ckpt.path, extra), os.path.join(dst, extra))
-    if not os.path.exists(os.path.join(dst, "config.json")):
+    if not os.path.exists(os.path.join(ckpt.path, "config.json")):
         raise CheckpointError(f"{src} has no config.json to copy")
-    return names
+
+    def copy_json(directory: str) -> None:  # staged with the tensors, committed with them (checkpoints.writer)
+        for extra in os.listdir(ckpt.path):
+            if extra.endswith(".json") and not extra.startswith("model.safetensors"):
+                shutil.copyfile(os.path.join(ckpt.path, extra), os.path.join(directory, extra))
+
+    return write_hf_tensors(dst, entries, tensors(), max_shard_bytes=max_shard_bytes, extra=copy_json)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,9 +1,11 @@
-"""The parameter layout: our flat parameter paths and shapes, and how each maps to HF safetensors keys (SPEC §8).
+"""The parameter layout: our flat parameter paths and shapes, and how each maps to HF safetensors keys (docs/math.md §8).
 
 A parameter path is a dot-separated string (`layers.3.attn.q_b_proj`). Every entry knows its global shape,
 whether it stays float32 whatever the compute dtype, and how to build it from HF tensors (`from_hf`) or
 split it back into them (`to_hf`). HF linear weights are [out, in]; ours are [in, out], with heads made an
 explicit axis so that tensor parallelism shards one axis. Routed experts are stacked on a leading axis.
+`hf_axes` states that mapping as data (which of our axes each HF axis is split into), so a loader can read just
+the HF rows and columns one device's shard of a parameter needs (`hf_index`, `ours_from_hf_blocks`).
 
 `cfg` is duck-typed (any object with the GlmDsaConfig fields), so this package does not import the model.
 """
@@ -11,7 +13,8 @@ explicit axis so that tensor parallelism shards one axis. Routed experts are sta
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import math
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -27,10 +30,15 @@ class ParamSpec:
     to_hf: Callable[[np.ndarray], tuple[np.ndarray, ...]]  # ours -> hf arrays in hf_keys order
     hf_shapes: tuple[tuple[int, ...], ...]
     fp32: bool = False  # kept in float32 whatever the compute dtype (router, indexer weights_proj)
+    # The same conversion as data: for each axis of an HF tensor, the axes of ours it is split into (C order).
+    # With several hf_keys, our axis 0 stacks them (one per key) and the groups name our other axes.
+    # E.g. q_b_proj, HF [H * (Dn + Dr), Rq] -> ours [Rq, H, Dn + Dr]: ((1, 2), (0,)). None: not described.
+    hf_axes: tuple[tuple[int, ...], ...] | None = None
 
 
 def _identity(shape):
-    return dict(from_hf=lambda a: a, to_hf=lambda a: (a,), hf_shapes=(shape,))
+    return dict(from_hf=lambda a: a, to_hf=lambda a: (a,), hf_shapes=(shape,),
+                hf_axes=tuple((i,) for i in range(len(shape))))
 
 
 def _linear(n_in, n_out, out_split=None):
@@ -43,7 +51,8 @@ def _linear(n_in, n_out, out_split=None):
     def to_hf(a):
         return (np.ascontiguousarray(a.reshape(n_in, n_out).T),)
 
-    return dict(from_hf=from_hf, to_hf=to_hf, hf_shapes=((n_out, n_in),))
+    return dict(from_hf=from_hf, to_hf=to_hf, hf_shapes=((n_out, n_in),),
+                hf_axes=(tuple(range(1, 1 + len(out_split))), (0,)))
 
 
 def _linear_heads_in(heads, head_dim, n_out):
@@ -55,7 +64,7 @@ def _linear_heads_in(heads, head_dim, n_out):
     def to_hf(a):
         return (np.ascontiguousarray(a.reshape(heads * head_dim, n_out).T),)
 
-    return dict(from_hf=from_hf, to_hf=to_hf, hf_shapes=((n_out, heads * head_dim),))
+    return dict(from_hf=from_hf, to_hf=to_hf, hf_shapes=((n_out, heads * head_dim),), hf_axes=((2,), (0, 1)))
 
 
 def _stacked_experts(n_experts, n_in, n_out):
@@ -67,7 +76,7 @@ def _stacked_experts(n_experts, n_in, n_out):
     def to_hf(a):
         return tuple(np.ascontiguousarray(a[e].T) for e in range(n_experts))
 
-    return dict(from_hf=from_hf, to_hf=to_hf, hf_shapes=((n_out, n_in),) * n_experts)
+    return dict(from_hf=from_hf, to_hf=to_hf, hf_shapes=((n_out, n_in),) * n_experts, hf_axes=((2,), (1,)))
 
 
 def param_specs(cfg) -> dict[str, ParamSpec]:
@@ -129,8 +138,62 @@ def param_specs(cfg) -> dict[str, ParamSpec]:
 
 
 def is_mtp_key(key: str, cfg) -> bool:
-    """Keys of the multi-token-prediction layers (`model.layers.{>= num_hidden_layers}.*`): skipped on load."""
+    """Keys of the declared multi-token-prediction (nextn) layers, skipped on load (docs/math.md §12): layer
+    `num_hidden_layers + j` for j < `num_nextn_predict_layers` (0 when `cfg` has no such field). A layer beyond
+    those is not MTP: a checkpoint holding it is deeper than the config says, and its tensors are unexpected."""
     if not key.startswith("model.layers."):
         return False
     idx = key.split(".")[2]
-    return idx.isdigit() and int(idx) >= cfg.num_hidden_layers
+    if not idx.isdigit():
+        return False
+    first = cfg.num_hidden_layers
+    return first <= int(idx) < first + int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)
+
+
+# ---- one shard of a parameter from the HF tensors (loaders that read only what a device holds) ---------------
+
+def _positions(dims: Sequence[int], slices: Sequence[slice]) -> np.ndarray | slice:
+    """Positions along an HF axis that factors (C order) into our axes of sizes `dims`, cut to `slices` of those
+    axes: a slice when they are contiguous (the usual case), else an index array."""
+    pos = np.arange(math.prod(dims), dtype=np.int64).reshape(tuple(dims))[tuple(slices)].reshape(-1)
+    if pos.size and np.array_equal(pos, np.arange(pos[0], pos[0] + pos.size)):
+        return slice(int(pos[0]), int(pos[0]) + pos.size)
+    return pos
+
+
+def _check_index(spec: ParamSpec, index: Sequence[slice]) -> tuple[slice, ...]:
+    if spec.hf_axes is None:
+        raise ValueError(f"parameter '{spec.path}' has no hf_axes: its HF layout is not described as data")
+    if len(index) != len(spec.shape) or not all(isinstance(s, slice) for s in index):
+        raise ValueError(f"index {index!r} is not one slice per axis of parameter '{spec.path}' {list(spec.shape)}")
+    return tuple(slice(*s.indices(d)) for s, d in zip(index, spec.shape))
+
+
+def hf_index(spec: ParamSpec, index: Sequence[slice]) -> tuple[list[int], tuple[np.ndarray | slice, ...]]:
+    """What the shard `ours[index]` (one slice per axis of ours) needs from the HF tensors: the positions in
+    `spec.hf_keys` of the tensors it reads and, for each HF axis, the positions along it (a slice or an index
+    array), so that `ours_from_hf_blocks(spec, index, [hf[k][np.ix_-style positions] ...])` is the shard."""
+    index = _check_index(spec, index)
+    stacked = len(spec.hf_keys) > 1
+    keys = list(range(len(spec.hf_keys)))[index[0]] if stacked else [0]
+    axes = tuple(_positions([spec.shape[a] for a in group], [index[a] for a in group]) for group in spec.hf_axes)
+    return keys, axes
+
+
+def ours_from_hf_blocks(spec: ParamSpec, index: Sequence[slice], blocks: Sequence, xp=np):
+    """The shard `ours[index]` from the HF blocks that `hf_index` names (one per key, each cut to its positions
+    per HF axis): reshaped and transposed into our layout, stacked for multi-key parameters. `xp` is numpy or
+    jax.numpy (a device can assemble its own shard)."""
+    index = _check_index(spec, index)
+    lens = tuple(len(range(*s.indices(d))) for s, d in zip(index, spec.shape))
+    return assemble_shard(spec.hf_axes, len(spec.hf_keys) > 1, lens, blocks, xp)
+
+
+def assemble_shard(hf_axes: tuple[tuple[int, ...], ...], stacked: bool, lens: Sequence[int], blocks: Sequence,
+                   xp=np):
+    """`ours_from_hf_blocks` from plain values (a ParamSpec's `hf_axes`, whether it stacks its keys, the shard's
+    lengths along our axes), so a jitted caller can take them as static arguments shared across layers."""
+    order = [a for group in hf_axes for a in group]  # our axes in the order a reshaped HF block has them
+    perm = [order.index(a) for a in range(1 if stacked else 0, len(lens))]
+    parts = [xp.transpose(xp.reshape(b, [lens[a] for a in order]), perm) for b in blocks]
+    return xp.stack(parts) if stacked else parts[0]

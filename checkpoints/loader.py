@@ -1,4 +1,4 @@
-"""Load an HF safetensors checkpoint into our flat parameters, streamed one parameter at a time (SPEC §8).
+"""Load an HF safetensors checkpoint into our flat parameters, streamed one parameter at a time (docs/math.md §8).
 
 Everything that can be checked without reading tensor data is checked first, for every file: the index, each
 file's header and length, missing / unexpected tensors, and every shape. Only then are parameters read (from
@@ -7,9 +7,12 @@ checkpoint fails fast with a `CheckpointError` that names the culprit, and never
 
 FP8 releases (DeepSeek-V3 style, also GLM-5.x FP8): an e4m3 `*.weight` comes with a float32 `*.weight_scale_inv`
 of shape [ceil(out / 128), ceil(in / 128)], one scale per 128 x 128 block (edge blocks ragged); the real weight is
-`w * scale_inv` (the name is historical: it is multiplied). Such a parameter is dequantised on the device: the
-e4m3 bytes (1 B / value, straight from the memory map) and the small scale grid are uploaded, multiplied in
-float32 and cast to the compute dtype there, one parameter at a time; the host never holds a float32 copy.
+`w * scale_inv` (the name is historical: it is multiplied). Such a parameter is dequantised on the devices, one
+shard each: every device is sent only the e4m3 bytes of its own slice (1 B / value, read from the memory map)
+and the part of the scale grid that covers it, multiplies them in float32 and casts to the compute dtype there,
+then lays its shard out in our layout (`layout.hf_index` / `assemble_shard`). The host never holds a float32
+copy, and no device ever holds more than its shard. e4m3 bytes stored as uint8 are read as e4m3 (when they have
+their scales); any other integer or bool tensor is refused: weights are floating point.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from .layout import ParamSpec, is_mtp_key, param_specs
+from .layout import ParamSpec, assemble_shard, hf_index, is_mtp_key, param_specs
 from .safetensors_io import INDEX, SINGLE, CheckpointError, SafetensorsFile, as_dtype
 
 FP8_BLOCK = 128  # FP8 releases: one `weight_scale_inv` per 128 x 128 block of a weight
@@ -107,14 +110,15 @@ class HFCheckpoint:
         """Tensor `key` on the host; a block-scaled FP8 weight comes back dequantized to float32 (numpy)."""
         t = self.raw(key)
         if self.is_block_scaled(key):
-            t = dequantize_blocks_np(t, self.scale_inv(key))
+            t = dequantize_blocks_np(_fp8_view(t), self.scale_inv(key))
         return t
 
     def check(self, specs: dict[str, ParamSpec], cfg) -> None:
         """Raise `CheckpointError` unless the checkpoint holds exactly the tensors `specs` need, in their shapes.
 
-        MTP layers (`model.layers.{>= num_hidden_layers}.*`) are ignored; so are the `*_scale_inv` companions
-        of expected weights.
+        The declared MTP layers (`layout.is_mtp_key`) are ignored; so are the `*_scale_inv` companions of
+        expected weights. Every expected tensor must be floating point; FP8 bytes (e4m3 / e5m2, or e4m3 stored
+        as uint8) only with their block scales.
         """
         owner = {k: p for p, s in specs.items() for k in s.hf_keys}
         missing = [k for k in owner if k not in self]
@@ -136,6 +140,11 @@ class HFCheckpoint:
                                           f"shape {list(got)}, expected {list(want)} (parameter '{spec.path}')")
                 scale = key + _SCALE
                 where = os.path.join(self.path, self.file_of[key])
+                dt = self.dtype(key)
+                if not (_is_float(dt) or dt in _FP8 or (dt == np.uint8 and scale in self)):
+                    raise CheckpointError(f"tensor '{key}' in {where} has dtype {dt} (parameter '{spec.path}'): "
+                                          f"weights must be floating point (float32 / bfloat16 / float16, or FP8 "
+                                          f"e4m3 bytes with their '{scale}')")
                 if scale in self:
                     blocks = tuple(-(-d // FP8_BLOCK) for d in want)
                     if len(want) != 2 or self.shape(scale) != blocks:
@@ -191,6 +200,18 @@ def load_hf_params(path: str | os.PathLike, cfg, *, dtype,
 # ---- FP8 block-scaled weights ------------------------------------------------------------------------------
 
 _FP8 = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+_FLOATS = (np.dtype(ml_dtypes.bfloat16),)  # float dtypes numpy does not class as floating ('f')
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    """A floating-point storage dtype that is not FP8 (those need block scales)."""
+    return np.dtype(dtype).kind == "f" or np.dtype(dtype) in _FLOATS
+
+
+def _fp8_view(t: np.ndarray) -> np.ndarray:
+    """FP8 bytes stored as uint8 (with their block scales) are e4m3 values: a view, no copy."""
+    return t.view(_E4M3) if t.dtype == np.uint8 else t
 
 
 def dequantize_blocks_np(w: np.ndarray, scale_inv: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:
@@ -199,43 +220,61 @@ def dequantize_blocks_np(w: np.ndarray, scale_inv: np.ndarray, block: int = FP8_
     return np.asarray(w).astype(np.float32) * full[: w.shape[0], : w.shape[1]]
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "block"))
-def dequantize_blocks(w, scale_inv, *, dtype, block: int = FP8_BLOCK):
-    """On the device: e4m3 `w` [rows, cols] times its block scales [ceil(rows/b), ceil(cols/b)], in float32,
-    cast to `dtype`. The same arithmetic as `dequantize_blocks_np`, so results agree bit for bit."""
-    rows, cols = w.shape
-    s = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), block, axis=0), block, axis=1)[:rows, :cols]
-    return (w.astype(jnp.float32) * s).astype(dtype)
+def _positions(p: np.ndarray | slice, n: int) -> np.ndarray:
+    return np.arange(n)[p] if isinstance(p, slice) else p
 
 
-def _stacks_transposes(spec: ParamSpec) -> bool:
-    """Whether the multi-tensor `spec.from_hf` stacks the transposes of its inputs (routed experts): probed
-    on tiny arrays, so the device path below never assumes the layout."""
-    probe = [np.arange(6, dtype=np.float32).reshape(2, 3) + 6 * i for i in range(len(spec.hf_keys))]
-    try:
-        return bool(np.array_equal(spec.from_hf(*probe), np.stack([p.T for p in probe])))
-    except Exception:  # noqa: BLE001 - a layout whose conversion needs real shapes: not a plain stack
-        return False
+def _host_shard(ckpt: HFCheckpoint, spec: ParamSpec, index) -> tuple:
+    """What one device needs for the shard `ours[index]` of a block-scaled parameter, read from the memory maps:
+    per HF tensor it reads, its block (stored bytes, uint8 seen as e4m3) and the sub-grid of scales covering it
+    (None for a tensor without scales); and, per row / column of a block, its row / column in that sub-grid
+    (the global row // 128, renumbered), so a slice need not start on a block boundary."""
+    keys, (rows, cols) = hf_index(spec, index)
+    n_rows, n_cols = spec.hf_shapes[0]
+    rb = _positions(rows, n_rows) // FP8_BLOCK
+    cb = _positions(cols, n_cols) // FP8_BLOCK
+    ub_r, ub_c = np.unique(rb), np.unique(cb)
+    local_r = np.searchsorted(ub_r, rb).astype(np.int32)
+    local_c = np.searchsorted(ub_c, cb).astype(np.int32)
+    cut = (rows, cols) if isinstance(rows, slice) and isinstance(cols, slice) else np.ix_(
+        _positions(rows, n_rows), _positions(cols, n_cols))
+    parts = []
+    for i in keys:
+        key = spec.hf_keys[i]
+        w = np.ascontiguousarray(_fp8_view(ckpt.raw(key))[cut])  # a copy of the block only, off the file map
+        s = np.ascontiguousarray(ckpt.scale_inv(key)[np.ix_(ub_r, ub_c)]) if ckpt.is_block_scaled(key) else None
+        parts.append((w, s))
+    return parts, local_r, local_c
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "hf_axes", "stacked", "lens"))
+def _dequantize_shard(parts, rows, cols, *, dtype, hf_axes, stacked, lens):
+    """On one device: each block times its scales (indexed per row and column), in float32, cast to `dtype` (the
+    arithmetic of `dequantize_blocks_np`, so the two agree bit for bit); then the blocks laid out as our shard.
+    Static arguments are plain values, so layers of one geometry share one compile."""
+    blocks = []
+    for w, s in parts:
+        if s is None:
+            blocks.append(w.astype(dtype))
+        else:
+            blocks.append((w.astype(jnp.float32) * s.astype(jnp.float32)[rows][:, cols]).astype(dtype))
+    return assemble_shard(hf_axes, stacked, lens, blocks, jnp)
 
 
 def _load_block_scaled(ckpt: HFCheckpoint, spec: ParamSpec, dtype: np.dtype, sharding) -> jax.Array:
-    """One parameter with FP8 block-scaled HF tensors: dequantised on the device in `dtype`, then laid out in our
-    layout (transpose / reshape / stack, on the device) and placed with `sharding`."""
-    device = jax.devices()[0]
-    parts = []
-    for key in spec.hf_keys:
-        w = jax.device_put(ckpt.raw(key), device)  # e4m3 bytes straight from the memory map
-        if ckpt.is_block_scaled(key):
-            parts.append(dequantize_blocks(w, jax.device_put(ckpt.scale_inv(key), device), dtype=dtype))
-        else:
-            parts.append(w.astype(dtype))
-    if len(parts) == 1:
-        ours = spec.from_hf(parts[0])  # transposes and reshapes: jax arrays have the same methods
-    elif _stacks_transposes(spec):
-        ours = jnp.stack([p.T for p in parts])
-    else:  # an unknown multi-tensor layout: convert on the host, in the compute dtype
-        ours = spec.from_hf(*(np.asarray(p) for p in parts))
-    if tuple(ours.shape) != spec.shape:
-        raise CheckpointError(f"parameter '{spec.path}' converted to shape {list(ours.shape)}, expected "
-                              f"{list(spec.shape)}")
-    return jax.device_put(jnp.asarray(ours, dtype), sharding)
+    """One parameter with FP8 block-scaled HF tensors, placed with `sharding`: each device is sent only the
+    stored bytes and scales of its own shard, dequantises them in `dtype` and lays them out in our layout."""
+    if spec.hf_axes is None:
+        raise CheckpointError(f"parameter '{spec.path}' is block-scaled FP8 but its layout has no hf_axes: "
+                              f"cannot read it shard by shard")
+    shards, last = [], None
+    for device, index in sharding.addressable_devices_indices_map(spec.shape).items():
+        index = tuple(slice(*s.indices(d)) for s, d in zip(index, spec.shape))
+        at = tuple((s.start, s.stop, s.step) for s in index)
+        if last is None or last[0] != at:  # devices holding the same slice (replicas) are usually adjacent
+            last = (at, _host_shard(ckpt, spec, index))
+        parts, rows, cols = jax.device_put(last[1], device)
+        lens = tuple(len(range(*s.indices(d))) for s, d in zip(index, spec.shape))
+        shards.append(_dequantize_shard(parts, rows, cols, dtype=np.dtype(dtype), hf_axes=spec.hf_axes,
+                                        stacked=len(spec.hf_keys) > 1, lens=lens))
+    return jax.make_array_from_single_device_arrays(spec.shape, sharding, shards)

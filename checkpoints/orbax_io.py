@@ -20,6 +20,9 @@ committed version with files missing, raises `CheckpointError` naming the direct
 Restore builds the target of every parameter from its path (its global shape from the layout, the dtype
 asked for, the sharding `sharding_for` gives), so orbax reads each device's slice only: a checkpoint saved
 from any mesh (or from numpy arrays) loads onto any other TP / DCP / QREP mesh.
+
+Paths may be relative (to the working directory): every public function makes them absolute first, since orbax
+accepts absolute paths only; the directories it returns are absolute.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .layout import param_specs
-from .safetensors_io import CheckpointError, as_dtype, write_json_atomic
+from .safetensors_io import CheckpointError, as_dtype, pid_alive, write_json_atomic
 
 FORMAT = "glm_dsa.orbax"
 FORMAT_VERSION = 1
@@ -49,9 +52,14 @@ __all__ = ["FORMAT", "check_save_target", "committed_checkpoint", "flatten_param
            "load_orbax_params", "read_orbax_metadata", "save_orbax_params"]
 
 
+def _absolute(path: str | os.PathLike) -> str:
+    """`path` made absolute: orbax takes absolute paths only, and every public function here takes relative ones."""
+    return os.path.abspath(os.fspath(path))
+
+
 def flatten_params(params) -> dict:
     """A flat {'layers.0.attn.q_a_proj': array} dict from either that dict or the nested params pytree
-    ({'layers': {0: {'attn': {...}}}}, as `glm_dsa.step.nest_params` builds it)."""
+    ({'layers': {0: {'attn': {...}}}}, as `glm_dsa.pytree.nest_params` builds it)."""
     flat: dict = {}
 
     def walk(node, prefix):
@@ -70,7 +78,7 @@ def flatten_params(params) -> dict:
 
 def is_orbax_checkpoint(path: str | os.PathLike) -> bool:
     """Whether `path` is an orbax checkpoint directory of ours (a ROOT, committed or not, or one version)."""
-    path = os.fspath(path)
+    path = _absolute(path)
     if not os.path.isdir(path):
         return False
     if os.path.exists(os.path.join(path, META)):
@@ -89,8 +97,9 @@ def _stages(root: str) -> list[str]:
 
 def committed_checkpoint(path: str | os.PathLike) -> str:
     """The directory of the newest committed version under the ROOT `path` (or `path` itself when it is a
-    version directory). Raises `CheckpointError` when there is none, saying whether a save was interrupted."""
-    path = os.fspath(path)
+    version directory), as an absolute path. Raises `CheckpointError` when there is none, saying whether a save
+    was interrupted."""
+    path = _absolute(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"orbax checkpoint directory {path} does not exist")
     if os.path.exists(os.path.join(path, META)):
@@ -140,19 +149,9 @@ def _remove_quietly(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def check_save_target(path: str | os.PathLike) -> None:
     """Raise `CheckpointError` if `path` cannot take an orbax checkpoint (it holds an HF checkpoint, or is a file)."""
-    root = os.fspath(path)
+    root = _absolute(path)
     if os.path.exists(root) and not os.path.isdir(root):
         raise CheckpointError(f"{root} is a file, not a checkpoint directory")
     if os.path.isdir(root) and any(n.endswith(".safetensors") or n == "model.safetensors.index.json"
@@ -171,7 +170,7 @@ def save_orbax_params(params, cfg, path: str | os.PathLike, *, extra_files: Iter
     """
     import orbax.checkpoint as ocp
 
-    root = os.fspath(path)
+    root = _absolute(path)  # orbax refuses relative paths
     specs = param_specs(cfg)
     flat = flatten_params(params)
     missing = [p for p in specs if p not in flat]
@@ -219,7 +218,7 @@ def save_orbax_params(params, cfg, path: str | os.PathLike, *, extra_files: Iter
         _remove_quietly(os.path.join(root, old))
     for name in _stages(root):
         pid = int(_STAGE.fullmatch(name).group(2))
-        if pid == os.getpid() or not _pid_alive(pid):
+        if pid == os.getpid() or not pid_alive(pid):
             _remove_quietly(os.path.join(root, name))
     _copy_atomic(os.path.join(final, CONFIG), os.path.join(root, CONFIG))
     for f in extra_files:

@@ -3,15 +3,11 @@
 Each tensor is drawn from its own generator, seeded by (seed, HF key), so its values do not depend on the
 sharding or on which other tensors exist. Init keeps a model numerically sane for tests: linear weights
 N(0, 0.02), the embedding N(0, 1), norm weights 1 + N(0, 0.02), the indexer's k_norm bias and the router's
-correction bias N(0, 0.02).
-
-    python -m checkpoints.random --preset tiny --out /tmp/tiny [--seed 0] [--dtype bfloat16]
-                                 [--num-layers N] [--max-shard-mb M]
+correction bias N(0, 0.02). From the command line: `python -m glm_dsa random-checkpoint`.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -72,6 +68,8 @@ def write_random_checkpoint(cfg, path: str | os.PathLike, *, seed: int = 0, dtyp
     Weights are stored in `dtype`, except the parameters the layout keeps in float32, stored as float32.
     Memory holds one HF tensor at a time whatever the file layout. `max_shard_bytes` None writes one
     `model.safetensors`; a limit writes shards plus an index. Returns the safetensors file names written.
+    Over an existing checkpoint the write is staged and committed (`checkpoints.writer`): interrupted, it leaves
+    the old checkpoint readable. Raises `CheckpointError` if `path` is a file.
     """
     dtype = as_dtype(dtype)
     todo: dict[str, tuple[tuple[int, ...], np.dtype, tuple[float, float]]] = {}
@@ -84,33 +82,5 @@ def write_random_checkpoint(cfg, path: str | os.PathLike, *, seed: int = 0, dtyp
                                                   disable=not progress):
             yield key, random_tensor(key, shape, mean, std, dt, seed)
 
-    names = write_hf_tensors(path, [(k, dt, shape) for k, (shape, dt, _) in todo.items()], tensors(),
-                             max_shard_bytes=max_shard_bytes)
-    cfg.save_pretrained(path)
-    return names
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Command line: write a random checkpoint of a preset geometry."""
-    from glm_dsa import configs  # lazy: the CLI only; this package does not depend on the model
-
-    ap = argparse.ArgumentParser(prog="python -m checkpoints.random", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="tiny", choices=sorted(configs.PRESETS))
-    ap.add_argument("--out", required=True, help="checkpoint directory to write")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="bfloat16", help="storage dtype of the weights (float32 ones stay float32)")
-    ap.add_argument("--num-layers", type=int, default=None, help="override num_hidden_layers")
-    ap.add_argument("--max-shard-mb", type=float, default=None, help="shard files at this many MiB")
-    ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args(argv)
-    cfg = configs.get(args.preset)
-    if args.num_layers is not None:
-        cfg = cfg.replace(num_hidden_layers=args.num_layers)
-    limit = None if args.max_shard_mb is None else int(args.max_shard_mb * (1 << 20))
-    names = write_random_checkpoint(cfg, args.out, seed=args.seed, dtype=args.dtype, max_shard_bytes=limit,
-                                    progress=not args.no_progress)
-    print(f"wrote {len(names)} safetensors file(s) and config.json to {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+    return write_hf_tensors(path, [(k, dt, shape) for k, (shape, dt, _) in todo.items()], tensors(),
+                            max_shard_bytes=max_shard_bytes, extra=cfg.save_pretrained)

@@ -141,6 +141,17 @@ class SafetensorsFile:
                              offset=self.data_start + begin).reshape(shape)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (a writer whose temporary files must not be cleaned away yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
 def _temp_name(path: str) -> str:
     d, name = os.path.split(path)
     return os.path.join(d, f".{name}.tmp-{os.getpid()}")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from checkpoints import CheckpointError, load_hf_params, save_hf_params
+from checkpoints import CheckpointError, load_hf_params, param_specs, save_hf_params
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -185,3 +185,32 @@ def test_checkpoint_of_another_geometry(single, cfg2):
 
 def test_error_is_a_value_error():
     assert issubclass(CheckpointError, ValueError)
+
+
+def test_config_shallower_than_checkpoint_is_refused(tmp_path, make_params):
+    """A config with fewer layers than the checkpoint: only the declared nextn (MTP) layers are skipped; the
+    layers beyond them are unexpected tensors, never a silently truncated model."""
+    from glm_dsa import configs
+
+    deep = configs.tiny  # 4 decoder layers
+    save_hf_params(make_params(deep, np.float32), deep, tmp_path)
+    shallow = deep.replace(num_hidden_layers=2, indexer_types=deep.indexer_types[:2])
+    assert shallow.num_nextn_predict_layers == 1  # layer 2 is its MTP layer; layer 3 is nothing it declares
+    _fails(tmp_path, shallow, "unexpected", "'model.layers.3.")
+    _fails(tmp_path, shallow.replace(num_nextn_predict_layers=0), "unexpected", "'model.layers.2.")
+    # two declared nextn layers cover both: the first two layers load, exactly as saved
+    params = make_params(deep, np.float32)
+    loaded = _load(tmp_path, shallow.replace(num_nextn_predict_layers=2))
+    assert set(loaded) == set(param_specs(shallow))
+    for p, a in loaded.items():
+        np.testing.assert_array_equal(np.asarray(a), params[p], err_msg=p)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.uint8, np.int64, np.bool_])
+@pytest.mark.parametrize("key", ["model.layers.0.mlp.gate_proj.weight", "model.layers.1.mlp.gate.weight",
+                                 "model.norm.weight"])
+def test_non_float_weights_are_refused(single, cfg2, key, dtype):
+    """Integer or bool weights are refused, naming the tensor and its dtype, not cast (FP8 bytes stored as uint8
+    are accepted only with their block scales: tests/checkpoints/test_fp8_release.py)."""
+    _edit(single, lambda t: t.update({key: (t[key] > 0).astype(dtype)}))
+    _fails(single, cfg2, f"'{key}'", f"dtype {np.dtype(dtype)}", "floating point", SINGLE)

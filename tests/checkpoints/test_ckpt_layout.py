@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from checkpoints.layout import is_mtp_key, param_specs
+from checkpoints.layout import hf_index, is_mtp_key, ours_from_hf_blocks, param_specs
 
 
 def _expected_hf(cfg2) -> dict[str, tuple[int, ...]]:
@@ -70,7 +70,52 @@ def test_from_hf_to_hf_invert_each_other(cfg2):
 
 
 def test_mtp_keys(cfg2):
+    """Only the declared nextn layers (num_hidden_layers + j, j < num_nextn_predict_layers) are MTP (docs/math.md §12)."""
+    assert cfg2.num_nextn_predict_layers == 1
     assert is_mtp_key("model.layers.2.eh_proj.weight", cfg2)
-    assert is_mtp_key("model.layers.7.self_attn.q_a_proj.weight", cfg2)
+    assert is_mtp_key("model.layers.2.self_attn.q_a_proj.weight", cfg2)
+    assert not is_mtp_key("model.layers.3.self_attn.q_a_proj.weight", cfg2)  # beyond the nextn layers
+    assert not is_mtp_key("model.layers.7.self_attn.q_a_proj.weight", cfg2)
     assert not is_mtp_key("model.layers.1.self_attn.q_a_proj.weight", cfg2)
     assert not is_mtp_key("model.norm.weight", cfg2)
+    two = cfg2.replace(num_nextn_predict_layers=2)
+    assert is_mtp_key("model.layers.3.eh_proj.weight", two) and not is_mtp_key("model.layers.4.eh_proj.weight", two)
+    assert not is_mtp_key("model.layers.2.eh_proj.weight", cfg2.replace(num_nextn_predict_layers=0))
+
+
+def _cut(a, positions):
+    """a cut to the positions (slice or index array) along each axis, one axis at a time."""
+    for axis, p in enumerate(positions):
+        a = a[(slice(None),) * axis + (p,)]
+    return a
+
+
+def test_shard_from_hf_blocks_matches_from_hf(cfg2):
+    """hf_axes (the layout as data) agrees with from_hf: for whole parameters and for random slices of every
+    axis, the shard assembled from just the HF rows / columns `hf_index` names is from_hf(...)[index]."""
+    rng = np.random.default_rng(1)
+    for spec in param_specs(cfg2).values():
+        hf = [rng.standard_normal(s).astype(np.float32) for s in spec.hf_shapes]
+        full = spec.from_hf(*hf)
+        for trial in range(6):
+            index = []
+            for d in spec.shape:
+                lo = int(rng.integers(0, d))
+                index.append(slice(lo, int(rng.integers(lo + 1, d + 1))) if trial else slice(None))
+            keys, positions = hf_index(spec, index)
+            got = ours_from_hf_blocks(spec, index, [_cut(hf[k], positions) for k in keys])
+            np.testing.assert_array_equal(got, full[tuple(index)], err_msg=f"{spec.path} {index}")
+
+
+def test_hf_index_reads_only_the_shard(cfg2):
+    """A TP slice of q_b_proj heads reads just those heads' HF rows (a slice); a cut inside each head reads an
+    index array of rows; experts sliced on the leading axis read only those experts' tensors."""
+    specs = param_specs(cfg2)
+    q = specs["layers.0.attn.q_b_proj"]  # [Rq=48, H=4, 32] from HF [128, 48]
+    keys, (rows, cols) = hf_index(q, (slice(None), slice(1, 3), slice(None)))
+    assert keys == [0] and rows == slice(32, 96) and cols == slice(0, 48)
+    keys, (rows, cols) = hf_index(q, (slice(0, 8), slice(1, 3), slice(0, 2)))
+    assert list(rows) == [32, 33, 64, 65] and cols == slice(0, 8)
+    e = specs["layers.1.moe.experts_down"]  # [E=8, Im, D]
+    keys, _ = hf_index(e, (slice(2, 4), slice(None), slice(None)))
+    assert keys == [2, 3]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import checkpoints.random as ckrandom
+from glm_dsa.cli import main as cli_main
 from checkpoints import load_hf_params, param_specs, write_random_checkpoint
 from checkpoints.safetensors_io import SafetensorsFile
 from glm_dsa.config import GlmDsaConfig
@@ -76,9 +77,9 @@ def test_chunked_drawing_is_reproducible(monkeypatch, threads):
 
 def test_cli(tmp_path, capsys):
     out = tmp_path / "ckpt"
-    ckrandom.main(["--preset", "tiny", "--out", str(out), "--num-layers", "2", "--dtype", "float32",
-                   "--max-shard-mb", "0.05", "--seed", "7", "--no-progress"])
-    assert "config.json" in capsys.readouterr().out
+    assert cli_main(["random-checkpoint", "--preset", "tiny", "--out", str(out), "--num-layers", "2",
+                     "--dtype", "float32", "--max-shard-mb", "0.05", "--seed", "7"]) == 0
+    assert "wrote a random tiny checkpoint (2 layers)" in capsys.readouterr().out
     cfg = GlmDsaConfig.from_pretrained(out)
     assert cfg == configs.tiny.replace(num_hidden_layers=2)
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -89,4 +90,4 @@ def test_cli(tmp_path, capsys):
 
 def test_cli_rejects_unknown_preset(tmp_path):
     with pytest.raises(SystemExit):
-        ckrandom.main(["--preset", "nope", "--out", str(tmp_path)])
+        cli_main(["random-checkpoint", "--preset", "nope", "--out", str(tmp_path)])

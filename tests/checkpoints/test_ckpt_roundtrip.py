@@ -207,7 +207,8 @@ class _Exploding:
 def test_crashed_save_leaves_no_partial_file(tmp_path, cfg2, make_params, max_shard_bytes):
     old = make_params(cfg2, np.float32, seed=1)
     save_hf_params(old, cfg2, tmp_path)
-    new = make_params(cfg2, np.float32, seed=2) | {"layers.1.moe.experts_down": _Exploding(old["layers.1.moe.experts_down"])}
+    new = make_params(cfg2, np.float32, seed=2)
+    new["layers.1.moe.experts_down"] = _Exploding(old["layers.1.moe.experts_down"])
     with pytest.raises(RuntimeError, match="boom"):
         save_hf_params(new, cfg2, tmp_path, max_shard_bytes=max_shard_bytes)
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]  # no temporary files left behind

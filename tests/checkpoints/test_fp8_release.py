@@ -120,3 +120,104 @@ def test_errors_name_the_tensor(tmp_path):
     _rewrite(tmp_path / "fp8", tmp_path / "badgrid", bad_grid)
     with pytest.raises(CheckpointError, match=rf"'{key}_scale_inv'.*\[1, 2\], expected \[2, 2\]"):
         load_hf_params(tmp_path / "badgrid", cfg, dtype=np.float32, progress=False)
+
+
+def _float64_reference(path, cfg, specs, dtype) -> dict[str, np.ndarray]:
+    """Every parameter dequantised on the host in float64 (`w * scale` is exact there: 4 significant bits times
+    24), rounded once to float32 as the device's float32 product is, then cast to the parameter's dtype."""
+    ck = HFCheckpoint(path)
+
+    def host(key):
+        raw = np.asarray(ck.raw(key))
+        if raw.dtype == np.uint8:
+            raw = raw.view(E4M3)
+        out = raw.astype(np.float64)
+        if key + "_scale_inv" in ck:
+            scale = np.asarray(ck.raw(key + "_scale_inv"), np.float64)
+            rows, cols = np.indices(out.shape)
+            out = out * scale[rows // 128, cols // 128]
+        return out
+
+    return {p: np.asarray(s.from_hf(*(host(k) for k in s.hf_keys))).astype(np.float32)
+            .astype(np.float32 if s.fp32 else dtype) for p, s in specs.items()}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_each_device_is_sent_only_its_shard(fp8_dir, monkeypatch, dtype):
+    """On 8 devices, every upload of FP8 bytes carries one device's shard at most (never the whole parameter on
+    device 0), one upload per device, and the values are the float64 dequantisation, including TP slices that
+    do not start on a 128-row block (kv_b_proj: 40-row heads, the 4th slice spans HF rows 120..160)."""
+    import jax
+    from jax.sharding import Mesh, PartitionSpec
+
+    # all 8 devices: heads over 'tp' (4 heads), MLP and expert widths over both axes (the partition table's
+    # placement with query replication, except o_proj's heads, which cannot split 8 ways here)
+    assert jax.device_count() >= 8
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("tp", "dcp"))
+
+    def placement(p):
+        return PartitionSpec("tp", None, None) if p.endswith("o_proj") else param_spec(p, True)
+
+    specs = param_specs(CFG)
+    current, puts = [None], []
+    real_put = jax.device_put
+
+    def spy(x, device=None, *args, **kwargs):
+        leaves = [a for a in jax.tree.leaves(x) if isinstance(a, np.ndarray)]
+        puts.append((current[0], device, [(a.dtype, a.shape) for a in leaves]))
+        return real_put(x, device, *args, **kwargs)
+
+    def sharding_for(p, shape):
+        current[0] = p
+        return NamedSharding(mesh, placement(p))
+
+    monkeypatch.setattr(jax, "device_put", spy)
+    got = load_hf_params(fp8_dir, CFG, dtype=dtype, progress=False, sharding_for=sharding_for)
+    monkeypatch.undo()
+
+    ck = HFCheckpoint(fp8_dir)
+    scaled = [p for p, s in specs.items() if any(ck.is_block_scaled(k) for k in s.hf_keys)]
+    assert {"layers.0.attn.kv_b_proj", "layers.1.moe.experts_gate", "layers.0.mlp.down"} <= set(scaled)
+    for p in scaled:
+        sharding = NamedSharding(mesh, placement(p))
+        shard_values = int(np.prod(sharding.shard_shape(specs[p].shape)))
+        mine = [(dev, leaves) for who, dev, leaves in puts if who == p]
+        sent = [sum(int(np.prod(s)) for dt, s in leaves if dt == E4M3) for _, leaves in mine]
+        assert max(sent) <= shard_values, (p, mine, shard_values)  # never more than one shard in one upload
+        assert sent == [shard_values] * len(sharding.addressable_devices), (p, sent)  # each device: its shard
+        assert sorted(getattr(d, "id", -1) for d, _ in mine) == sorted(d.id for d in sharding.addressable_devices), p
+    kv = got["layers.0.attn.kv_b_proj"]  # [Rkv, H=4, 40] over tp=4: HF rows 0, 40, 80, 120 start each slice
+    assert {s.index[1].start * 40 for s in kv.addressable_shards} == {0, 40, 80, 120}
+
+    want = _float64_reference(fp8_dir, CFG, specs, dtype)
+    for p, a in got.items():
+        assert a.sharding.is_equivalent_to(NamedSharding(mesh, placement(p)), a.ndim), p
+        for shard in a.addressable_shards:  # each device's own data, not a gathered copy
+            np.testing.assert_array_equal(np.asarray(shard.data), want[p][shard.index], err_msg=p)
+
+
+def test_uint8_fp8_bytes_with_scales_load_as_e4m3(tmp_path):
+    """e4m3 bytes stored as uint8 (with their scales) load as the e4m3 weights; without scales they are refused."""
+    cfg = CFG.replace(num_hidden_layers=1, indexer_types=("full",))
+    write_random_checkpoint(cfg, tmp_path / "hf", dtype="float32", progress=False)
+    write_fp8_release(tmp_path / "hf", tmp_path / "fp8")
+    key = "model.layers.0.self_attn.kv_b_proj.weight"
+
+    def as_bytes(t):
+        t[key] = t[key].view(np.uint8)
+        return t
+
+    _rewrite(tmp_path / "fp8", tmp_path / "u8", as_bytes)
+    assert HFCheckpoint(tmp_path / "u8").dtype(key) == np.uint8
+    got = load_hf_params(tmp_path / "u8", cfg, dtype=np.float32, progress=False)
+    want = _float64_reference(tmp_path / "fp8", cfg, param_specs(cfg), np.float32)
+    np.testing.assert_array_equal(np.asarray(got["layers.0.attn.kv_b_proj"]), want["layers.0.attn.kv_b_proj"])
+    np.testing.assert_array_equal(HFCheckpoint(tmp_path / "u8").read(key), HFCheckpoint(tmp_path / "fp8").read(key))
+
+    def drop_scale(t):
+        del t[key + "_scale_inv"]
+        return t
+
+    _rewrite(tmp_path / "u8", tmp_path / "u8noscale", drop_scale)
+    with pytest.raises(CheckpointError, match=rf"'{key}'.*has dtype uint8.*floating point"):
+        load_hf_params(tmp_path / "u8noscale", cfg, dtype=np.float32, progress=False)

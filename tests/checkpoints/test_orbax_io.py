@@ -19,10 +19,11 @@ from jax.sharding import NamedSharding
 
 import glm_dsa
 from checkpoints import CheckpointError, committed_checkpoint, is_orbax_checkpoint, load_orbax_params
-from checkpoints import orbax_io, save_orbax_params
+from checkpoints import load_hf_params, orbax_io, save_orbax_params
 from checkpoints.layout import param_specs
 from checkpoints.random import write_random_checkpoint
-from glm_dsa.step import nest_params, resolve_parallel
+from glm_dsa.pytree import nest_params
+from glm_dsa.step import resolve_parallel
 from sharding import ParallelConfig, make_mesh, param_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,7 +186,8 @@ def test_corrupt_or_mismatched_versions_are_refused(tmp_path):
         load_orbax_params(tmp_path, CFG, dtype=None, progress=False)
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=r"checkpoint-000001 is missing parameter 'layers\.\d"):
-        load_orbax_params(tmp_path, CFG.replace(num_hidden_layers=5), dtype=None, progress=False)
+        load_orbax_params(tmp_path, CFG.replace(num_hidden_layers=5, indexer_types=CFG.indexer_types + ("shared",)),
+                          dtype=None, progress=False)
 
     # a data file of the committed version removed behind our back: an error naming the version, no model
     data = [p for p in (version / "params").rglob("*") if p.is_file() and p.parent.name == "d"]  # OCDBT data files
@@ -209,3 +211,45 @@ def test_save_refuses_bad_params_and_hf_directories(tmp_path):
     with pytest.raises(CheckpointError, match="holds an HF safetensors checkpoint"):
         save_orbax_params(_random(CFG, 0), CFG, tmp_path / "hf")
     assert not is_orbax_checkpoint(tmp_path / "hf")
+
+
+def test_relative_paths(tmp_path, monkeypatch):
+    """Every public function takes a path relative to the working directory (orbax itself needs absolute ones)."""
+    monkeypatch.chdir(tmp_path)
+    good = _random(CFG, 0)
+    orbax_io.check_save_target("orb")
+    v1 = save_orbax_params(good, CFG, "orb")
+    assert v1 == str(tmp_path / "orb" / "checkpoint-000001")
+    assert is_orbax_checkpoint("orb") and not is_orbax_checkpoint("elsewhere")
+    assert committed_checkpoint("orb") == v1
+    assert committed_checkpoint(os.path.join("orb", "checkpoint-000001")) == v1
+    assert orbax_io.read_orbax_metadata("orb")["directory"] == v1
+    _assert_same(load_orbax_params("orb", CFG, dtype=None, progress=False), good)
+    v2 = save_orbax_params(_random(CFG, 1), CFG, Path("orb"))  # a second version, relative too
+    assert sorted(os.listdir("orb")) == ["checkpoint-000002", "config.json"] and committed_checkpoint("orb") == v2
+    assert [n for n in os.listdir(tmp_path) if n != "orb"] == []
+
+
+def test_cli_convert_and_generate_with_relative_paths(tmp_path):
+    """`python -m glm_dsa convert --from hf --to orb` then `generate --checkpoint orb`, run from the directory that
+    holds them, in fresh processes: no absl tracebacks, a committed orbax checkpoint, tokens generated."""
+    write_random_checkpoint(CFG2, tmp_path / "hf", seed=5, dtype="float32", progress=False)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+
+    def run(*args):
+        r = subprocess.run([sys.executable, "-m", "glm_dsa", *args], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stdout, r.stderr)
+        return r
+
+    run("convert", "--from", "hf", "--to", "orb", "--dtype", "float32", "--no-progress")
+    assert committed_checkpoint(tmp_path / "orb") == str(tmp_path / "orb" / "checkpoint-000001")
+    _assert_same(load_orbax_params(tmp_path / "orb", CFG2, dtype="float32", progress=False),
+                 load_hf_params(tmp_path / "hf", CFG2, dtype="float32", progress=False))
+    out = run("generate", "--checkpoint", "orb", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--dtype",
+              "float32").stdout
+    hf_out = run("generate", "--checkpoint", "hf", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--dtype",
+                 "float32").stdout
+    tokens = [line for line in out.splitlines() if "generated" in line]
+    assert tokens and tokens == [line for line in hf_out.splitlines() if "generated" in line], (out, hf_out)
