@@ -1,4 +1,4 @@
-"""The GLM-5.2 decoder in Flax NNX, written per shard (SPEC §2).
+"""The GLM-5.2 decoder in Flax NNX, written per shard (docs/math.md §2).
 
 Every module computes on the local shard of its parameters inside `jax.shard_map`: head counts and widths
 come from the local shapes, and the one reduction a tensor-parallel split needs is a `psum` over the TP
@@ -9,19 +9,22 @@ Parameter shapes come from `checkpoints.layout`, the single source of truth for 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from checkpoints.layout import param_specs
-from kernels import fp8_formats, fused_norm_rope, indexer, moe, rope, sparse_mla
+from kernels import fused_norm_rope, indexer, moe, rope, sparse_mla
 from kernels.chunking import map_row_chunks
 from kernels.norms import rms_norm
-from sharding import TP_AXES, ParallelConfig, dcp
+from sharding import DCP, TP_AXES, ParallelConfig, dcp
 
 from .config import GlmDsaConfig
+from .options import StepOptions
 from .paged_cache import positions_to_slots
+from .tracer import NO_TRACE, Tracer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,20 +49,23 @@ jax.tree_util.register_dataclass(StepBatch, data_fields=[f.name for f in datacla
 
 @dataclasses.dataclass(frozen=True)
 class StepContext:
-    """Static per-step settings shared by the layers; `parallel` is resolved (QREP and backend decided)."""
+    """Static per-step settings shared by the layers: the model, the page size, the resolved `parallel` (QREP
+    and backend decided), how to compute (`options`) and the tracer (inactive unless glm_dsa.trace runs)."""
 
     cfg: GlmDsaConfig
     block_size: int
     parallel: ParallelConfig
-    impl: str = "xla"
-    dcp_row_chunk: int = 256  # query rows per gather/attend/merge round under DCP: a fixed workspace
+    options: StepOptions = dataclasses.field(default_factory=StepOptions)
+    tracer: Tracer = NO_TRACE
 
     @property
     def n(self) -> int:
         return self.parallel.dcp
 
-
-MOE_MODE: str | None = None  # force one xla form of kernels.moe (tests, benchmarks); None: the impl's choice
+    def attend_rows(self, rows: int) -> int:
+        """Query rows per gather/attend/merge round: all `rows` on one rank (no DCP workspace to bound) and while
+        tracing (the tracer records each layer's DCP partials whole), else `options.dcp_row_chunk`."""
+        return rows if self.n == 1 or self.tracer.active else self.options.dcp_row_chunk
 
 
 def _declare(module: nnx.Module, prefix: str, names, specs, dtype) -> None:
@@ -67,16 +73,6 @@ def _declare(module: nnx.Module, prefix: str, names, specs, dtype) -> None:
     for name in names:
         spec = specs[prefix + name]
         setattr(module, name, nnx.Param(jnp.zeros(spec.shape, jnp.float32 if spec.fp32 else dtype)))
-
-
-def _tapper(taps, layer: int):
-    """None when not tracing, else a recorder of `layers.{layer}.{name}` into the `taps` dict."""
-    return None if taps is None else (lambda name, v: taps.__setitem__(f"layers.{layer}.{name}", v))
-
-
-def _gather_heads(x, axis: int, q_replicate: bool = False):
-    """All heads from each device's share: heads are split over ('tp', 'dcp'), or over 'tp' alone with QREP."""
-    return jax.lax.all_gather(x, "tp" if q_replicate else TP_AXES, axis=axis, tiled=True)
 
 
 def _swiglu(x, gate, up, down):
@@ -103,11 +99,11 @@ class Indexer(nnx.Module):
         rot = rope.apply_rope(qi[..., : cfg.qk_rope_head_dim], cos[:, None], sin[:, None],
                               interleave=cfg.indexer_rope_interleave)
         qi = jnp.concatenate([rot, qi[..., cfg.qk_rope_head_dim:]], axis=-1)
-        rank = jax.lax.axis_index("dcp")
+        rank = jax.lax.axis_index(DCP)
         kv_lens = dcp.local_length(batch.positions + 1, rank, n, inter)  # this rank's tokens at or before pos
         out = indexer.indexer_topk(qi, self.head_weights(h), index_cache, batch.token_req, kv_lens,
                                    batch.block_tables, block_size=ctx.block_size, topk=cfg.index_topk,
-                                   return_scores=n > 1, impl=ctx.impl)
+                                   return_scores=n > 1, impl=ctx.options.impl)
         if n == 1:
             return out
         local_pos, scores = out
@@ -124,85 +120,83 @@ class MLA(nnx.Module):
         self.indexer = Indexer(specs, p + "indexer.", dtype) if cfg.is_full(layer) else None
         self.layer = layer
 
-    def __call__(self, h, mla_cache, index_cache, topk_prev, batch: StepBatch, ctx: StepContext, taps=None):
-        """taps: None, or a dict that receives this layer's intermediate tensors, gathered to full width
-        (see glm_dsa.trace for the names)."""
-        cfg, n, qrep = ctx.cfg, ctx.n, ctx.parallel.q_replicate
-        dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        rank = jax.lax.axis_index("dcp")
-        # batch.slot_mapping is the slot on the token's owning rank; the other ranks write nothing for it.
-        own = dcp.owner(batch.positions, n, ctx.parallel.interleave) == rank
-        slots_here = jnp.where(own, batch.slot_mapping, -1)
-        index_k = h @ self.indexer.wk[...] if self.indexer is not None else None
-        q_n, mla_cache, index_cache, _ = fused_norm_rope.fused_norm_rope_cache(
-            h @ self.q_a_proj[...], h @ self.kv_a_proj[...], batch.positions, slots_here,
-            self.q_a_norm[...], self.kv_a_norm[...], mla_cache.reshape(-1, mla_cache.shape[-1]),
-            rope_theta=cfg.rope_theta, rope_interleave=cfg.rope_interleave,
-            index_k=index_k,
-            index_norm_w=None if self.indexer is None else self.indexer.k_norm_w[...],
-            index_norm_b=None if self.indexer is None else self.indexer.k_norm_b[...],
-            index_cache=None if index_cache is None else index_cache.reshape(-1, index_cache.shape[-1]),
-            index_rope_interleave=cfg.indexer_rope_interleave, impl=ctx.impl)
-
-        tap = _tapper(taps, self.layer)
-        if tap:
-            # the latents as written by the fused op: read back from the owning rank's cache
-            row = mla_cache[jnp.maximum(slots_here, 0)]
-            if row.dtype == jnp.uint8:  # fp8_ds_mla byte rows
-                kv_row, pe_row = fp8_formats.dequantize_mla_rows(row, r, cfg.qk_rope_head_dim)
-                row = jnp.concatenate([kv_row.astype(jnp.float32), pe_row.astype(jnp.float32)], axis=-1)
-            row = jax.lax.psum(jnp.where((slots_here >= 0)[:, None], row.astype(jnp.float32), 0.0), "dcp")
-            tap("attn.q_norm", q_n)
-            tap("attn.kv_norm", row[:, :r])
-            tap("attn.k_pe", row[:, r:])
-
-        # Absorbed query row per head: [q_nope @ W_UK | rope(q_pe)], matching cache rows [kv | k_pe].
-        # With QREP the projections hold the whole DCP group's heads, so no query gather is needed.
-        q = jnp.einsum("tr,rhd->thd", q_n, self.q_b_proj[...])
+    def __call__(self, h, mla_cache, index_cache, topk_prev, batch: StepBatch, ctx: StepContext):
+        """(output [T, hidden] summed over the TP devices, mla_cache, index_cache, this layer's top-k) for the
+        normed rows `h`; docs/math.md §2 (MLA, Indexer) with the DCP steps of docs/math.md §6."""
+        cfg, par, tr = ctx.cfg, ctx.parallel, ctx.tracer.at(self.layer)
+        rank = jax.lax.axis_index(DCP)
         cos, sin = rope.rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope_theta)
-        q_pe = rope.apply_rope(q[..., dn:], cos[:, None], sin[:, None], interleave=cfg.rope_interleave)
-        w_uk, w_uv = self.kv_b_proj[:, :, :dn], self.kv_b_proj[:, :, dn:]
-        q_lat = jnp.einsum("thd,rhd->thr", q[..., :dn], w_uk)
-        q_row = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)
-
-        if self.indexer is not None:
-            topk = self.indexer(h, q_n, index_cache, cos, sin, batch, ctx)
-        else:
-            topk = topk_prev  # IndexShare: reuse the nearest full layer's selection
+        # batch.slot_mapping is the slot on the token's owning rank; the other ranks write nothing for it.
+        own_slots = jnp.where(dcp.owner(batch.positions, ctx.n, par.interleave) == rank, batch.slot_mapping, -1)
+        # q_a -> norm; kv_a -> norm | rope -> cache (and the indexer's keys -> its cache)
+        q_n, mla_cache, index_cache = self.norm_rope_cache(h, mla_cache, index_cache, batch.positions, own_slots,
+                                                           ctx)
+        tr.record("attn.q_norm", q_n)
+        tr.cache_latents(mla_cache, own_slots, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        # q_b -> rope -> absorb W_UK: query rows [T, h, R + Dr] against cache rows [kv | k_pe]
+        q_row, q_pe = self.absorbed_query(q_n, cos, sin, cfg)
+        tr.heads("attn.q_pe", q_pe, par.q_replicate)
+        # indexer top-k (IndexShare: a shared layer reuses the nearest full layer's selection)
+        topk = topk_prev if self.indexer is None else self.indexer(h, q_n, index_cache, cos, sin, batch, ctx)
+        tr.positions("attn.topk", topk, ctx.n, par.interleave)
         slots = positions_to_slots(topk, batch.token_req, batch.block_tables, ctx.block_size)
-        if tap:
-            tap("attn.q_pe", _gather_heads(q_pe, 1, qrep))
-            gpos = jnp.where(topk >= 0, dcp.global_position(topk, rank, n, ctx.parallel.interleave), -1)
-            tap("attn.topk", jax.lax.pmax(gpos, "dcp"))  # each selected position is owned by one rank
-
-        def attend(q_rows, slot_rows):
-            if n > 1 and not qrep:
-                q_rows = dcp.gather_query_heads(q_rows)  # the group's heads, rank-major
-            o, lse = sparse_mla.sparse_mla(q_rows, mla_cache, slot_rows, scale=cfg.softmax_scale,
-                                           kv_lora_rank=r, impl=ctx.impl)
-            if n == 1:
-                return o
-            # partials over this rank's tokens -> this rank's heads over all the group's tokens
-            merge = dcp.merge_a2a if ctx.parallel.dcp_comm_backend == "a2a" else dcp.merge_ag_rs
-            merged = merge(o, lse)
-            if tap:  # each rank's partial over all heads [N, T, H, .], and the merged result
-                tap("dcp.partial_o", jax.lax.all_gather(jax.lax.all_gather(o, "tp", axis=1, tiled=True), "dcp"))
-                tap("dcp.partial_lse", jax.lax.all_gather(jax.lax.all_gather(lse, "tp", axis=1, tiled=True), "dcp"))
-                tap("dcp.merged_o", _gather_heads(merged[0], 1))
-                tap("dcp.merged_lse", _gather_heads(merged[1], 1))
-            return merged[0]
-
-        if n == 1 or tap:  # tracing keeps all rows in one round so the partials can be recorded
-            o = attend(q_row, slots)
-        else:
-            o = map_row_chunks(attend, (q_row, slots), ctx.dcp_row_chunk)
-        if qrep:
-            w_uv = jax.lax.dynamic_slice_in_dim(w_uv, rank * (w_uv.shape[1] // n), w_uv.shape[1] // n, axis=1)
+        # sparse MLA over the selected rows (under DCP: partials over each rank's tokens, merged by LSE)
+        o = map_row_chunks(functools.partial(self.attend, mla_cache=mla_cache, ctx=ctx, tr=tr), (q_row, slots),
+                           ctx.attend_rows(q_row.shape[0]))
+        # W_UV, o_proj, summed over the heads of every TP device
+        w_uv = self.value_up(rank, ctx)
         o_v = jnp.einsum("thr,rhd->thd", o.astype(w_uv.dtype), w_uv)
-        if tap:
-            tap("attn.out", _gather_heads(o_v, 1))
+        tr.heads("attn.out", o_v)
         out = jax.lax.psum(jnp.einsum("thd,hdo->to", o_v, self.o_proj[...]), TP_AXES)
         return out, mla_cache, index_cache, topk
+
+    def norm_rope_cache(self, h, mla_cache, index_cache, positions, slots, ctx: StepContext):
+        """(q latent after q_a_layernorm [T, q_lora_rank], mla_cache, index_cache) with the kv latents (normed
+        | roped) and the indexer keys written at `slots` (-1: none): one fused op (docs/math.md §4)."""
+        cfg, idx = ctx.cfg, self.indexer
+        q_n, mla_cache, index_cache, _ = fused_norm_rope.fused_norm_rope_cache(
+            h @ self.q_a_proj[...], h @ self.kv_a_proj[...], positions, slots,
+            self.q_a_norm[...], self.kv_a_norm[...], mla_cache.reshape(-1, mla_cache.shape[-1]),
+            rope_theta=cfg.rope_theta, rope_interleave=cfg.rope_interleave,
+            index_k=None if idx is None else h @ idx.wk[...],
+            index_norm_w=None if idx is None else idx.k_norm_w[...],
+            index_norm_b=None if idx is None else idx.k_norm_b[...],
+            index_cache=None if index_cache is None else index_cache.reshape(-1, index_cache.shape[-1]),
+            index_rope_interleave=cfg.indexer_rope_interleave, impl=ctx.options.impl)
+        return q_n, mla_cache, index_cache
+
+    def absorbed_query(self, q_n, cos, sin, cfg: GlmDsaConfig):
+        """(query rows [T, h, R + Dr] = [q_nope @ W_UK | rope(q_pe)] per head, the roped q_pe [T, h, Dr]).
+        With QREP the projections hold the whole DCP group's heads, so no query gather is needed later."""
+        dn = cfg.qk_nope_head_dim
+        q = jnp.einsum("tr,rhd->thd", q_n, self.q_b_proj[...])
+        q_pe = rope.apply_rope(q[..., dn:], cos[:, None], sin[:, None], interleave=cfg.rope_interleave)
+        q_lat = jnp.einsum("thd,rhd->thr", q[..., :dn], self.kv_b_proj[:, :, :dn])
+        return jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1), q_pe
+
+    def attend(self, q_rows, slot_rows, *, mla_cache, ctx: StepContext, tr: Tracer):
+        """Attention output [T, h, R] of this rank's heads for query rows [T, h, R + Dr] over the cache rows at
+        `slot_rows` [T, K]. Under DCP every rank attends the group's heads over its own tokens and the partials
+        are merged by LSE into this rank's heads over all of the group's tokens (docs/math.md §6)."""
+        n, par = ctx.n, ctx.parallel
+        if n > 1 and not par.q_replicate:
+            q_rows = dcp.gather_query_heads(q_rows)  # the group's heads, rank-major
+        o, lse = sparse_mla.sparse_mla(q_rows, mla_cache, slot_rows, scale=ctx.cfg.softmax_scale,
+                                       kv_lora_rank=ctx.cfg.kv_lora_rank, impl=ctx.options.impl)
+        if n == 1:
+            return o
+        tr.dcp_partials(o, lse)
+        o, lse = (dcp.merge_a2a if par.dcp_comm_backend == "a2a" else dcp.merge_ag_rs)(o, lse)
+        tr.dcp_merged(o, lse)
+        return o
+
+    def value_up(self, rank, ctx: StepContext):
+        """W_UV [R, h, v_head_dim] of this rank's heads: under QREP kv_b_proj holds the group's heads."""
+        w_uv = self.kv_b_proj[:, :, ctx.cfg.qk_nope_head_dim:]
+        if ctx.parallel.q_replicate:
+            h = w_uv.shape[1] // ctx.n
+            w_uv = jax.lax.dynamic_slice_in_dim(w_uv, rank * h, h, axis=1)
+        return w_uv
 
 
 class DenseMLP(nnx.Module):
@@ -240,14 +234,13 @@ class MoE(nnx.Module):
             w = w / (jnp.sum(w, axis=1, keepdims=True) + 1e-20)
         return experts, w * cfg.routed_scaling_factor
 
-    def __call__(self, x, cfg: GlmDsaConfig, tap=None, impl: str = "xla"):
+    def __call__(self, x, cfg: GlmDsaConfig, options: StepOptions | None = None, tracer: Tracer = NO_TRACE):
+        """The MoE output [T, hidden] summed over the TP devices; `options` picks the experts' impl and form."""
+        options = options or StepOptions()
         experts, weights = self.route(x, cfg)
-        if tap:
-            order = jnp.argsort(experts, axis=1)  # a canonical order: by expert id
-            tap("moe.experts", jnp.take_along_axis(experts, order, axis=1))
-            tap("moe.weights", jnp.take_along_axis(weights, order, axis=1))
+        tracer.experts(experts, weights)
         out = moe.routed_experts(x, experts, weights, self.experts_gate[...], self.experts_up[...],
-                                 self.experts_down[...], impl=impl, mode=MOE_MODE)
+                                 self.experts_down[...], impl=options.impl, mode=options.moe_mode)
         if self.has_shared:
             out = out + _swiglu(x, self.shared_gate[...], self.shared_up[...], self.shared_down[...])
         return jax.lax.psum(out.astype(x.dtype), TP_AXES)
@@ -264,16 +257,14 @@ class DecoderLayer(nnx.Module):
         self.mlp = None if cfg.is_moe(layer) else DenseMLP(specs, p + "mlp.", dtype)
         self.layer = layer
 
-    def __call__(self, x, mla_cache, index_cache, topk_prev, batch: StepBatch, ctx: StepContext, taps=None):
-        eps = ctx.cfg.rms_norm_eps
-        tap = _tapper(taps, self.layer)
+    def __call__(self, x, mla_cache, index_cache, topk_prev, batch: StepBatch, ctx: StepContext):
+        eps, tr = ctx.cfg.rms_norm_eps, ctx.tracer.at(self.layer)
         a, mla_cache, index_cache, topk = self.attn(rms_norm(x, self.input_norm[...], eps), mla_cache, index_cache,
-                                                    topk_prev, batch, ctx, taps)
+                                                    topk_prev, batch, ctx)
         x = x + a
         h = rms_norm(x, self.post_norm[...], eps)
-        x = x + (self.moe(h, ctx.cfg, tap, ctx.impl) if self.moe is not None else self.mlp(h))
-        if tap:
-            tap("residual", x)
+        x = x + (self.moe(h, ctx.cfg, ctx.options, tr) if self.moe is not None else self.mlp(h))
+        tr.record("residual", x)
         return x, mla_cache, index_cache, topk
 
 
@@ -285,16 +276,16 @@ class GlmDsaModel(nnx.Module):
         _declare(self, "", ("embed", "final_norm", "lm_head"), specs, dtype)
         self.layers = nnx.List([DecoderLayer(cfg, i, specs, dtype) for i in range(cfg.num_hidden_layers)])
 
-    def __call__(self, caches, batch: StepBatch, ctx: StepContext, taps=None):
-        """Per-shard step: returns (float32 logits [L, vocab] of the logits rows, updated caches); `taps`, if a
-        dict, receives every layer's intermediate tensors (glm_dsa.trace)."""
+    def __call__(self, caches, batch: StepBatch, ctx: StepContext):
+        """Per-shard step: returns (float32 logits [L, vocab] of the logits rows, updated caches); an active
+        `ctx.tracer` records every layer's intermediate tensors (glm_dsa.trace)."""
         cfg = ctx.cfg
         x = self.embed[...][batch.token_ids]
         mla, index = list(caches["mla"]), list(caches["indexer"])
         topk = None
         for i, layer in enumerate(self.layers):
             j = cfg.full_layers.index(i) if cfg.is_full(i) else None
-            x, mla[i], new_index, topk = layer(x, mla[i], None if j is None else index[j], topk, batch, ctx, taps)
+            x, mla[i], new_index, topk = layer(x, mla[i], None if j is None else index[j], topk, batch, ctx)
             if j is not None:
                 index[j] = new_index.reshape(index[j].shape)
             mla[i] = mla[i].reshape(caches["mla"][i].shape)

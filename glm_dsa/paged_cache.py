@@ -1,4 +1,4 @@
-"""Paged KV caches (SPEC §3): a pool of pages of `block_size` tokens; slot = page * block_size + offset."""
+"""Paged KV caches (docs/math.md §3): a pool of pages of `block_size` tokens; slot = page * block_size + offset."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def cache_bytes_per_token(cfg: GlmDsaConfig, dtype, kv_cache_dtype: str = "auto"
 
 def max_addressable_pages(cfg: GlmDsaConfig, block_size: int, kv_cache_dtype: str = "auto") -> int | None:
     """The most pages per device whose per-layer uint8 (FP8) caches stay under 2**31 bytes, the limit of the
-    Pallas Triton kernels' 32-bit offsets (`kernels.sparse_mla_triton.check_addressable`); None for caches of
+    Pallas Triton kernels' 32-bit offsets (`kernels.triton_common.check_addressable`); None for caches of
     wider types, which have no such limit."""
     if kv_cache_dtype != "fp8_ds_mla":
         return None
@@ -112,8 +112,9 @@ def plan_pages(*, max_num_seqs: int, pages_per_seq: int, page_bytes: int, free_b
         return want, max_num_seqs
     fit = int(free_bytes * memory_fraction) // page_bytes
     if fit < pages_per_seq + 1:
-        raise ValueError(f"KV cache: one sequence of max_model_len needs {(pages_per_seq + 1) * page_bytes / 2**30:.2f} "
-                         f"GiB per device, but {memory_fraction:.0%} of the free {free_bytes / 2**30:.2f} GiB is "
+        raise ValueError("KV cache: one sequence of max_model_len needs "
+                         f"{(pages_per_seq + 1) * page_bytes / 2**30:.2f} GiB per device, but {memory_fraction:.0%} "
+                         f"of the free {free_bytes / 2**30:.2f} GiB is "
                          f"{fit * page_bytes / 2**30:.2f} GiB; lower max_model_len or use kv_cache_dtype='fp8_ds_mla'")
     pages = min(want, fit)
     return pages, min(max_num_seqs, (pages - 1) // pages_per_seq)

@@ -11,11 +11,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from kernels import default_impl
-from sharding import ParallelConfig, cache_spec, make_mesh, param_spec
+from sharding import ParallelConfig, cache_spec, mesh_for, param_partition_specs
 
 from .config import GlmDsaConfig
 from .model import GlmDsaModel, StepBatch, StepContext
+from .options import StepOptions, resolve_options
 from .paged_cache import allocate_caches, cache_dtype, owner_slots, pages_needed
 
 
@@ -26,38 +26,11 @@ def model_graphdef(config: GlmDsaConfig):
     return graphdef
 
 
-@functools.lru_cache(maxsize=None)
-def mesh_for(parallel: ParallelConfig) -> jax.sharding.Mesh:
-    return make_mesh(parallel)
-
-
-def path_str(path) -> str:
-    """'layers.3.attn.q_b_proj' from a pytree key path."""
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
-def param_partition_specs(params, q_replicate: bool = False):
-    """PartitionSpecs for a params pytree, from the one table in `sharding.specs`."""
-    return jax.tree_util.tree_map_with_path(lambda p, _: param_spec(path_str(p), q_replicate), params)
-
-
 def resolve_parallel(parallel: ParallelConfig | None, config: GlmDsaConfig) -> ParallelConfig:
     """The ParallelConfig with QREP and the comm backend decided (environment > field > model default)."""
     parallel = (parallel or ParallelConfig()).resolve(config.parallel_defaults)
     parallel.check_model(config)
     return parallel
-
-
-def nest_params(flat: dict) -> dict:
-    """{'layers.0.attn.q_a_proj': a} -> {'layers': {0: {'attn': {'q_a_proj': a}}}} (integer layer keys)."""
-    out: dict = {}
-    for path, value in flat.items():
-        node = out
-        parts = [int(p) if p.isdigit() else p for p in path.split(".")]
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
-    return out
 
 
 def params_dtype(params) -> jnp.dtype:
@@ -76,7 +49,7 @@ def matmul_precision(params):
 
 def run_sharded(body, params, caches, batch: StepBatch, parallel: ParallelConfig, out_specs):
     """`body(params, caches, batch)` per shard on the mesh of a resolved `parallel`: parameters split by the
-    partition table, caches by token over 'dcp', the batch replicated."""
+    partition table, caches by token over the DCP axis, the batch replicated."""
     cspecs = jax.tree.map(lambda _: cache_spec(), caches)
     f = jax.shard_map(body, mesh=mesh_for(parallel),
                       in_specs=(param_partition_specs(params, parallel.q_replicate), cspecs, P()),
@@ -86,11 +59,13 @@ def run_sharded(body, params, caches, batch: StepBatch, parallel: ParallelConfig
 
 
 def step(params, caches, batch: StepBatch, *, config: GlmDsaConfig, parallel: ParallelConfig | None = None,
-         impl: str | None = None):
+         impl: str | None = None, options: StepOptions | None = None):
     """One model step over a ragged batch: returns (float32 logits [L, vocab] for `batch.logits_indices`,
-    updated caches). Pure: jit it, donate `caches` to update them in place."""
+    updated caches). Pure: jit it, donate `caches` to update them in place. `options` (glm_dsa.options) says
+    how to compute; `impl=` is a shorthand for `StepOptions(impl=impl)` (both, with different impls: an error)."""
+    options = resolve_options(impl, options)
     parallel = resolve_parallel(parallel, config)
-    ctx = StepContext(config, block_size=caches["mla"][0].shape[1], parallel=parallel, impl=impl or default_impl())
+    ctx = StepContext(config, block_size=caches["mla"][0].shape[1], parallel=parallel, options=options)
     graphdef = model_graphdef(config)
 
     def body(params, caches, batch):
@@ -121,10 +96,13 @@ def prefill_inputs(params, token_ids, *, config: GlmDsaConfig, parallel: Paralle
 
 
 def forward(params, token_ids, *, config: GlmDsaConfig, parallel: ParallelConfig | None = None,
-            impl: str | None = None, block_size: int = 16, kv_cache_dtype: str = "auto"):
-    """Cache-free full-sequence logits: int [B, T] -> float32 [B, T, vocab] (a fresh cache per call)."""
+            impl: str | None = None, options: StepOptions | None = None, block_size: int = 16,
+            kv_cache_dtype: str = "auto"):
+    """Cache-free full-sequence logits: int [B, T] -> float32 [B, T, vocab] (a fresh cache per call); `impl` and
+    `options` as for `step`."""
+    options = resolve_options(impl, options)
     par = resolve_parallel(parallel, config)
     caches, batch = prefill_inputs(params, token_ids, config=config, parallel=par, block_size=block_size,
                                    kv_cache_dtype=kv_cache_dtype)
-    logits, _ = step(params, caches, batch, config=config, parallel=par, impl=impl)
+    logits, _ = step(params, caches, batch, config=config, parallel=par, options=options)
     return logits.reshape(*jnp.shape(token_ids), -1)

@@ -1,7 +1,7 @@
 """Per-layer activation dumps and a diff that names the first divergence, for cross-framework debugging.
 
 Every tensor is tokens-major for one sequence, with heads as an explicit axis and rope dims in the
-interleaved order of SPEC §2 (pairs (x[2i], x[2i+1])). Names, in model order within a layer:
+interleaved order of docs/math.md §2 (pairs (x[2i], x[2i+1])). Names, in model order within a layer:
 
 | name (prefix `layers.{L}.`) | shape | what |
 |---|---|---|
@@ -31,33 +31,48 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from kernels import default_impl
 from sharding import ParallelConfig
 
 from .config import GlmDsaConfig
-from .model import StepContext
+from .model import StepBatch, StepContext
+from .options import StepOptions, resolve_options
 from .step import model_graphdef, prefill_inputs, resolve_parallel, run_sharded
+from .tracer import Tracer
 
 ORDER = ["attn.q_norm", "attn.kv_norm", "attn.k_pe", "attn.q_pe", "attn.topk", "dcp.partial_o", "dcp.partial_lse",
          "dcp.merged_o", "dcp.merged_lse", "attn.out", "moe.experts", "moe.weights", "residual"]
 SET_VALUED = ("attn.topk", "moe.experts")
 
 
+def traced_step(params, caches, batch: StepBatch, *, config: GlmDsaConfig, parallel: ParallelConfig | None = None,
+                impl: str | None = None, options: StepOptions | None = None):
+    """`glm_dsa.step` with an active tracer: (logits, updated caches, every layer's intermediates by name). The
+    tracer only adds gathers of values the step computes anyway, with one difference: under DCP all query rows
+    attend in one round (their partials are recorded whole), so the logits are `step`'s bit for bit when the
+    rows fit in one `StepOptions.dcp_row_chunk`."""
+    options = resolve_options(impl, options)
+    par = resolve_parallel(parallel, config)
+    graphdef = model_graphdef(config)
+
+    def body(params, caches, batch):
+        records: dict = {}
+        ctx = StepContext(config, block_size=caches["mla"][0].shape[1], parallel=par, options=options,
+                          tracer=Tracer(records))
+        logits, caches = nnx.merge(graphdef, params)(caches, batch, ctx)
+        return logits, caches, records
+
+    # every record is gathered to full width inside, so all of them leave replicated
+    return run_sharded(body, params, caches, batch, par, lambda cspecs: (P(), cspecs, P()))
+
+
 def trace(params, token_ids, *, config: GlmDsaConfig, parallel: ParallelConfig | None = None, impl: str | None = None,
-          block_size: int = 16, kv_cache_dtype: str = "auto") -> dict[str, jax.Array]:
+          options: StepOptions | None = None, block_size: int = 16,
+          kv_cache_dtype: str = "auto") -> dict[str, jax.Array]:
     """Run one sequence (int [T]) through the model and return every layer's intermediates by name."""
     par = resolve_parallel(parallel, config)
     caches, batch = prefill_inputs(params, jnp.asarray(token_ids, jnp.int32).reshape(1, -1), config=config,
                                    parallel=par, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
-    ctx = StepContext(config, block_size=block_size, parallel=par, impl=impl or default_impl())
-    graphdef = model_graphdef(config)
-
-    def body(params, caches, batch):
-        taps: dict = {}
-        nnx.merge(graphdef, params)(caches, batch, ctx, taps)
-        return taps
-
-    return run_sharded(body, params, caches, batch, par, P())  # every tap is gathered to full width inside
+    return traced_step(params, caches, batch, config=config, parallel=par, impl=impl, options=options)[2]
 
 
 def select_layers(taps: dict, layers) -> dict:

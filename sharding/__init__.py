@@ -1,8 +1,10 @@
 """Parallel configuration, the device mesh and the partition-spec table (knows the mesh, not the model)."""
 
-from . import dcp
-from .mesh import make_mesh
+from . import axes, dcp
+from .axes import DCP, TP, TP_AXES
+from .mesh import make_mesh, mesh_for
 from .parallel import ParallelConfig
-from .specs import TP_AXES, cache_spec, param_spec
+from .specs import cache_spec, param_partition_specs, param_spec, path_str
 
-__all__ = ["dcp", "ParallelConfig", "TP_AXES", "cache_spec", "make_mesh", "param_spec"]
+__all__ = ["DCP", "TP", "TP_AXES", "ParallelConfig", "axes", "cache_spec", "dcp", "make_mesh", "mesh_for",
+           "param_partition_specs", "param_spec", "path_str"]

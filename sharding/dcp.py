@@ -1,9 +1,9 @@
-"""Decode context parallelism (SPEC §6): who owns which token, and the collectives of one attention layer.
+"""Decode context parallelism (docs/dcp.md; formulas in docs/math.md §6): who owns which token, and the collectives of one attention layer.
 
 N ranks of a DCP group split the KV tokens by position in runs of I (`cp_kv_cache_interleave_size`):
 position p lives on rank (p // I) % N at local position (p // (N I)) I + p % I. Every rank attends the
 whole group's query heads over its local tokens; the partial results are merged by their LSE.
-All functions here run per shard inside `shard_map` (axis 'dcp'); with N = 1 they reduce to identities.
+All functions here run per shard inside `shard_map` (axis `DCP`); with N = 1 they reduce to identities.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from kernels.lse_merge import merge_partials
 
-AXIS = "dcp"
+from .axes import DCP
 
 
 def owner(p, n: int, interleave: int = 1):
@@ -49,8 +49,8 @@ def global_topk(scores, local_pos, rank, *, n: int, interleave: int, topk: int):
     big = jnp.iinfo(jnp.int32).max
     gpos = jnp.where(local_pos >= 0, global_position(local_pos, rank, n, interleave), big)
     scores = jnp.where(local_pos >= 0, scores, -jnp.inf)
-    all_s = jax.lax.all_gather(scores, AXIS, axis=1, tiled=True)  # [T, N K]
-    all_p = jax.lax.all_gather(gpos, AXIS, axis=1, tiled=True)
+    all_s = jax.lax.all_gather(scores, DCP, axis=1, tiled=True)  # [T, N K]
+    all_p = jax.lax.all_gather(gpos, DCP, axis=1, tiled=True)
     neg, pos = jax.lax.sort((-all_s, all_p), dimension=1, num_keys=2)
     neg, pos = neg[:, :topk], pos[:, :topk]
     mine = (pos != big) & (owner(pos, n, interleave) == rank) & (neg != jnp.inf)
@@ -59,7 +59,7 @@ def global_topk(scores, local_pos, rank, *, n: int, interleave: int, topk: int):
 
 def gather_query_heads(q):
     """[T, H_local, D] -> [T, N H_local, D]: the group's heads, rank-major."""
-    return jax.lax.all_gather(q, AXIS, axis=1, tiled=True)
+    return jax.lax.all_gather(q, DCP, axis=1, tiled=True)
 
 
 def merge_ag_rs(o, lse):
@@ -67,23 +67,24 @@ def merge_ag_rs(o, lse):
 
     All-gather the lse, rescale the local o by exp(lse - L), reduce-scatter over heads.
     """
-    all_lse = jax.lax.all_gather(lse, AXIS, axis=0)  # [N, T, N h]
+    all_lse = jax.lax.all_gather(lse, DCP, axis=0)  # [N, T, N h]
     _, total = merge_partials(jnp.zeros(all_lse.shape + (1,), jnp.float32), all_lse, axis=0)
     lse = jnp.where(jnp.isnan(lse) | (lse == jnp.inf), -jnp.inf, lse)
-    w = jnp.where(jnp.isfinite(total) & jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(total), total, 0.0)), 0.0)
+    w = jnp.where(jnp.isfinite(total) & jnp.isfinite(lse),
+                  jnp.exp(lse - jnp.where(jnp.isfinite(total), total, 0.0)), 0.0)
     scaled = jnp.where(w[..., None] > 0, w[..., None] * o, 0.0)
-    merged = jax.lax.psum_scatter(scaled, AXIS, scatter_dimension=1, tiled=True)
-    n = jax.lax.axis_size(AXIS)
+    merged = jax.lax.psum_scatter(scaled, DCP, scatter_dimension=1, tiled=True)
+    n = jax.lax.axis_size(DCP)
     h = lse.shape[1] // n
-    my_total = jax.lax.dynamic_slice_in_dim(total, jax.lax.axis_index(AXIS) * h, h, axis=1)
+    my_total = jax.lax.dynamic_slice_in_dim(total, jax.lax.axis_index(DCP) * h, h, axis=1)
     return merged, my_total
 
 
 def merge_a2a(o, lse):
     """Same result with one all-to-all of (o | lse) packed together, merged locally in float32."""
-    n = jax.lax.axis_size(AXIS)
+    n = jax.lax.axis_size(DCP)
     t, nh, r = o.shape
     packed = jnp.concatenate([o.astype(jnp.float32), lse.astype(jnp.float32)[..., None]], axis=-1)
     packed = packed.reshape(t, n, nh // n, r + 1)
-    recv = jax.lax.all_to_all(packed, AXIS, split_axis=1, concat_axis=1, tiled=True)  # [T, N(src), h, R+1]
+    recv = jax.lax.all_to_all(packed, DCP, split_axis=1, concat_axis=1, tiled=True)  # [T, N(src), h, R+1]
     return merge_partials(recv[..., :r], recv[..., r], axis=1)

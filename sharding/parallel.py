@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from .axes import DCP, TP
+
 QREP_ENV = "GLM_DSA_DCP_Q_REPLICATE"
 COMM_BACKENDS = ("ag_rs", "a2a")
 
@@ -35,7 +37,8 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.dcp_comm_backend must be one of {COMM_BACKENDS}, "
                              f"got {self.dcp_comm_backend!r}")
         if self.dcp_q_replicate not in (None, True, False):
-            raise ValueError(f"ParallelConfig.dcp_q_replicate must be True, False or None, got {self.dcp_q_replicate!r}")
+            raise ValueError("ParallelConfig.dcp_q_replicate must be True, False or None, "
+                             f"got {self.dcp_q_replicate!r}")
 
     @property
     def tp(self) -> int:
@@ -51,7 +54,7 @@ class ParallelConfig:
 
     @property
     def mesh_shape(self) -> dict[str, int]:
-        return {"tp": self.tp // self.dcp, "dcp": self.dcp}
+        return {TP: self.tp // self.dcp, DCP: self.dcp}
 
     @property
     def q_replicate(self) -> bool:
@@ -71,7 +74,7 @@ class ParallelConfig:
 
     def resolve(self, model_defaults: dict | None = None, env: dict | None = None) -> "ParallelConfig":
         """Fill the unset fields: QREP = environment override if set, else the explicit field, else the model
-        default; comm backend = the field, else the model default, else 'a2a' (SPEC §7). Idempotent while the
+        default; comm backend = the field, else the model default, else 'a2a' (docs/math.md §7). Idempotent while the
         environment is unchanged."""
         defaults = model_defaults or {}
         env = os.environ if env is None else env

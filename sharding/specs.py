@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 
+import jax
 from jax.sharding import PartitionSpec as P
 
-TP_AXES = ("tp", "dcp")  # heads and MLP widths are split over every tensor-parallel device
+from .axes import DCP, TP, TP_AXES
 
 _TABLE: list[tuple[str, P]] = [
     (r"embed", P()),
@@ -37,7 +38,7 @@ def param_spec(path: str, q_replicate: bool = False) -> P:
     With query replication each DCP rank holds q_b_proj and kv_b_proj (W_UK, W_UV) for all heads of its DCP
     group: split over 'tp' only."""
     if q_replicate and _QREP.match(path):
-        return P(None, "tp", None)
+        return P(None, TP, None)
     for pat, spec in _COMPILED:
         if pat.match(path):
             return spec
@@ -46,4 +47,14 @@ def param_spec(path: str, q_replicate: bool = False) -> P:
 
 def cache_spec() -> P:
     """Paged caches [slots, width]: sharded by token over 'dcp', replicated over 'tp'."""
-    return P("dcp", None)
+    return P(DCP, None)
+
+
+def path_str(path) -> str:
+    """'layers.3.attn.q_b_proj' from a pytree key path: the parameter path the table is keyed by."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def param_partition_specs(params, q_replicate: bool = False):
+    """PartitionSpecs for a params pytree (nested dicts keyed as `checkpoints.layout` names), from the table."""
+    return jax.tree_util.tree_map_with_path(lambda p, _: param_spec(path_str(p), q_replicate), params)

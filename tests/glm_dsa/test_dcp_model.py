@@ -1,7 +1,7 @@
 """DCP=N against DCP=1 on 8 simulated devices: identical greedy tokens, fp32 logits within 1e-5.
 
 The oracle is the DCP=1 engine (itself checked against HF in tests/reference). The two field defects of
-SPEC §4/§6 are patched in to show these tests catch them.
+docs/math.md §4 and §6 are patched in to show these tests catch them.
 """
 
 import functools
@@ -16,8 +16,11 @@ import glm_dsa
 import kernels.fused_norm_rope as fnr
 from checkpoints.random import write_random_checkpoint
 from glm_dsa.config import indexer_schedule
+from glm_dsa.options import StepOptions, resolve_options
 from glm_dsa.paged_cache import owner_slots, pages_needed
-from sharding import ParallelConfig
+from kernels import default_impl
+from kernels.chunking import map_row_chunks
+from sharding import DCP, ParallelConfig
 from sharding import dcp as dcp_mod
 
 # 8 heads so TP=8 divides; GLM-5.2 schedule (F F F S S S) with a dense first layer; top-k 8 < prompt lengths
@@ -108,11 +111,40 @@ def test_mixed_prefill_and_decode_rows_under_dcp(ckpt, reference):
 
 
 def test_long_prefill_runs_in_bounded_row_chunks(ckpt, reference, monkeypatch):
-    """Gather/attend/merge in chunks of 5 query rows gives the same result as one round."""
+    """Gather/attend/merge in chunks of 5 query rows (StepOptions.dcp_row_chunk) gives the same result as one
+    round; every layer's attention does run in chunks of 5."""
     from glm_dsa import model
-    monkeypatch.setattr(model.StepContext, "dcp_row_chunk", 5)
-    eng = _load(ckpt, ParallelConfig(2, 2))
-    np.testing.assert_allclose(eng.logits(reference["ids"]), reference["logits"], atol=1e-5, rtol=0)
+    rounds = []
+
+    def spy(fn, args, chunk):
+        rounds.append((args[0].shape[0], chunk))
+        return map_row_chunks(fn, args, chunk)
+
+    monkeypatch.setattr(model, "map_row_chunks", spy)
+    par = ParallelConfig(2, 2)
+    fwd = jax.jit(functools.partial(glm_dsa.forward, config=CFG, parallel=par, options=StepOptions(dcp_row_chunk=5)))
+    logits = fwd(_load(ckpt, par).params, jnp.asarray(reference["ids"]))
+    assert rounds == [(reference["ids"].size, 5)] * CFG.num_hidden_layers
+    np.testing.assert_allclose(np.asarray(logits), reference["logits"], atol=1e-5, rtol=0)
+
+
+def test_step_options_validated_and_impl_conflict_raises(ckpt):
+    """StepOptions resolves impl=None to the platform default and rejects unknown values by name; `impl=` and
+    `options=` naming different impls is an error, the same impl twice is not."""
+    assert StepOptions().impl == default_impl()
+    for bad, field in (({"impl": "cuda"}, "impl"), ({"moe_mode": "sparse"}, "moe_mode"),
+                       ({"dcp_row_chunk": 0}, "dcp_row_chunk")):
+        with pytest.raises(ValueError, match=f"StepOptions.{field}"):
+            StepOptions(**bad)
+    params, ids = _load(ckpt).params, jnp.zeros((1, 3), jnp.int32)
+    with pytest.raises(ValueError, match="impl='triton_interpret' conflicts with options.impl='xla'"):
+        glm_dsa.forward(params, ids, config=CFG, impl="triton_interpret", options=StepOptions(impl="xla"))
+    with pytest.raises(ValueError, match="conflicts"):
+        glm_dsa.step(params, None, None, config=CFG, impl="xla", options=StepOptions(impl="triton_interpret"))
+    with pytest.raises(TypeError, match="StepOptions"):
+        glm_dsa.forward(params, ids, config=CFG, options={"impl": "xla"})
+    same = StepOptions(impl="xla", moe_mode="dense")
+    assert resolve_options("xla", same) is same and resolve_options("xla", None) == StepOptions(impl="xla")
 
 
 # ---- the two field defects, patched in --------------------------------------------------------------
@@ -135,8 +167,8 @@ def test_defect_q_norm_skipped_for_unowned_slots_is_caught(ckpt, reference, monk
 @pytest.mark.parametrize("backend", ["a2a", "ag_rs"])
 def test_defect_lse_merge_skipped_is_caught(ckpt, reference, monkeypatch, backend):
     def keep_partial(o, lse):  # each rank keeps its own heads' partial over its local tokens only
-        h = lse.shape[1] // jax.lax.axis_size("dcp")
-        r = jax.lax.axis_index("dcp")
+        h = lse.shape[1] // jax.lax.axis_size(DCP)
+        r = jax.lax.axis_index(DCP)
         return (jax.lax.dynamic_slice_in_dim(o, r * h, h, axis=1),
                 jax.lax.dynamic_slice_in_dim(lse, r * h, h, axis=1))
     monkeypatch.setattr(dcp_mod, "merge_a2a" if backend == "a2a" else "merge_ag_rs", keep_partial)

@@ -93,7 +93,8 @@ def test_tensor_parallel_matches_single_device(ckpt, eng, tp):
     par = glm_dsa.load(ckpt, dtype="float32", max_model_len=64, progress=False,
                        parallel=glm_dsa.ParallelConfig(tensor_parallel_size=tp))
     q_b = par.params["layers"][0]["attn"]["q_b_proj"]
-    assert len(q_b.sharding.device_set) == tp and q_b.addressable_shards[0].data.shape[1] == CFG.num_attention_heads // tp
+    assert len(q_b.sharding.device_set) == tp
+    assert q_b.addressable_shards[0].data.shape[1] == CFG.num_attention_heads // tp
     np.testing.assert_allclose(par.logits(ids), eng.logits(ids), atol=2e-5)
 
 
@@ -145,12 +146,18 @@ def test_compiled_steps_are_reused(eng):
 
 @pytest.mark.parametrize("mode", ["gather", "dense", "tiles", "ragged"])
 def test_moe_forms_agree(eng, monkeypatch, mode):
-    """The routed-expert forms (gathered weights, masked dense, expert tiles, ragged_dot) give the same logits."""
-    from glm_dsa import model
+    """The routed-expert forms (gathered weights, masked dense, expert tiles, ragged_dot) give the same logits;
+    the form is forced through StepOptions.moe_mode, which reaches every MoE layer's op."""
+    from glm_dsa.options import StepOptions
+    from kernels import moe as moe_mod
     ids = np.asarray(_prompts(9, [13]))
     want = _fwd(eng, ids)
-    monkeypatch.setattr(model, "MOE_MODE", mode)
-    got = np.asarray(jax.jit(functools.partial(glm_dsa.forward, config=eng.config))(eng.params, jnp.asarray(ids)))
+    forms = []
+    experts_xla = moe_mod.experts_xla
+    monkeypatch.setattr(moe_mod, "experts_xla", lambda *a, mode=None: forms.append(mode) or experts_xla(*a, mode=mode))
+    fwd = functools.partial(glm_dsa.forward, config=eng.config, options=StepOptions(moe_mode=mode))
+    got = np.asarray(jax.jit(fwd)(eng.params, jnp.asarray(ids)))
+    assert forms == [mode] * sum(map(eng.config.is_moe, range(eng.config.num_hidden_layers)))
     np.testing.assert_allclose(got, want, atol=2e-5)
 
 

@@ -1,6 +1,9 @@
 """Traces and their diff: DCP partials merge to the DCP=1 values, and an injected field defect is located
 at its source (layer 0's attention), not downstream."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,7 +12,8 @@ import glm_dsa
 import kernels.fused_norm_rope as fnr
 from checkpoints.random import write_random_checkpoint
 from glm_dsa.cli import main
-from glm_dsa.trace import diff_traces, load_trace
+from glm_dsa.step import prefill_inputs
+from glm_dsa.trace import diff_traces, load_trace, traced_step
 from kernels.lse_merge import merge_partials
 from sharding import ParallelConfig
 
@@ -44,6 +48,27 @@ def test_dcp_trace_partials_merge_to_single_device(ckpt, single):
     assert np.isneginf(t["layers.0.dcp.partial_lse"][3, 0]).all()  # token 0 lives on rank 0 only
     rows, first = diff_traces(t, single, rtol=1e-4, atol=1e-5)
     assert first is None and len(rows) == len(single)
+
+
+@pytest.mark.parametrize("par", [ParallelConfig(), ParallelConfig(4, 4, cp_kv_cache_interleave_size=2)],
+                         ids=["single", "tp4-dcp4-I2"])
+def test_tracing_does_not_change_logits_or_caches(ckpt, single, par):
+    """The active tracer only gathers what the step computes: the traced step's logits and caches are the
+    untraced step's, bit for bit, and its records are those `Engine.trace` returns."""
+    eng = glm_dsa.load(ckpt, dtype="float32", max_model_len=64, progress=False, parallel=par)
+    caches, batch = prefill_inputs(eng.params, np.asarray([PROMPT]), config=CFG, parallel=eng.parallel,
+                                   block_size=eng.block_size)
+    logits, new_caches = jax.jit(functools.partial(glm_dsa.step, config=CFG, parallel=par))(eng.params, caches, batch)
+    t_logits, t_caches, records = jax.jit(functools.partial(traced_step, config=CFG, parallel=par))(
+        eng.params, caches, batch)
+    np.testing.assert_array_equal(np.asarray(t_logits), np.asarray(logits))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), t_caches, new_caches)
+    dcp_names = {f"layers.{i}.dcp.{k}_{v}" for i in range(CFG.num_hidden_layers) for k in ("partial", "merged")
+                 for v in ("o", "lse")}
+    assert set(records) == set(single) | (dcp_names if par.dcp > 1 else set())
+    if par.dcp == 1:  # the same computation as `single`'s
+        for k, v in records.items():
+            np.testing.assert_array_equal(np.asarray(v), single[k], err_msg=k)
 
 
 def test_diff_names_the_source_of_the_q_norm_defect(ckpt, single, monkeypatch):

@@ -1,4 +1,4 @@
-"""Ownership math, the LSE merge (properties, with hypothesis) and the QREP precedence grid of SPEC §7."""
+"""Ownership math, the LSE merge (properties, with hypothesis) and the QREP precedence grid of docs/math.md §7."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.lse_merge import merge_partials
-from sharding import ParallelConfig
+from sharding import DCP, ParallelConfig
 from sharding import dcp
 from sharding.parallel import QREP_ENV
 
@@ -75,7 +75,7 @@ def test_merge_properties(lses, seed, perm_seed):
     np.testing.assert_allclose(np.asarray(eo), np.asarray(mo), rtol=1e-6, atol=1e-7)
 
 
-# (env, configured, dcp) -> enabled, SPEC §7
+# (env, configured, dcp) -> enabled, docs/math.md §7
 GRID = [("", True, 2, True), ("", False, 2, False), ("1", False, 2, True), ("0", True, 2, False),
         ("1", True, 1, False), ("", None, 2, True), ("", None, 1, False)]
 
@@ -98,7 +98,8 @@ def test_qrep_env_read_from_os_environ(monkeypatch):
 
 
 def test_parallel_config_validation_names_numbers():
-    with pytest.raises(ValueError, match=r"tensor_parallel_size \(6\) must be a multiple of decode_context_parallel_size \(4\)"):
+    with pytest.raises(ValueError,
+                       match=r"tensor_parallel_size \(6\) must be a multiple of decode_context_parallel_size \(4\)"):
         ParallelConfig(6, 4)
     with pytest.raises(ValueError, match="dcp_comm_backend"):
         ParallelConfig(2, 2, dcp_comm_backend="nccl")
@@ -116,10 +117,10 @@ def test_global_topk_is_exact_under_shard_map():
     rng = np.random.default_rng(0)
     scores = rng.integers(0, 5, length).astype(np.float32)  # many exact ties
     want = [int(p) for p in sorted(range(length), key=lambda p: (-scores[p], p))[:k]]
-    mesh = jax.make_mesh((n,), ("dcp",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((n,), (DCP,), axis_types=(jax.sharding.AxisType.Auto,))
 
     def per_rank(_):
-        r = jax.lax.axis_index("dcp")
+        r = jax.lax.axis_index(DCP)
         lp = jnp.arange(int(dcp.local_length(length, 0, n, i)))
         valid = lp < dcp.local_length(length, r, n, i)
         gp = dcp.global_position(lp, r, n, i)
@@ -129,8 +130,8 @@ def test_global_topk_is_exact_under_shard_map():
         sel = dcp.global_topk(val[None], idx[None], r, n=n, interleave=i, topk=k)[0]
         return jnp.where(sel >= 0, dcp.global_position(sel, r, n, i), -1)[None]
 
-    out = jax.shard_map(per_rank, mesh=mesh, in_specs=jax.sharding.PartitionSpec("dcp"),
-                        out_specs=jax.sharding.PartitionSpec("dcp"), check_vma=False)(jnp.zeros(n))
+    out = jax.shard_map(per_rank, mesh=mesh, in_specs=jax.sharding.PartitionSpec(DCP),
+                        out_specs=jax.sharding.PartitionSpec(DCP), check_vma=False)(jnp.zeros(n))
     out = np.asarray(out)
     merged = [max(out[:, j]) for j in range(k)]  # exactly one rank owns each selected entry
     assert ((out >= 0).sum(0) == 1).all()
