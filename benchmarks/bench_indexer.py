@@ -1,10 +1,11 @@
-"""Indexer scores + top-k (SPEC §2) on the GPU: Pallas Triton scores + chunked top-k against the xla op.
+"""Indexer scores + top-k (docs/math.md §2) on the GPU: Pallas Triton scores + chunked top-k against the xla op.
 
 GLM-5 dims: 32 indexer heads of 128, top-k 2048, a 32K-token context per request (pages of 64), B decode
 rows in {1, 8, 32, 128}, bf16 [slots, 128] and FP8 [slots, 132] indexer caches. One executable runs the op
 `reps` times over different requests (the caches are several times the L2); median over `iters` runs /
 reps. Effective TB/s counts the indexer-cache bytes of the visible keys (the issue's figure of merit);
-`scores_us` times the Triton scoring kernel alone, so top-k = total - scores.
+`scores_us` times the Triton scoring kernel alone, so top-k = total - scores. Percentages are of the device's
+HBM peak (`benchmarks.harness.device_peaks`).
 
     PYTHONPATH=. python3 benchmarks/bench_indexer.py --out bench_indexer.json [--sweep]
 """
@@ -13,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.harness import Budget, budgeted_sweep, command_line, device_peaks, per_op_time, record, timeit
+from benchmarks.harness import write_json
 from kernels import fp8_formats, indexer, indexer_triton
-from benchmarks.bench_sparse_mla import PEAK, per_op_time, time_fn
 
 HI, DI, TOPK, CTX, PAGE = 32, 128, 2048, 32768, 64
 
@@ -48,6 +47,7 @@ def bytes_moved(b, fp8):
 
 
 def make_runner(impl, reps, scores_only=False, topk_only=False, **opts):
+    """A jitted runner of `reps` indexer ops (or their scoring or top-k stage alone), op i on request set i."""
     @jax.jit
     def run(cache, bt, q, w, req, lens):
         outs = []
@@ -68,21 +68,21 @@ def make_runner(impl, reps, scores_only=False, topk_only=False, **opts):
     return run
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    """The command line: one row per format and B (and each swept scoring config's amortised time)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--formats", default="fp8,bf16")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--sweep", type=int, default=0)
     ap.add_argument("--xla_topk", type=int, default=0)
-    ap.add_argument("--topk_impl", default=None, help="top-k stage of the triton op: xla | triton (default: the "
-                    "dispatcher's TOPK_IMPL)")
     ap.add_argument("--budget_s", type=float, default=100.0)
     ap.add_argument("--out", default="bench_indexer.json")
-    args = ap.parse_args()
-    t_start = time.time()
-    results = []
+    args = ap.parse_args(argv)
+    budget = Budget(args.budget_s)  # one budget for the whole run: later B get the default config only
+    results, skipped = [], []
+    peaks = device_peaks()
     dev = jax.devices()[0].device_kind
     for fmt in args.formats.split(","):
         fp8 = fmt == "fp8"
@@ -94,36 +94,25 @@ def main():
             if args.sweep:
                 configs += [dict(block_s=bs, num_warps=nw, num_stages=ns)
                             for bs, nw, ns in itertools.product([128, 256, 512, 1024], [4, 8], [1, 2])]
-            best = None
-            for cfg in configs:
-                if time.time() - t_start > args.budget_s and best is not None:
-                    break
-                try:
-                    raw = time_fn(make_runner("triton", args.reps, scores_only=True, **cfg), data,
-                                  args.iters) / args.reps
-                except Exception as e:
-                    print(f"  {fmt} B={b} {cfg}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
-                    continue
-                results.append(dict(op="indexer_scores", fmt=fmt, B=b, cfg=cfg, amortised_us=raw * 1e6))
-                if best is None or raw < best[1]:
-                    best = (cfg, raw)
-            cfg = best[0]
+            sweep = budgeted_sweep(configs, lambda cfg, data=data: timeit(
+                make_runner("triton", args.reps, scores_only=True, **cfg), *data, warmup=1,
+                reps=args.iters) / args.reps, budget, label=f"{fmt} B={b}")
+            results += [dict(op="indexer_scores", fmt=fmt, B=b, cfg=cfg, amortised_us=raw * 1e6)
+                        for cfg, raw in sweep.measured]
+            if sweep.skipped:
+                skipped.append(dict(op="indexer_scores", fmt=fmt, B=b, configs=sweep.skipped))
+            if not sweep.measured:
+                raise RuntimeError(f"indexer {fmt} B={b}: no scoring config ran: {sweep.failed}")
+            cfg = sweep.best()[0]
             t_sc, _ = per_op_time(lambda n: make_runner("triton", n, scores_only=True, **cfg), data, args.reps,
                                   args.iters)
             t_tk = None
             if args.xla_topk:  # lax.top_k alone on [B, 32K] scores, for comparison with the select kernel
                 t_tk, _ = per_op_time(lambda n: make_runner("triton", n, topk_only=True), data, args.reps, args.iters)
-            if args.topk_impl:
-                cfg = dict(cfg, topk_impl=args.topk_impl)
-            try:
-                t, _ = per_op_time(lambda n: make_runner("triton", n, **cfg), data, args.reps, args.iters)
-            except Exception as e:  # the select kernel failed: fall back to lax.top_k and say so
-                print(f"  top-k kernel failed ({type(e).__name__}: {str(e)[:200]}); using lax.top_k", file=sys.stderr)
-                cfg = dict(cfg, topk_impl="xla")
-                t, _ = per_op_time(lambda n: make_runner("triton", n, **cfg), data, args.reps, args.iters)
+            t, _ = per_op_time(lambda n: make_runner("triton", n, **cfg), data, args.reps, args.iters)
             rec = dict(op="indexer_topk", fmt=fmt, B=b, cfg=cfg, t_us=t * 1e6, scores_us=t_sc * 1e6,
                        topk_us=(t - t_sc) * 1e6, xla_topk_us=None if t_tk is None else t_tk * 1e6,
-                       xla_us=t_xla * 1e6, tbps=nbytes / t / 1e12, pct=100 * nbytes / t / PEAK,
+                       xla_us=t_xla * 1e6, tbps=nbytes / t / 1e12, pct=100 * nbytes / t / peaks.hbm_bytes_per_s,
                        scores_tbps=nbytes / t_sc / 1e12, speedup=t_xla / t, bytes=nbytes, device=dev)
             results.append(rec)
             print(f"indexer {fmt:5s} B={b:4d}  triton {rec['t_us']:8.1f} us (scores {rec['scores_us']:7.1f})  "
@@ -131,8 +120,8 @@ def main():
                   f"top-k {rec['topk_us']:.1f} us)  "
                   f"xla {rec['xla_us']:8.1f} us  x{rec['speedup']:.1f}  {cfg}", flush=True)
             del data
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
+            write_json(args.out, record(results, command=command_line(argv, script=__file__), skipped=skipped,
+                                        roofline=peaks.name))
 
 
 if __name__ == "__main__":

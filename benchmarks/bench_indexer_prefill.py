@@ -17,7 +17,7 @@ import json
 import jax
 import jax.numpy as jnp
 
-from benchmarks.bench_sparse_mla import time_fn
+from benchmarks.harness import command_line, record, timeit, write_json
 from kernels import fp8_formats, indexer, indexer_triton
 
 HI, DI, TOPK, CTX, PAGE = 32, 128, 2048, 32768, 64
@@ -35,15 +35,16 @@ def make_case(t, fp8=True, seed=0):
     return cache, bt, q, w, jnp.zeros(t, jnp.int32), pos + 1
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    """The command line: one row per format and chunk length T."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1024,8192")
     ap.add_argument("--formats", default="fp8")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--xla", type=int, default=1, help="also time the xla op")
     ap.add_argument("--per_row", type=int, default=1, help="also time the per-row kernel (block_t=1)")
     ap.add_argument("--out", default="bench_indexer_prefill.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = []
     for fmt in args.formats.split(","):
         for t in (int(v) for v in args.rows.split(",")):
@@ -54,12 +55,12 @@ def main():
 
             def total(impl, **opts):
                 f = jax.jit(functools.partial(indexer.indexer_topk, block_size=PAGE, topk=TOPK, impl=impl, **opts))
-                return time_fn(f, (q, w, cache, req, lens, bt), args.iters)
+                return timeit(f, q, w, cache, req, lens, bt, warmup=1, reps=args.iters)
 
             def scores(**opts):
                 qq, ww = indexer.prepare_queries(q, w, cache)
                 f = jax.jit(functools.partial(indexer_triton.indexer_scores_triton, block_size=PAGE, **opts))
-                return time_fn(f, (qq, ww, cache, req, lens, bt), args.iters)
+                return timeit(f, qq, ww, cache, req, lens, bt, warmup=1, reps=args.iters)
 
             res["triton_ms"] = 1e3 * total("triton")
             res["scores_ms"] = 1e3 * scores()
@@ -71,8 +72,7 @@ def main():
                 res["speedup"] = res["xla_ms"] / res["triton_ms"]
             print(json.dumps(res), flush=True)
             rows.append(res)
-    with open(args.out, "w") as f:
-        json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
+    write_json(args.out, record(rows, command=command_line(argv, script=__file__)))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 GLM-5.2 widths: hidden 6144, expert width 2048, 256 experts, top-8, bf16 weights (19.3 GB), uniform random
 routing. T in {1, 8, 32, 128} (decode) and a prefill chunk (8192 rows). Reports time (median of `iters`
 calls of one jitted op, after a warm-up), effective TB/s over the weight bytes of the experts actually
-used (the bytes a decode step must read), TFLOP/s over the routed matmuls, and the speed-up over xla
-(the xla form `moe.pick_mode` picks, and any extra forms named in --xla_modes).
+used (the bytes a decode step must read; % of the device's HBM peak, `benchmarks.harness.device_peaks`),
+TFLOP/s over the routed matmuls, and the speed-up over xla (the xla form `moe.pick_mode` picks, and any extra
+forms named in --xla_modes). The config sweep (--sweep 1) stops at each T's time budget and says what it skipped.
 
     PYTHONPATH=. python3 benchmarks/bench_moe.py --out bench_moe.json [--sweep 1]
 """
@@ -15,21 +16,19 @@ import argparse
 import functools
 import itertools
 import json
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_sparse_mla import time_fn
+from benchmarks.harness import budgeted_sweep, command_line, device_peaks, record, timeit, write_json
 from kernels import moe
 
 D, I, E, K = 6144, 2048, 256, 8
-PEAK_BYTES, PEAK_FLOPS = 4.8e12, 989e12
 
 
 def sweep_configs(t, e):
+    """Kernel launch configs to try at T rows and E experts, beside the default."""
     tile = moe.tile_rows(t, K, e)
     tiles = sorted({tile, max(16, tile // 2), min(128, tile * 2)})
     splits = (1, 4, 8) if t <= 8 else (1,)  # split-K of the up projection when there are few tiles
@@ -38,6 +37,7 @@ def sweep_configs(t, e):
 
 
 def main(argv=None):
+    """The command line: one row per T."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,32,128,8192")
     ap.add_argument("--iters", type=int, default=10)
@@ -49,6 +49,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     d, i, e = (int(v) for v in args.dims.split(","))
+    peaks = device_peaks()
 
     key = jax.random.key(0)
     kg, ku, kd, kx = jax.random.split(key, 4)
@@ -68,7 +69,7 @@ def main(argv=None):
 
         def run(impl, mode=None, **opts):
             f = jax.jit(functools.partial(moe.routed_experts, impl=impl, mode=mode, **opts))
-            return time_fn(f, (x, experts, w, wg, wu, wd), args.iters)
+            return timeit(f, x, experts, w, wg, wu, wd, warmup=1, reps=args.iters)
 
         xla_mode = moe.pick_mode(t, K, e)
         res["xla"] = {xla_mode: run("xla")}
@@ -79,28 +80,22 @@ def main(argv=None):
                 except Exception as err:  # e.g. out of memory for dense at large T
                     res["xla"][m] = f"failed: {type(err).__name__}"
         best = {"config": "default", "s": run(args.impl)}
-        if args.sweep:
-            t_end = time.perf_counter() + args.budget_s
-            for cfg in sweep_configs(t, e):
-                if time.perf_counter() > t_end:
-                    break
-                try:
-                    s = run(args.impl, **cfg)
-                except Exception as err:
-                    print(f"T={t} {cfg}: {type(err).__name__}", file=sys.stderr)
-                    continue
-                if s < best["s"]:
-                    best = {"config": cfg, "s": s}
+        if args.sweep:  # a budget per T, started after the default config ran
+            sweep = budgeted_sweep(sweep_configs(t, e), lambda cfg: run(args.impl, **cfg), args.budget_s,
+                                   min_measured=0, label=f"T={t}")
+            if sweep.measured and sweep.best()[1] < best["s"]:
+                best = {"config": sweep.best()[0], "s": sweep.best()[1]}
+            res["sweep"] = {"measured": len(sweep.measured), "failed": len(sweep.failed),
+                            "skipped": len(sweep.skipped)}
         res["triton"] = best
         xs = min(v for v in res["xla"].values() if isinstance(v, float))
         s = best["s"]
-        res.update(us=1e6 * s, tb_s=wbytes / s / 1e12, pct_hbm=100 * wbytes / s / PEAK_BYTES,
+        res.update(us=1e6 * s, tb_s=wbytes / s / 1e12, pct_hbm=100 * wbytes / s / peaks.hbm_bytes_per_s,
                    tflops=flops / s / 1e12, speedup=xs / s, xla_us=1e6 * xs)
         print(json.dumps(res), flush=True)
         rows.append(res)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
+        write_json(args.out, record(rows, command=command_line(argv, script=__file__), roofline=peaks.name))
 
 
 if __name__ == "__main__":

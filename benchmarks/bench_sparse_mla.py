@@ -1,10 +1,11 @@
-"""Sparse MLA (SPEC §5) on the GPU: the Pallas Triton kernel against the xla op, GLM-5 dims.
+"""Sparse MLA (docs/math.md §5) on the GPU: the Pallas Triton kernel against the xla op, GLM-5 dims.
 
 H=64 heads, rows [512 | 64], top-k 2048 indices per query row into a 32K-token context per request,
 B in {1, 8, 32, 128} decode rows, bf16 and fp8_ds_mla caches. Each timing is one jitted executable that
 runs the op `reps` times on different inputs (each rep reads its own cache region, so the data is
-several times the 60 MB L2), median over `iters` runs / reps. Reports time, effective TB/s = bytes that
-must be read and written (gathered cache rows + q + o/lse) / time, % of 4.8 TB/s, speed-up over xla.
+several times the 60 MB L2), median over `iters` runs / reps (`benchmarks.harness.per_op_time`). Reports
+time, effective TB/s = bytes that must be read and written (gathered cache rows + q + o/lse) / time, % of the
+device's HBM peak (`harness.device_peaks`: 4.8 TB/s on the H200), speed-up over xla.
 
     PYTHONPATH=. python3 benchmarks/bench_sparse_mla.py --out bench_sparse_mla.json [--sweep]
 """
@@ -12,39 +13,23 @@ must be read and written (gathered cache rows + q + o/lse) / time, % of 4.8 TB/s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
-import json
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
-from glm_dsa.bench import timeit
+from benchmarks.harness import Budget, budgeted_sweep, command_line, device_peaks, per_op_time, record, timeit
+from benchmarks.harness import write_json
 from kernels import fp8_formats, sparse_mla, sparse_mla_triton
 
-PEAK = 4.8e12
 H, R, DR, K, CTX = 64, 512, 64, 2048, 32768
-
-
-def time_fn(fn, args, iters):
-    """Median wall time of fn(*args) (one executable), after a warm-up call (`glm_dsa.bench.timeit`)."""
-    return timeit(fn, *args, warmup=1, reps=iters)
-
-
-def per_op_time(make, args, reps, iters, lo=1):
-    """Device time of one op: (T(reps ops in one executable) - T(lo ops)) / (reps - lo), so the fixed cost
-    of dispatching and synchronising an executable cancels. `make(n)` builds the runner of n ops over
-    args sliced to their first n reps."""
-    t_hi = time_fn(make(reps), args, iters)
-    t_lo = time_fn(make(lo), args, iters)
-    return max(t_hi - t_lo, 1e-9) / (reps - lo), t_hi / reps
 
 
 def make_case(b, fp8, reps, seed=0):
     regions = max(b, 16)  # 32K-token regions: row r of rep i reads region (i * b + r) % regions; >= 16 (> L2)
-    if fp8:  # a uint8 cache must stay under 2 GiB (sparse_mla_triton.check_addressable): at most 99 regions
+    if fp8:  # a uint8 cache must stay under 2 GiB (triton_common.check_addressable): at most 99 regions
         regions = min(regions, (2**31 - 1) // (CTX * fp8_formats.mla_row_bytes(R, DR)))
     key = jax.random.PRNGKey(seed)
     k1, k2, k3, k4 = jax.random.split(key, 4)
@@ -73,6 +58,7 @@ def bytes_moved(b, fp8):
 
 
 def make_runner(impl, reps, **opts):
+    """A jitted runner of `reps` sparse MLA ops, op i on query set i (`make(n)` of `harness.per_op_time`)."""
     op = functools.partial(sparse_mla.sparse_mla, scale=(192 + 64) ** -0.5, kv_lora_rank=R, impl=impl, **opts)
 
     @jax.jit
@@ -86,12 +72,6 @@ def sweep_configs(b, fp8, level):
     """Configs to try beside the default: level 0 none, 1 a focused grid, 2 a few candidates."""
     if not level:
         return []
-    if level == 3:  # the output split (r_split) against register spills: bf16 only
-        if fp8:
-            return []
-        ns = 1 if b >= 128 else (4 if b >= 32 else 16)
-        return [dict(block_h=64, block_k=bk, num_warps=w, num_stages=st, n_split=ns, r_split=2)
-                for bk, w, st in itertools.product((32, 64), (4, 8), (2, 3))]
     if level == 2:
         if b >= 32:
             return [dict(block_h=64, block_k=64, num_warps=16, num_stages=3, n_split=1 if b >= 128 else 4),
@@ -110,18 +90,21 @@ def sweep_configs(b, fp8, level):
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    """The command line: one best-config row per format and B (and each swept config's amortised time)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--formats", default="bf16,fp8")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--sweep", type=int, default=0, help="0 none, 1 a grid, 2 a few candidates, 3 output-split (r_split) configs")
+    ap.add_argument("--sweep", type=int, default=0,
+                    help="0 none, 1 a grid, 2 a few candidates")
     ap.add_argument("--budget_s", type=float, default=150.0)
     ap.add_argument("--out", default="bench_sparse_mla.json")
-    args = ap.parse_args()
-    t_start = time.time()
-    results = []
+    args = ap.parse_args(argv)
+    budget = Budget(args.budget_s)  # one budget for the whole run: later B get the default config only
+    results, skipped = [], []
+    peaks = device_peaks()
     dev = jax.devices()[0].device_kind
     for fmt in args.formats.split(","):
         fp8 = fmt == "fp8"
@@ -130,31 +113,30 @@ def main():
             nbytes = bytes_moved(b, fp8)
             data = (cache, q, idx)
             t_xla, _ = per_op_time(lambda n: make_runner("xla", n), data, args.reps, args.iters)
-            configs = [sparse_mla_triton.default_config(b, H, K, fp8)] + sweep_configs(b, fp8, args.sweep)
-            best, best_raw = None, None
-            for cfg in configs:  # rank by the amortised time of `reps` ops (same fixed cost for all)
-                if time.time() - t_start > args.budget_s and best is not None:
-                    break
-                try:
-                    raw = time_fn(make_runner("triton", args.reps, **cfg), data, args.iters) / args.reps
-                except Exception as e:  # a config that does not compile (shared memory, registers)
-                    print(f"  {fmt} B={b} {cfg}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
-                    continue
-                results.append(dict(op="sparse_mla", fmt=fmt, B=b, cfg=cfg, amortised_us=raw * 1e6))
-                if best_raw is None or raw < best_raw:
-                    best, best_raw = cfg, raw
+            default = sparse_mla_triton.default_config(b, H, K, fp8)  # a SparseMLAConfig: as keyword options
+            default = dataclasses.asdict(default) if dataclasses.is_dataclass(default) else dict(default)
+            configs = [default] + sweep_configs(b, fp8, args.sweep)
+            # rank by the amortised time of `reps` ops (the same fixed cost for all)
+            sweep = budgeted_sweep(configs, lambda cfg, data=data: timeit(
+                make_runner("triton", args.reps, **cfg), *data, warmup=1, reps=args.iters) / args.reps,
+                budget, label=f"{fmt} B={b}")
+            results += [dict(op="sparse_mla", fmt=fmt, B=b, cfg=cfg, amortised_us=raw * 1e6)
+                        for cfg, raw in sweep.measured]
+            if sweep.skipped:
+                skipped.append(dict(op="sparse_mla", fmt=fmt, B=b, configs=sweep.skipped))
+            best = sweep.best()[0] if sweep.measured else None
             if best is not None:
                 t, _ = per_op_time(lambda n: make_runner("triton", n, **best), data, args.reps, args.iters)
                 best = dict(op="sparse_mla", fmt=fmt, B=b, cfg=best, t_us=t * 1e6, xla_us=t_xla * 1e6,
-                            tbps=nbytes / t / 1e12, pct=100 * nbytes / t / PEAK, speedup=t_xla / t, bytes=nbytes,
-                            device=dev, best=True)
+                            tbps=nbytes / t / 1e12, pct=100 * nbytes / t / peaks.hbm_bytes_per_s, speedup=t_xla / t,
+                            bytes=nbytes, device=dev, best=True)
                 results.append(best)
                 print(f"sparse_mla {fmt:5s} B={b:4d}  triton {best['t_us']:8.1f} us  {best['tbps']:5.2f} TB/s "
                       f"({best['pct']:4.1f}%)  xla {best['xla_us']:8.1f} us  x{best['speedup']:.1f}  {best['cfg']}",
                       flush=True)
             del cache, q, idx
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
+            write_json(args.out, record(results, command=command_line(argv, script=__file__), skipped=skipped,
+                                        roofline=peaks.name))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ Shapes: sparse MLA B = 128 (bf16 and fp8_ds_mla caches, GLM-5 dims), the indexer
 
 from __future__ import annotations
 
+import argparse
 import functools
 
 import jax
@@ -20,7 +21,9 @@ from benchmarks import bench_indexer, bench_sparse_mla
 from kernels import indexer, moe, sparse_mla
 
 
-def main():
+def main(argv=None):
+    """Run each kernel once (the profiler, not this script, measures)."""
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     for fp8 in (False, True):
         cache, q, idx = bench_sparse_mla.make_case(128, fp8, 1)
         f = jax.jit(functools.partial(sparse_mla.sparse_mla, scale=0.07, kv_lora_rank=512, impl="triton"))

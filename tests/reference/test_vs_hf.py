@@ -1,4 +1,4 @@
-"""glm-dsa against Hugging Face transformers' `GlmMoeDsaForCausalLM` (SPEC §2, §10).
+"""glm-dsa against Hugging Face transformers' `GlmMoeDsaForCausalLM` (docs/math.md §2, §10).
 
 A session fixture makes sure every case of `cases.py` has its reference in the cache (running
 `hf_reference.py` under the Python 3.11 reference interpreter for the missing ones), then each case's
@@ -116,7 +116,7 @@ def jax_logits(engine, prompt: list[int]) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", NAMES)
 def test_reference_is_unambiguous(name, reference_dirs):
-    """The tie guard (SPEC §10): every selection the reference made had a clear winner."""
+    """The tie guard (docs/math.md §10): every selection the reference made had a clear winner."""
     meta, logits = load_reference(reference_dirs[name])
     m, t = meta["margins"], meta["thresholds"]
     assert meta["spec"] == cases.CASES[name]
@@ -208,7 +208,7 @@ def test_trace_matches_hf_dump(name, reference_dirs, engines, tmp_path):
     out = tmp_path / "hf.safetensors"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     # -P: keep the repo off sys.path (transformers would import our `kernels` package as HF's)
-    proc = subprocess.run([str(REF_PYTHON), "-P", str(cases.REPO / "glm_dsa" / "hf_trace.py"), "--checkpoint",
+    proc = subprocess.run([str(REF_PYTHON), "-P", str(cases.REPO / "scripts" / "hf_trace.py"), "--checkpoint",
                            str(reference_dirs[name]), "--prompt-ids", ",".join(map(str, prompt)), "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]

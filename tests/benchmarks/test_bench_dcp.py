@@ -2,7 +2,8 @@
 
 import pytest
 
-from glm_dsa import configs, dcp_bench
+from benchmarks import bench_dcp as dcp_bench
+from glm_dsa import configs
 
 
 def test_dcp_bench_small_run(monkeypatch):
@@ -29,6 +30,11 @@ def test_dcp_bench_small_run(monkeypatch):
     assert t["noqrep:ag_rs"]["cache_bytes_per_device"] < t["dcp1"]["cache_bytes_per_device"]
     assert all(r["total_s"] > 0 and r["decode_ms_per_step"] > 0 for r in t.values())
     assert len(lines) == 2 + 3
+    rec = dcp_bench.to_record(res, command="python benchmarks/bench_dcp.py --preset tiny")
+    assert rec["command"] == "python benchmarks/bench_dcp.py --preset tiny" and rec["device"] == res["device"]
+    assert [(r["check"], r["variant"]) for r in rec["rows"]] == [("identity", v) for v in bc.variants] + [
+        ("timing", v) for v in ("dcp1", *bc.variants)]
+    assert rec["rows"][-1]["total_s"] == t["noqrep:ag_rs"]["total_s"] and rec["identity"] == res["identity"]
 
 
 def test_variant_names_and_env_guard(monkeypatch):

@@ -3,49 +3,36 @@
 Reports prefill tokens/s and MFU, decode ms/step at several batch sizes (caches filled with random rows, so
 no long prefill is needed to reach a context length), a per-stage breakdown of one decode step (each stage
 timed alone at the step's shapes, times the number of layers that run it), the attention bytes roofline
-and peak device memory. Every impl runs in the same process on the same weights.
+and peak device memory. Every impl runs in the same process on the same weights. Token ids are drawn from
+the model's vocabulary. The step's collectives are not timed (the bench runs on one device, TP = 1): the
+breakdown lists them as not measured rather than as a number.
+
+    python -m glm_dsa bench --help        # the command line
+    PYTHONPATH=. python3 benchmarks/bench_engine.py --help      # the same flags
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import json
-import statistics
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.harness import command_line, device_peaks, device_time, median_seconds, peak_bytes, record, write_json
+from glm_dsa.config import GlmDsaConfig
+from glm_dsa.engine import Engine
+from glm_dsa.init import init_params
+from glm_dsa.model import StepBatch
+from glm_dsa.step import step
 from kernels import fused_norm_rope, indexer, sparse_mla
 
-from .config import GlmDsaConfig
-from .engine import Engine
-from .init import init_params
-from .model import StepBatch
-from .step import step
-
-PEAK_BF16_FLOPS = 989e12
-PEAK_HBM_BYTES = 4.8e12
-
-
-def timeit(fn, *args, warmup: int = 2, reps: int = 10) -> float:
-    """Median seconds of `fn(*args)` (blocked until ready) after warm-up calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def peak_bytes(device) -> int | None:
-    """The device allocator's peak bytes in use so far (None where the backend does not say: CPU)."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    return (stats or {}).get("peak_bytes_in_use")
+#: stages of a decode step that `stage_times` does not time, and why (reported so, never as a number)
+NOT_MEASURED = {"collectives": "not measured (the step's all-gathers and psums are not timed apart)"}
 
 
 def flops_per_token(cfg: GlmDsaConfig, context: int) -> float:
@@ -59,7 +46,8 @@ def flops_per_token(cfg: GlmDsaConfig, context: int) -> float:
         attn += h * cfg.v_head_dim * d
         attn += h * k * (cfg.mla_row_dim + cfg.kv_lora_rank)  # scores + weighted values
         if cfg.is_full(i):
-            attn += cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + d * (cfg.index_head_dim + cfg.index_n_heads)
+            attn += (cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim
+                     + d * (cfg.index_head_dim + cfg.index_n_heads))
             attn += cfg.index_n_heads * cfg.index_head_dim * context  # indexer scores over the context
         if cfg.is_moe(i):
             mlp = 3 * d * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts)
@@ -86,24 +74,16 @@ def _random_caches(eng: Engine, key):
     return jax.tree.unflatten(tree, [jax.jit(fill, donate_argnums=0)(c, k) for c, k in zip(leaves, keys)])
 
 
-def _decode_batch(b: int, context: int, block_size: int, rng) -> StepBatch:
+def decode_batch(b: int, context: int, block_size: int, vocab_size: int, rng) -> StepBatch:
+    """One decode row per sequence at position `context - 1` (pages 1.. in order), token ids drawn uniformly
+    from the model's vocabulary [0, vocab_size)."""
     pages = -(-context // block_size)
     tables = (1 + np.arange(b * pages, dtype=np.int32)).reshape(b, pages)
     pos = np.full(b, context - 1, np.int32)
     slots = tables[np.arange(b), pos // block_size] * block_size + pos % block_size
-    ids = rng.integers(0, 1000, b).astype(np.int32)
+    ids = rng.integers(0, vocab_size, b).astype(np.int32)
     return StepBatch(*(jnp.asarray(x) for x in (ids, pos, slots, np.arange(b, dtype=np.int32), tables,
                                                 np.arange(b, dtype=np.int32))))
-
-
-def device_time(body, carry, *consts, reps: int = 10, iters: int = 5) -> float:
-    """Device seconds of one `body(carry, *consts) -> carry`, from executables that loop it in a fori_loop:
-    (T(1 + reps) - T(1)) / reps, so the dispatch and argument handling of an executable cancel out."""
-    def looped(n):
-        return jax.jit(lambda c, *k: jax.lax.fori_loop(0, n, lambda i, c: body(c, *k), c))
-    t_lo = timeit(looped(1), carry, *consts, reps=iters)
-    t_hi = timeit(looped(1 + reps), carry, *consts, reps=iters)
-    return max(t_hi - t_lo, 0.0) / reps
 
 
 def _nudge(x, y):
@@ -113,7 +93,7 @@ def _nudge(x, y):
 
 def stage_times(eng: Engine, batch: StepBatch) -> dict[str, float]:
     """Seconds per decode step spent in each stage: each op's device time (`device_time`) at the step's shapes,
-    times the number of layers that run it."""
+    times the number of layers that run it. The collectives are not among them (`NOT_MEASURED`)."""
     cfg, impl, b = eng.config, eng.impl, batch.token_ids.shape[0]
     key = jax.random.key(1)
     dt = eng.dtype
@@ -129,7 +109,7 @@ def stage_times(eng: Engine, batch: StepBatch) -> dict[str, float]:
     idx_args = (w_i, idx_cache, batch.token_req, kv_lens, batch.block_tables)
     top = jax.jit(topk)(q_i, *idx_args)
     out["indexer"] = n_full * device_time(lambda q, *a: _nudge(q, topk(q, *a)), q_i, *idx_args)
-    from .paged_cache import positions_to_slots
+    from glm_dsa.paged_cache import positions_to_slots
     slots = positions_to_slots(top, batch.token_req, batch.block_tables, eng.block_size)
     attend = functools.partial(sparse_mla.sparse_mla, scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank,
                                impl=impl)
@@ -146,21 +126,25 @@ def stage_times(eng: Engine, batch: StepBatch) -> dict[str, float]:
         from flax import nnx
         from jax.sharding import PartitionSpec as P
 
-        from .step import model_graphdef, param_partition_specs
+        from glm_dsa.options import StepOptions
+        from glm_dsa.step import model_graphdef
+        from sharding import param_partition_specs
         gd = model_graphdef(cfg)
 
         def moe_step(x, params):  # weights as arguments: a closure would bake them in as constants
-            y = jax.shard_map(lambda p, x: nnx.merge(gd, p).layers[moe_layer].moe(x, cfg, impl=impl), mesh=eng.mesh,
+            y = jax.shard_map(lambda p, x: nnx.merge(gd, p).layers[moe_layer].moe(x, cfg, StepOptions(impl=impl)),
+                              mesh=eng.mesh,
                               in_specs=(param_partition_specs(params, eng.parallel.q_replicate), P()),
                               out_specs=P(), check_vma=False)(params, x)
             return _nudge(x, y)
         out["moe"] = n_moe * device_time(moe_step, rnd(b, cfg.hidden_size), eng.params)
-    out["collectives"] = 0.0 if eng.parallel.tp == 1 else float("nan")  # one device: none
     return out
 
 
 @dataclasses.dataclass
 class BenchConfig:
+    """What `run_bench` runs (the `python -m glm_dsa bench` flags)."""
+
     preset: str = "bench"
     num_layers: int | None = None
     input_len: int = 32768
@@ -178,7 +162,7 @@ class BenchConfig:
 
 def run_bench(bc: BenchConfig, log=print) -> dict:
     """Run the benchmark; returns a JSON-able dict and logs a table."""
-    from . import configs
+    from glm_dsa import configs
     cfg = configs.get(bc.preset)
     if bc.num_layers:
         cfg = cfg.replace(num_hidden_layers=bc.num_layers, indexer_types=cfg.indexer_types[: bc.num_layers]
@@ -187,8 +171,9 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
     ctx = bc.decode_context or bc.input_len
     rng = np.random.default_rng(bc.seed)
     device = jax.devices()[0]
+    peaks = device_peaks(device)
     results = {"config": dataclasses.asdict(bc), "device": getattr(device, "device_kind", str(device)),
-               "layers": cfg.num_hidden_layers, "impls": {}}
+               "roofline": dataclasses.asdict(peaks), "layers": cfg.num_hidden_layers, "impls": {}}
     for impl in bc.impls:
         r: dict = {}
         if bc.end_to_end:
@@ -196,15 +181,14 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
                          max_num_seqs=bc.batch, max_num_batched_tokens=bc.max_num_batched_tokens, impl=impl)
             prompts = [rng.integers(0, cfg.vocab_size, bc.input_len).tolist() for _ in range(bc.batch)]
             eng.warmup(bc.batch, bc.input_len, bc.output_len)
-            t0 = time.perf_counter()
-            eng.generate(prompts, bc.output_len, stop_token_ids=[])
-            total = time.perf_counter() - t0
+            total = median_seconds(functools.partial(eng.generate, prompts, bc.output_len, stop_token_ids=[]),
+                                   warmup=0, reps=1)
             prefill = eng.last_timings["prefill_s"]  # to the first token of every prompt
             tokens = bc.batch * bc.input_len
             flops = sum(flops_per_token(cfg, c) for c in range(1, bc.input_len + 1)) * bc.batch
             r["prefill_s"] = prefill
             r["prefill_tokens_per_s"] = tokens / prefill
-            r["prefill_mfu"] = flops / prefill / PEAK_BF16_FLOPS
+            r["prefill_mfu"] = flops / prefill / peaks.bf16_flops_per_s
             r["end_to_end_s"] = total
             r["decode_ms_per_step_e2e"] = 1e3 * eng.last_timings["decode_s"] / max(eng.last_timings["decode_steps"], 1)
             r["peak_bytes"] = peak_bytes(device)
@@ -215,43 +199,110 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
             eng = Engine(cfg, params, dtype=bc.dtype, max_model_len=ctx + 1, max_num_seqs=b, impl=impl,
                          block_size=64)
             eng.caches = _random_caches(eng, jax.random.key(b))
-            batch = _decode_batch(b, ctx, eng.block_size, rng)
+            batch = decode_batch(b, ctx, eng.block_size, cfg.vocab_size, rng)
             run = jax.jit(functools.partial(step, config=cfg, parallel=eng.parallel, impl=impl), donate_argnums=(1,))
-            caches = eng.caches
-            for _ in range(2):
-                _, caches = run(eng.params, caches, batch)
-            jax.block_until_ready(caches)
-            t0 = time.perf_counter()
-            n = 10
-            for _ in range(n):
-                logits, caches = run(eng.params, caches, batch)
-            jax.block_until_ready(logits)
-            ms = 1e3 * (time.perf_counter() - t0) / n
-            eng.caches = caches
+
+            def decode_step(eng=eng):  # the caches are donated: each step feeds the next one's
+                logits, eng.caches = run(eng.params, eng.caches, batch)
+                return logits
+            # one sample of 10 consecutive steps blocked at the end, as a decode loop runs them
+            ms = 1e3 * median_seconds(decode_step, warmup=2, reps=1, calls_per_rep=10)
             item = jnp.dtype(eng.caches["mla"][0].dtype).itemsize
             attn_bytes = decode_attention_bytes(cfg, b, ctx, item)
             row = {"ms_per_step": ms, "attention_bytes": attn_bytes,
-                   "attention_roofline_ms": 1e3 * attn_bytes / PEAK_HBM_BYTES}
+                   "attention_roofline_ms": 1e3 * attn_bytes / peaks.hbm_bytes_per_s}
             if bc.stages:
                 row["stages_ms"] = {k: 1e3 * v for k, v in stage_times(eng, batch).items()}
+                row["stages_not_measured"] = dict(NOT_MEASURED)
             row["peak_bytes"] = peak_bytes(device)
             r["decode"][b] = row
             log(f"[{impl}] decode B={b}: {json.dumps(row)}")
-            del eng, caches
+            del eng, decode_step  # the step closes over the engine: both go before the next B's caches
         results["impls"][impl] = r
     log(format_results(results))
     return results
 
 
 def format_results(res: dict) -> str:
-    lines = [f"device {res['device']}, {res['layers']} layers, config {json.dumps(res['config'])}"]
+    """The results of `run_bench` as a table, one line per impl and decode batch."""
+    lines = [f"device {res['device']}, {res['layers']} layers, config {json.dumps(res['config'])}; MFU and "
+             f"rooflines of {res['roofline']['name']}"]
     for impl, r in res["impls"].items():
         if "prefill_s" in r:
             lines.append(f"[{impl}] prefill {r['prefill_s']:.3f} s, {r['prefill_tokens_per_s']:.0f} tok/s, "
                          f"MFU {100 * r['prefill_mfu']:.1f}%; end-to-end {r['end_to_end_s']:.2f} s, "
                          f"decode {r['decode_ms_per_step_e2e']:.2f} ms/step")
         for b, row in r["decode"].items():
-            st = ", ".join(f"{k} {v:.3f}" for k, v in row.get("stages_ms", {}).items())
+            st = ", ".join([f"{k} {v:.3f}" for k, v in row.get("stages_ms", {}).items()]
+                           + [f"{k} {why}" for k, why in row.get("stages_not_measured", {}).items()])
             lines.append(f"[{impl}] decode B={b}: {row['ms_per_step']:.3f} ms/step; attention bytes roofline "
                          f"{row['attention_roofline_ms']:.3f} ms; stages (ms): {st}; peak {row['peak_bytes']}")
     return "\n".join(lines)
+
+
+def to_record(res: dict, command: str | None = None) -> dict:
+    """The results of `run_bench` as a harness record (`benchmarks.harness.record`): flat rows (`result_rows`)
+    and the nested results beside them."""
+    return record(result_rows(res), command=command, device=res["device"],
+                  **{k: v for k, v in res.items() if k != "device"})
+
+
+def result_rows(res: dict) -> list[dict]:
+    """The results of `run_bench` as flat JSON rows: one per impl for the end-to-end run, one per impl and
+    decode batch."""
+    out = []
+    for impl, r in res["impls"].items():
+        if "prefill_s" in r:
+            out.append({"impl": impl, "phase": "end_to_end", **{k: v for k, v in r.items() if k != "decode"}})
+        for b, row in r["decode"].items():
+            out.append({"impl": impl, "phase": "decode", "B": int(b), "context": res["config"]["decode_context"]
+                        or res["config"]["input_len"], **row})
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's flags: the `python -m glm_dsa bench` subcommand's and this module's `main`'s."""
+    from glm_dsa.configs import PRESETS
+    p.add_argument("--preset", default="bench", choices=sorted(PRESETS))
+    p.add_argument("--num-layers", type=int, default=None)
+    p.add_argument("--input-len", type=int, default=32768)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--decode-batches", default="1,32,128", help="comma-separated decode batch sizes")
+    p.add_argument("--decode-context", type=int, default=None, help="context length of the decode runs")
+    p.add_argument("--impls", default="xla", help="comma-separated op implementations, e.g. triton,xla")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--no-end-to-end", action="store_true", help="skip the prefill + generate run")
+    p.add_argument("--no-stages", action="store_true", help="skip the per-stage breakdown")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", default=None, help="write the results here as a JSON record (benchmarks.harness)")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The BenchConfig of parsed `add_arguments` flags."""
+    return BenchConfig(preset=args.preset, num_layers=args.num_layers, input_len=args.input_len,
+                       output_len=args.output_len, batch=args.batch,
+                       decode_batches=tuple(int(x) for x in args.decode_batches.split(",") if x),
+                       decode_context=args.decode_context, impls=tuple(args.impls.split(",")), dtype=args.dtype,
+                       max_num_batched_tokens=args.max_num_batched_tokens, end_to_end=not args.no_end_to_end,
+                       stages=not args.no_stages, seed=args.seed)
+
+
+def run_from_args(args: argparse.Namespace, command: str | None = None) -> int:
+    """Run the benchmark of parsed `add_arguments` flags and write its record to --json-out; exit code 0."""
+    res = run_bench(config_from_args(args))
+    if args.json_out:
+        write_json(args.json_out, to_record(res, command=command))
+    return 0
+
+
+def main(argv=None) -> int:
+    """The command line (the same as `python -m glm_dsa bench`)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run_from_args(ap.parse_args(argv), command=command_line(argv, script=__file__))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,7 +3,7 @@
 A standalone script for the reference environment (torch + transformers >= 5.13; it imports nothing from
 glm_dsa, so it runs under Python 3.11):
 
-    python glm_dsa/hf_trace.py --checkpoint DIR --prompt-ids 1,2,3 --out hf.safetensors
+    python scripts/hf_trace.py --checkpoint DIR --prompt-ids 1,2,3 --out hf.safetensors
 
 Forward hooks record module inputs and outputs; the rope parts are recomputed from the hooked projections
 with HF's own rotary function and converted from HF's de-interleaved layout ([even..., odd...]) to the

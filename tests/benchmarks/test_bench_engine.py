@@ -1,0 +1,75 @@
+"""The end-to-end benchmark (`python -m glm_dsa bench`, benchmarks/bench_engine.py) on CPU: speed is measured on
+the GPU, never asserted here; what is checked is what it reports and which token ids it feeds the model."""
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from benchmarks.bench_engine import decode_attention_bytes, decode_batch, flops_per_token
+from glm_dsa import configs
+from glm_dsa.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_bench_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--help"])
+    assert e.value.code == 0
+    assert "--decode-batches" in capsys.readouterr().out
+
+
+def test_small_cpu_run_in_a_subprocess(tmp_path):
+    """The CLI from a temporary working directory: a harness record with the nested results, every stage it
+    names timed, and the collectives said to be not measured rather than given as 0.0 or nan."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+               JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "glm_dsa", "bench", "--preset", "tiny", "--input-len", "24", "--output-len", "3",
+           "--batch", "2", "--decode-batches", "2", "--max-num-batched-tokens", "16", "--json-out", "bench.json"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]  # nothing else written to the cwd
+    res = json.loads((tmp_path / "bench.json").read_text())
+    assert {"date", "commit", "device", "command", "rows"} <= set(res)
+    datetime.datetime.fromisoformat(res["date"])
+    assert res["device"] == "cpu" and res["command"].startswith("python -m glm_dsa bench --preset tiny")
+    assert res["roofline"]["known"] is False and "unknown device" in res["roofline"]["name"]
+    r = res["impls"]["xla"]
+    assert r["prefill_tokens_per_s"] > 0 and r["end_to_end_s"] > 0
+    d = r["decode"]["2"]
+    assert d["ms_per_step"] > 0
+    assert set(d["stages_ms"]) == {"indexer", "sparse_mla", "norms_rope_cache", "moe"}
+    assert all(np.isfinite(v) and v > 0 for v in d["stages_ms"].values())
+    assert "not measured" in d["stages_not_measured"]["collectives"]
+    phases = [(row["impl"], row["phase"], row.get("B")) for row in res["rows"]]
+    assert phases == [("xla", "end_to_end", None), ("xla", "decode", 2)]
+    assert res["rows"][1]["ms_per_step"] == d["ms_per_step"] and res["rows"][1]["context"] == 24
+    assert "decode B=2" in proc.stdout and "collectives not measured" in proc.stdout
+
+
+def test_decode_batch_draws_ids_from_the_vocabulary():
+    """Ids cover [0, vocab) (a vocab of 256: some >= 200, none >= 256); rows sit at position context - 1 of their
+    own pages (the slot worked out by hand)."""
+    b, context, block, vocab = 512, 40, 16, 256
+    batch = decode_batch(b, context, block, vocab, np.random.default_rng(0))
+    ids = np.asarray(batch.token_ids)
+    assert ids.shape == (b,) and ids.min() >= 0 and ids.max() < vocab and ids.max() >= 200
+    assert np.all(np.asarray(batch.positions) == 39)
+    pages = 3  # ceil(40 / 16); pages 1.. in order, row i owns pages 1 + 3i .. 3 + 3i
+    assert np.array_equal(np.asarray(batch.block_tables)[5], [16, 17, 18])
+    assert np.asarray(batch.slot_mapping)[5] == (1 + 5 * pages + 39 // 16) * 16 + 39 % 16
+    tiny = decode_batch(64, context, block, configs.tiny.vocab_size, np.random.default_rng(1))
+    assert np.asarray(tiny.token_ids).max() < configs.tiny.vocab_size
+
+
+def test_roofline_counts_by_hand():
+    cfg = configs.glm52
+    # B=128 at 32K: 78 layers x 2048 rows x 576 x 2 B + 21 full layers x 32768 keys x 128 x 2 B, per sequence
+    want = 128 * (78 * 2048 * 576 * 2 + 21 * 32768 * 128 * 2)
+    assert decode_attention_bytes(cfg, 128, 32768, 2) == want
+    assert 2 * 30e9 < flops_per_token(cfg, 1) < 2 * 50e9  # ~40B active parameters per token

@@ -1,0 +1,148 @@
+"""benchmarks.harness: the timer's arithmetic (on a scripted clock), budgeted sweeps, device peaks, records."""
+
+import datetime
+import json
+import os
+import subprocess
+
+import jax
+import numpy as np
+import pytest
+
+from benchmarks import harness
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class FakeClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = FakeClock()
+    monkeypatch.setattr(harness.time, "perf_counter", c)
+    return c
+
+
+def test_median_seconds_after_warmup(clock):
+    durations = iter([100.0, 3.0, 1.0, 4.0, 1.0, 5.0])  # the first is the warm-up call's (compile) and is dropped
+
+    def call():
+        clock.t += next(durations)
+        return jax.numpy.zeros(2)
+    assert harness.median_seconds(call, warmup=1, reps=5) == 3.0
+    with pytest.raises(StopIteration):  # exactly warmup + reps calls were made
+        next(durations)
+
+
+def test_median_seconds_calls_per_rep(clock):
+    durations = iter([9.0, 9.0, 1.0, 3.0, 2.0, 2.0, 10.0, 0.0])  # warm-up 2, then samples (1+3)/2, (2+2)/2, 10/2
+    calls = []
+
+    def call():
+        calls.append(1)
+        clock.t += next(durations)
+    assert harness.median_seconds(call, warmup=2, reps=3, calls_per_rep=2) == 2.0
+    assert len(calls) == 8
+    with pytest.raises(ValueError, match="calls_per_rep"):
+        harness.median_seconds(call, calls_per_rep=0)
+    with pytest.raises(ValueError, match="reps"):
+        harness.median_seconds(call, reps=0)
+
+
+def test_per_op_time_cancels_the_fixed_cost(clock):
+    made = []
+
+    def make(n):  # an executable of n ops: 7 s fixed (dispatch, sync) + 2 s per op
+        made.append(n)
+
+        def run(*args):
+            assert args == ("a", "b")
+            clock.t += 7.0 + 2.0 * n
+        return run
+    per_op, amortised = harness.per_op_time(make, ("a", "b"), 8, iters=3)
+    assert per_op == 2.0 and amortised == (7.0 + 16.0) / 8 and made == [8, 1]
+    assert harness.per_op_time(make, ("a", "b"), 6, iters=2, lo=2)[0] == 2.0
+    with pytest.raises(ValueError, match="must exceed lo"):
+        harness.per_op_time(make, (), 1, iters=2)
+
+
+def test_device_time_of_a_loop_body():
+    """On CPU the loop of 11 adds must not be cheaper than the loop of 1: a non-negative, finite figure."""
+    t = harness.device_time(lambda c, k: c + k, jax.numpy.ones(4), jax.numpy.ones(4), reps=10, iters=2)
+    assert np.isfinite(t) and t >= 0
+
+
+def test_budgeted_sweep_stops_when_the_budget_is_spent():
+    clock = FakeClock()
+    budget = harness.Budget(10.0, clock=clock)
+    lines = []
+
+    def measure(cfg):
+        clock.t += 4.0
+        if cfg == "bad":
+            raise RuntimeError("out of shared memory")
+        return {"a": 3.0, "b": 1.0, "c": 2.0}[cfg]
+    res = harness.budgeted_sweep(["a", "bad", "b", "c", "d"], measure, budget, label="B=8", log=lines.append)
+    # a at t=0, bad at 4, b at 8 (not yet past 10); at 12 the rest is skipped
+    assert res.measured == [("a", 3.0), ("b", 1.0)] and res.skipped == ["c", "d"]
+    assert res.failed == [("bad", "RuntimeError: out of shared memory")]
+    assert res.best() == ("b", 1.0)
+    assert lines == ["  B=8 bad: RuntimeError: out of shared memory", "  B=8 budget of 10 s spent: skipped 2 config(s)"]
+    assert res.report() == {"measured": 2, "failed": [{"config": "bad", "error": "RuntimeError: out of shared memory"}],
+                            "skipped": ["c", "d"]}
+
+
+def test_budgeted_sweep_minimum_and_a_shared_budget():
+    clock = FakeClock()
+    budget = harness.Budget(1.0, clock=clock)
+    clock.t = 5.0  # spent before the sweep starts (an earlier sweep of the same run used it up)
+    res = harness.budgeted_sweep(["x", "y"], lambda cfg: 1.0, budget, log=lambda s: None)
+    assert res.measured == [("x", 1.0)] and res.skipped == ["y"]  # at least one is measured
+    res = harness.budgeted_sweep(iter(["x", "y"]), lambda cfg: 1.0, budget, min_measured=0, log=lambda s: None)
+    assert res.measured == [] and res.skipped == ["x", "y"] and res.best() is None
+    with pytest.raises(ValueError, match="budget seconds"):
+        harness.Budget(-1)
+
+
+def test_device_peaks():
+    h200 = harness.device_peaks("NVIDIA H200")
+    assert (h200.hbm_bytes_per_s, h200.bf16_flops_per_s, h200.known) == (4.8e12, 989e12, True)
+    cpu = harness.device_peaks(jax.devices()[0])
+    assert not cpu.known and cpu.name.startswith("unknown device 'cpu'")
+    assert (cpu.hbm_bytes_per_s, cpu.bf16_flops_per_s) == (4.8e12, 989e12)  # the reference roofline, said so
+
+
+def test_peak_bytes_on_cpu_is_unknown():
+    assert harness.peak_bytes(jax.devices()[0]) is None
+
+
+def test_record_and_json(tmp_path):
+    rec = harness.record([{"B": 1, "us": np.float32(2.5)}], command="python x.py --b 1", roofline="NVIDIA H200")
+    assert list(rec) == ["date", "commit", "device", "command", "rows", "roofline"]
+    assert datetime.datetime.fromisoformat(rec["date"]).tzinfo is not None
+    assert rec["device"] == "cpu" and rec["command"] == "python x.py --b 1"
+    head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        assert rec["commit"].split("+")[0] == head.stdout.strip()
+    path = tmp_path / "r.json"
+    harness.write_json(str(path), rec)
+    back = json.loads(path.read_text())
+    assert back["rows"] == [{"B": 1, "us": 2.5}] and back["roofline"] == "NVIDIA H200"
+    with pytest.raises(ValueError, match="overwrite"):
+        harness.record([], device="cpu", rows=[1])
+    with pytest.raises(ValueError, match="overwrite"):
+        harness.record([], commit="abc")
+
+
+def test_command_line():
+    script = os.path.join(REPO, "benchmarks", "bench_moe.py")
+    want = "python benchmarks/bench_moe.py --out 'a b.json'"
+    assert harness.command_line(["--out", "a b.json"], script=script) == want
