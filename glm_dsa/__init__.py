@@ -13,9 +13,11 @@ from . import configs
 from .config import ConfigError, GlmDsaConfig
 from .engine import Engine, load
 from .init import init_params
+from .sampling import SamplingParams
 from .model import StepBatch
+from .options import StepOptions
 from .step import forward, step
 
-__all__ = ["ConfigError", "Engine", "GlmDsaConfig", "ParallelConfig", "StepBatch", "configs", "forward", "init_params", "load",
-           "step"]
+__all__ = ["ConfigError", "Engine", "GlmDsaConfig", "ParallelConfig", "SamplingParams", "StepBatch", "StepOptions",
+           "configs", "forward", "init_params", "load", "step"]
 __version__ = "0.1.0"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -39,10 +40,13 @@ def _parallel(args):
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    from kernels import IMPLS
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "fp8_ds_mla"])
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--impl", default="xla", help="op implementation: xla (reference; CPU default)")
+    p.add_argument("--impl", default=None, choices=IMPLS,
+                   help="op implementation (default: the platform's, kernels.default_impl(): the Pallas Triton "
+                        "kernels on an NVIDIA GPU, the xla references elsewhere)")
     _add_parallel_flags(p)
 
 
@@ -83,29 +87,15 @@ def cmd_generate(args) -> int:
 
 def cmd_convert(args) -> int:
     """HF safetensors (bf16 / fp32 / FP8 block-scaled) or orbax -> a new committed orbax version at --to."""
-    import os
-
-    from jax.sharding import NamedSharding
-
     import checkpoints
-    from glm_dsa.config import GlmDsaConfig
-    from glm_dsa.engine import resolve_dtype
-    from glm_dsa.step import mesh_for, resolve_parallel
+    from glm_dsa.params import load_params
     from glm_dsa.text import TEXT_FILES
-    from sharding import param_spec
 
     src, dst = args.src, args.dst
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError(f"convert: --from and --to are the same directory ({src})")
-    checkpoints.orbax_io.check_save_target(dst)  # before loading anything
-    orbax = checkpoints.is_orbax_checkpoint(src)
-    source = checkpoints.committed_checkpoint(src) if orbax else src
-    cfg = GlmDsaConfig.from_pretrained(source)
-    parallel = resolve_parallel(_parallel(args), cfg)
-    mesh = mesh_for(parallel)
-    load = checkpoints.load_orbax_params if orbax else checkpoints.load_hf_params
-    flat = load(source, cfg, dtype=resolve_dtype(args.dtype), progress=not args.no_progress,
-                sharding_for=lambda p, shape: NamedSharding(mesh, param_spec(p, parallel.q_replicate)))
+    checkpoints.check_save_target(dst)  # before loading anything
+    cfg, _, flat = load_params(src, parallel=_parallel(args), dtype=args.dtype, progress=not args.no_progress)
     extra = [os.path.join(src, f) for f in TEXT_FILES if os.path.isfile(os.path.join(src, f))]
     version = checkpoints.save_orbax_params(flat, cfg, dst, extra_files=extra, source=os.path.abspath(src),
                                             progress=not args.no_progress)
@@ -190,8 +180,8 @@ def cmd_random_checkpoint(args) -> int:
     from checkpoints.random import write_random_checkpoint
     from glm_dsa import configs
     cfg = configs.get(args.preset)
-    if args.num_layers:
-        cfg = cfg.replace(num_hidden_layers=args.num_layers)
+    if args.num_layers is not None:
+        cfg = cfg.with_depth(args.num_layers)
     write_random_checkpoint(cfg, args.out, seed=args.seed, dtype=args.dtype,
                             max_shard_bytes=int(args.max_shard_mb * 2**20) if args.max_shard_mb else None)
     print(f"wrote a random {args.preset} checkpoint ({cfg.num_hidden_layers} layers) to {args.out}")
@@ -216,18 +206,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from glm_dsa.bench import BenchConfig, run_bench
-    bc = BenchConfig(preset=args.preset, num_layers=args.num_layers, input_len=args.input_len,
-                     output_len=args.output_len, batch=args.batch,
-                     decode_batches=tuple(int(x) for x in args.decode_batches.split(",") if x),
-                     decode_context=args.decode_context, impls=tuple(args.impls.split(",")), dtype=args.dtype,
-                     max_num_batched_tokens=args.max_num_batched_tokens, end_to_end=not args.no_end_to_end,
-                     stages=not args.no_stages, seed=args.seed)
-    res = run_bench(bc)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(res, f, indent=2, default=str)
-    return 0
+    from benchmarks.bench_engine import run_from_args
+    return run_from_args(args)
 
 
 def cmd_trace(args) -> int:
@@ -237,6 +217,7 @@ def cmd_trace(args) -> int:
                        max_model_len=args.max_model_len, impl=args.impl)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     taps = eng.trace(args.prompt_ids, layers=layers)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     save_trace(taps, args.out, metadata={"checkpoint": args.checkpoint, "parallel": eng.parallel})
     print(f"wrote {len(taps)} tensors to {args.out}")
     return 0
@@ -296,20 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_convert)
 
     b = sub.add_parser("bench", help="prefill/decode speed of a reduced-depth model with random weights")
-    b.add_argument("--preset", default="bench", choices=PRESET_NAMES)
-    b.add_argument("--num-layers", type=int, default=None)
-    b.add_argument("--input-len", type=int, default=32768)
-    b.add_argument("--output-len", type=int, default=128)
-    b.add_argument("--batch", type=int, default=8)
-    b.add_argument("--decode-batches", default="1,32,128", help="comma-separated decode batch sizes")
-    b.add_argument("--decode-context", type=int, default=None, help="context length of the decode runs")
-    b.add_argument("--impls", default="xla", help="comma-separated op implementations, e.g. triton,xla")
-    b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    b.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    b.add_argument("--no-end-to-end", action="store_true", help="skip the prefill + generate run")
-    b.add_argument("--no-stages", action="store_true", help="skip the per-stage breakdown")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--json-out", default=None)
+    from benchmarks.bench_engine import add_arguments as add_bench_arguments  # the flags live with the benchmark
+    add_bench_arguments(b)
     b.set_defaults(fn=cmd_bench)
 
     t = sub.add_parser("trace", help="dump per-layer activations of one prompt to a .safetensors file")
@@ -343,8 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, NotImplementedError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, TypeError, OSError, NotImplementedError, ImportError, KeyError) as e:
+        # user-facing failures (bad input, a bad or missing file, a missing extra): one line,
+        # no traceback; ConfigError and CheckpointError are ValueErrors
+        if os.environ.get("GLM_DSA_DEBUG"):
+            raise  # the traceback, for whoever is debugging glm-dsa itself
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"error: {msg}", file=sys.stderr)
         return 2
 
 

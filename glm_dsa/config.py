@@ -1,4 +1,4 @@
-"""GLM-5.x model configuration (SPEC §1): a frozen dataclass read from, and written to, HF `config.json`."""
+"""GLM-5.x model configuration (docs/math.md §1): a frozen dataclass read from, and written to, HF `config.json`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,20 @@ MODEL_TYPE = "glm_moe_dsa"
 
 class ConfigError(ValueError):
     """A config.json field is missing, malformed or unsupported; the message names the field."""
+
+
+def _token_ids(name: str, value) -> tuple[int, ...]:
+    """An HF token-id field (None, an int or a list of ints) as a tuple of non-negative ints."""
+    if value is None:
+        return ()
+    items = (value,) if isinstance(value, int) else value
+    if isinstance(value, (str, bytes, float)) or not hasattr(items, "__iter__"):
+        raise ConfigError(f"config field '{name}' must be an integer or a list of integers, got {value!r}")
+    items = tuple(items)
+    for v in items:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"config field '{name}' must hold non-negative integer token ids, got {value!r}")
+    return items
 
 
 def indexer_schedule(num_layers: int, freq: int = 1, offset: int = 2) -> tuple[str, ...]:
@@ -50,6 +64,8 @@ class GlmDsaConfig:
     index_n_heads: int = 32
     index_head_dim: int = 128
     index_topk: int = 2048
+    index_topk_freq: int = 1  # IndexShare schedule (docs/math.md §1): used when indexer_types is not given
+    index_skip_topk_offset: int = 2
     indexer_types: tuple[str, ...] = ()
     mlp_layer_types: tuple[str, ...] = ()
     rope_theta: float = 1e6
@@ -64,17 +80,31 @@ class GlmDsaConfig:
     pad_token_id: int | None = 154820
 
     def __post_init__(self):
+        for name in ("num_hidden_layers", "index_topk_freq", "index_skip_topk_offset", "first_k_dense_replace"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ConfigError(f"config field '{name}' must be an integer, got {v!r}")
         if not self.indexer_types:
-            object.__setattr__(self, "indexer_types", indexer_schedule(self.num_hidden_layers))
+            object.__setattr__(self, "indexer_types", self.scheduled_indexer_types(self.num_hidden_layers))
         if not self.mlp_layer_types:
-            n_dense = min(self.first_k_dense_replace, self.num_hidden_layers)
-            object.__setattr__(
-                self, "mlp_layer_types", ("dense",) * n_dense + ("sparse",) * (self.num_hidden_layers - n_dense))
+            object.__setattr__(self, "mlp_layer_types", self.scheduled_mlp_layer_types(self.num_hidden_layers))
+        if isinstance(self.indexer_types, str) or isinstance(self.mlp_layer_types, str):
+            raise ConfigError("config fields 'indexer_types' and 'mlp_layer_types' are lists of strings, "
+                              f"got {self.indexer_types!r} / {self.mlp_layer_types!r}")
         object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
         object.__setattr__(self, "mlp_layer_types", tuple(self.mlp_layer_types))
-        eos = self.eos_token_id
-        object.__setattr__(self, "eos_token_id", () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos))
+        object.__setattr__(self, "eos_token_id", _token_ids("eos_token_id", self.eos_token_id))
         self.validate()
+
+    # ---- layer schedules (one rule for every depth) -----------------------------------------------
+    def scheduled_indexer_types(self, num_layers: int) -> tuple[str, ...]:
+        """The IndexShare schedule of this config's `index_topk_freq` / `index_skip_topk_offset` at a depth."""
+        return indexer_schedule(num_layers, self.index_topk_freq, self.index_skip_topk_offset)
+
+    def scheduled_mlp_layer_types(self, num_layers: int) -> tuple[str, ...]:
+        """'dense' for the first `first_k_dense_replace` layers, then 'sparse' (MoE)."""
+        n_dense = min(max(self.first_k_dense_replace, 0), num_layers)
+        return ("dense",) * n_dense + ("sparse",) * (num_layers - n_dense)
 
     # ---- derived geometry -------------------------------------------------------------------
     @property
@@ -99,7 +129,7 @@ class GlmDsaConfig:
 
     @property
     def parallel_defaults(self) -> dict:
-        """Model defaults for the unset ParallelConfig fields (SPEC §7): GLM-5.x replicates queries, uses a2a."""
+        """Model defaults for the unset ParallelConfig fields (docs/math.md §7): GLM-5.x replicates queries, uses a2a."""
         return {"dcp_q_replicate": True, "dcp_comm_backend": "a2a"}
 
     @property
@@ -197,13 +227,13 @@ class GlmDsaConfig:
             else:
                 kw["indexer_types"] = tuple(pat)
         else:
-            kw["indexer_types"] = indexer_schedule(
-                n_layers, d.get("index_topk_freq", 1), d.get("index_skip_topk_offset", 2))
+            kw.pop("indexer_types", None)  # derived from index_topk_freq / index_skip_topk_offset
         if not d.get("mlp_layer_types"):
             kw.pop("mlp_layer_types", None)
         else:
             kw["mlp_layer_types"] = tuple(d["mlp_layer_types"])
-        for name in ("max_position_embeddings", "num_nextn_predict_layers"):
+        for name in ("max_position_embeddings", "num_nextn_predict_layers", "index_topk_freq",
+                     "index_skip_topk_offset"):
             if name in kw and kw[name] is None:
                 kw.pop(name)
         try:
@@ -249,8 +279,29 @@ class GlmDsaConfig:
             json.dump(self.to_dict(), f, indent=2)
 
     def replace(self, **kw) -> "GlmDsaConfig":
-        """A copy with fields changed; per-layer tuples are re-derived when the depth changes."""
-        if "num_hidden_layers" in kw:
-            kw.setdefault("indexer_types", ())
-            kw.setdefault("mlp_layer_types", ())
+        """A copy with fields changed. When the depth changes, each per-layer tuple not given in `kw` follows the
+        one rule of `with_depth`: a tuple that is this config's schedule is re-derived from the schedule fields
+        (the new ones, if `kw` changes them), an explicit pattern keeps its first layers (a deeper model than
+        an explicit pattern covers is a ConfigError: give the pattern)."""
+        n = kw.get("num_hidden_layers", self.num_hidden_layers)
+        if n != self.num_hidden_layers:
+            if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+                raise ConfigError(f"config field 'num_hidden_layers' must be a positive integer, got {n!r}")
+            for name, scheduled in (("indexer_types", self.scheduled_indexer_types),
+                                    ("mlp_layer_types", self.scheduled_mlp_layer_types)):
+                if name in kw:
+                    continue
+                current = getattr(self, name)
+                if current == scheduled(self.num_hidden_layers):
+                    kw[name] = ()  # re-derived by __post_init__ from the (new) schedule fields
+                elif n <= len(current):
+                    kw[name] = current[:n]
+                else:
+                    raise ConfigError(f"config field '{name}' is an explicit {len(current)}-layer pattern "
+                                      f"{list(current)}; give '{name}' for num_hidden_layers={n}")
         return dataclasses.replace(self, **kw)
+
+    def with_depth(self, num_layers: int) -> "GlmDsaConfig":
+        """This model at `num_layers` layers (benchmarks, tests, `random-checkpoint --num-layers`): the same
+        schedules cut or extended (see `replace`)."""
+        return self.replace(num_hidden_layers=num_layers)

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from .config import GlmDsaConfig, indexer_schedule
+from .config import GlmDsaConfig
 
 #: GLM-5 / GLM-5.1: every layer owns an indexer; theta 1e6.
 glm5 = GlmDsaConfig(
     rope_theta=1e6,
     max_position_embeddings=202752,
-    indexer_types=indexer_schedule(78, freq=1, offset=2),
+    index_topk_freq=1,
+    index_skip_topk_offset=2,
 )
 
 #: GLM-5.2: IndexShare (freq 4, offset 3) -> 21 full layers and 57 shared; theta 8e6; 1M context.
 glm52 = GlmDsaConfig(
     rope_theta=8e6,
     max_position_embeddings=1048576,
-    indexer_types=indexer_schedule(78, freq=4, offset=3),
+    index_topk_freq=4,
+    index_skip_topk_offset=3,
 )
 
 #: Tiny model for CPU tests: a dense layer, full and shared indexer layers, grouped routing.
@@ -67,7 +69,6 @@ heads = glm52.replace(
     vocab_size=4096,
     first_k_dense_replace=1,
     index_topk=64,
-    indexer_types=indexer_schedule(4, freq=4, offset=3),
 )
 
 #: A small model with GLM-5.2's structure (IndexShare schedule, 3 dense layers then MoE) for the demo.
@@ -89,7 +90,8 @@ demo = GlmDsaConfig(
     index_n_heads=16,
     index_head_dim=64,
     index_topk=16,
-    indexer_types=indexer_schedule(8, freq=4, offset=3),
+    index_topk_freq=4,
+    index_skip_topk_offset=3,
     rope_theta=8e6,
     max_position_embeddings=4096,
     eos_token_id=(1,),

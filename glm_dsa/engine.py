@@ -12,30 +12,35 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-import checkpoints
 from kernels import default_impl
-from sharding import ParallelConfig, cache_spec, param_spec
+from sharding import ParallelConfig, cache_spec, mesh_for
 
 from .config import GlmDsaConfig
 from .model import StepBatch
+from .params import load_params, resolve_dtype
 from .paged_cache import (PageAllocator, allocate_caches, block_table_array, cache_bytes_per_token, cache_dtype,
                           free_device_bytes, max_addressable_pages, owner_slots, pages_needed, plan_pages)
-from .sampling import sample
-from .step import mesh_for, nest_params, resolve_parallel, step
+from .sampling import SamplingParams, check_token_ids, sample
+from .pytree import nest_params
+from .step import resolve_parallel, step
 
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+
+def _positive_int(name: str, value, minimum: int = 1) -> int:
+    """`value` as an int >= minimum, or a TypeError / ValueError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return int(value)
 
 
-def resolve_dtype(dtype) -> jnp.dtype:
-    """'bfloat16' | 'float32' | 'float16' or a jnp dtype -> jnp.dtype."""
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        return jnp.dtype(DTYPES[dtype])
-    d = jnp.dtype(dtype)
-    if d not in (jnp.dtype(v) for v in DTYPES.values()):
-        raise ValueError(f"dtype must be a floating dtype among {sorted(DTYPES)}, got {d}")
-    return d
+@jax.jit
+def _row_keys(seed_words, steps, rows):
+    """PRNG key of each sampled row: the request's seed (two uint32 words), then the step, then the row id
+    (so a row's draw depends on neither the other rows nor the batch it shares a step with)."""
+    def one(w, s, r):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(w), s), r)
+    return jax.vmap(one)(seed_words, steps, rows)
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -71,22 +76,26 @@ class Engine:
         self.dtype = resolve_dtype(dtype)
         self.kv_cache_dtype = kv_cache_dtype
         self.impl = impl or default_impl()
-        self.max_model_len = int(max_model_len or min(config.max_position_embeddings, 4096))
+        self.max_model_len = (min(config.max_position_embeddings, 4096) if max_model_len is None
+                              else _positive_int("max_model_len", max_model_len))
         if self.max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
                              f"({config.max_position_embeddings})")
-        if block_size < 1 or block_size & (block_size - 1):
+        if _positive_int("block_size", block_size) & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
-        self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_size = int(block_size)
+        self.max_num_seqs = max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
+        self.max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        if isinstance(cache_memory_fraction, bool) or not 0 < cache_memory_fraction <= 1:
+            raise ValueError(f"cache_memory_fraction must be in (0, 1], got {cache_memory_fraction!r}")
         n, inter = self.parallel.dcp, self.parallel.interleave
         self.pages_per_seq = pages_needed(self.max_model_len, block_size, n, inter)
         self.mesh = mesh_for(self.parallel)
         # FP8 caches over 2 GiB per layer are misaddressed by the Triton kernels (32-bit offsets)
         max_pages = max_addressable_pages(config, block_size, kv_cache_dtype) if self.impl == "triton" else None
-        if num_pages:
-            self.num_pages = int(num_pages)  # per DCP rank
+        if num_pages is not None:
+            # per DCP rank; page 0 is the padding page, so one sequence needs pages_per_seq + 1
+            self.num_pages = _positive_int("num_pages", num_pages, minimum=2)
             if max_pages is not None and self.num_pages > max_pages:
                 raise ValueError(f"num_pages={self.num_pages}: an FP8 cache of at most {max_pages} pages per layer "
                                  f"(block_size {block_size}) stays under the 2 GiB the Triton kernels address")
@@ -106,17 +115,23 @@ class Engine:
                              donate_argnums=(1,))
 
     # ---- input checks ----------------------------------------------------------------------
-    def _check_tokens(self, seqs: list[list[int]], what: str) -> None:
-        v = self.config.vocab_size
+    def _check_tokens(self, seqs, what: str) -> list[list[int]]:
+        """`seqs` as lists of ints, each non-empty, within max_model_len and the vocabulary (TypeError for
+        anything that is not a list of integer token ids)."""
+        if isinstance(seqs, (str, bytes)) or not hasattr(seqs, "__iter__"):
+            raise TypeError(f"{what}s must be a list of token-id lists, got {seqs!r}")
+        out = []
         for i, s in enumerate(seqs):
+            if isinstance(s, (int, np.integer)):
+                raise TypeError(f"{what}s must be a list of token-id lists; {what} {i} is the integer {s!r} "
+                                f"(wrap a single {what} in a list: [[...]])")
+            s = check_token_ids(f"{what} {i}", s, self.config.vocab_size)
             if len(s) == 0:
                 raise ValueError(f"{what} {i} is empty")
             if len(s) > self.max_model_len:
                 raise ValueError(f"{what} {i} has {len(s)} tokens, longer than max_model_len={self.max_model_len}")
-            for j, tok in enumerate(s):
-                if not 0 <= int(tok) < v:
-                    raise ValueError(f"{what} {i}, position {j}: token id {int(tok)} is outside the vocabulary "
-                                     f"[0, {v})")
+            out.append(s)
+        return out
 
     # ---- one compiled step -----------------------------------------------------------------
     def _run(self, seq_idx: np.ndarray, pos: np.ndarray, tok: np.ndarray, seqs: list[_Seq],
@@ -161,9 +176,10 @@ class Engine:
         batch = min(batch, self.max_num_seqs)
         seqs = self._new_seqs([[0] * prompt_len] * batch, [max_new_tokens] * batch)
 
+        params = SamplingParams(temperature=temperature, top_p=top_p)
+
         def compile_sample(logits):
-            jax.block_until_ready(sample(logits, jax.random.key(0), temperature, top_p,
-                                         jnp.zeros(logits.shape[0], jnp.int32)))
+            jax.block_until_ready(self._sample(logits, np.zeros(logits.shape[0], np.int64), 0, params))
         try:
             total, step = batch * prompt_len, self.max_num_batched_tokens
             seq_idx = np.repeat(np.arange(batch), prompt_len)
@@ -207,8 +223,7 @@ class Engine:
         ids = np.asarray(token_ids)
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"token_ids must be an integer array [B, T], got shape {ids.shape} dtype {ids.dtype}")
-        rows = ids.tolist()
-        self._check_tokens(rows, "row")
+        rows = self._check_tokens(ids.tolist(), "row")
         out = np.zeros(ids.shape + (self.config.vocab_size,), np.float32)
         for g in range(0, len(rows), self.max_num_seqs):
             group = rows[g: g + self.max_num_seqs]
@@ -226,8 +241,10 @@ class Engine:
         """Per-layer intermediates of one sequence (int [T]) by name (see glm_dsa.trace), as numpy arrays;
         `layers` (an iterable of layer indices) keeps only those layers."""
         from .trace import select_layers, trace
-        ids = np.asarray(token_ids).reshape(-1)
-        self._check_tokens([ids.tolist()], "sequence")
+        ids = np.asarray(token_ids)
+        if ids.ndim != 1 and not (ids.ndim == 2 and ids.shape[0] == 1):
+            raise ValueError(f"token_ids must be one sequence [T] (or [1, T]), got shape {ids.shape}")
+        ids = np.asarray(self._check_tokens([ids.reshape(-1).tolist()], "sequence")[0], np.int32)
         if not hasattr(self, "_trace"):
             self._trace = jax.jit(functools.partial(trace, config=self.config, parallel=self.parallel, impl=self.impl,
                                                     block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype))
@@ -238,36 +255,43 @@ class Engine:
                  stop_token_ids=None) -> list[list[int]]:
         """Continue each prompt (a list of token ids) by up to `max_new_tokens` tokens.
 
-        Greedy at temperature 0; otherwise temperature sampling with nucleus `top_p`, reproducible for a
-        given `seed`. A sequence stops after emitting a token of `stop_token_ids` (default: the model's EOS
-        ids; pass [] to never stop early), or on reaching max_model_len. Returns the new tokens per prompt.
+        Greedy at temperature 0 (and below `sampling.GREEDY_BELOW`); otherwise temperature sampling with nucleus
+        `top_p`, reproducible for a given `seed` (any integer in [0, 2**64)). Arguments are checked first:
+        TypeError / ValueError naming the argument (token ids must be integers in the vocabulary). A sequence
+        stops after emitting a token of `stop_token_ids` (default: the model's EOS ids; pass [] to never stop
+        early), or on reaching max_model_len. Returns the new tokens per prompt.
         Afterwards `self.last_timings` holds host-clock seconds of this call: "prefill_s" (to the first token
         of every prompt), "decode_s" and "decode_steps" (summed over groups of max_num_seqs prompts).
         """
-        prompts = [list(p) for p in prompts]
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-        self._check_tokens(prompts, "prompt")
-        stop = set(self.config.eos_token_id if stop_token_ids is None else stop_token_ids)
+        _positive_int("max_new_tokens", max_new_tokens, minimum=0)  # named as the caller named it
+        params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_new_tokens,
+                                stop_token_ids=stop_token_ids)
+        prompts = self._check_tokens(prompts, "prompt")
+        stop = set(self.config.eos_token_id if params.stop_token_ids is None else params.stop_token_ids)
         results: list[list[int]] = []
         self.last_timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
         for g in range(0, len(prompts), self.max_num_seqs):
             group = prompts[g: g + self.max_num_seqs]
-            results.extend(self._generate_group(group, max_new_tokens, temperature, top_p, seed, stop, g))
+            results.extend(self._generate_group(group, params, stop, g))
         return results
 
-    def _generate_group(self, prompts, max_new, temperature, top_p, seed, stop, offset):
+    def _sample(self, logits, rows: np.ndarray, step: int, params: SamplingParams) -> jax.Array:
+        """Device ids [logits rows] sampled for request rows `rows` (padding rows after them) at `step`."""
+        n = logits.shape[0]
+        row_ids = np.zeros(n, np.uint32)
+        row_ids[: len(rows)] = rows
+        words = np.tile(np.asarray([params.seed >> 32, params.seed & 0xFFFFFFFF], np.uint32), (n, 1))
+        keys = _row_keys(words, np.full(n, step, np.uint32), row_ids)
+        return sample(logits, keys, np.full(n, params.temperature, np.float32), np.full(n, params.top_p, np.float32))
+
+    def _generate_group(self, prompts, params: SamplingParams, stop, offset):
+        max_new = params.max_tokens
         seqs = self._new_seqs(prompts, [max_new] * len(prompts))
         new: list[list[int]] = [[] for _ in prompts]
-        key = jax.random.key(seed)
 
         def take(logits, seq_idx, step):
             """Sample the rows' next tokens on the device; only the ids come back to the host."""
-            rows = np.zeros(logits.shape[0], np.int32)
-            rows[: len(seq_idx)] = offset + seq_idx
-            ids = np.asarray(sample(logits, jax.random.fold_in(key, step), temperature, top_p, jnp.asarray(rows)))
+            ids = np.asarray(self._sample(logits, offset + np.asarray(seq_idx), step, params))
             for k, s in enumerate(seq_idx):
                 tok = int(ids[k])
                 seqs[s].tokens.append(tok)
@@ -309,14 +333,6 @@ def load(path: str | os.PathLike, *, parallel: ParallelConfig | None = None, dty
     sharding, whatever mesh they were saved from. Extra keyword arguments (block_size, num_pages, max_num_seqs,
     max_num_batched_tokens, impl) go to `Engine`.
     """
-    orbax = checkpoints.is_orbax_checkpoint(path)
-    source = checkpoints.committed_checkpoint(path) if orbax else path
-    config = GlmDsaConfig.from_pretrained(source)
-    parallel = resolve_parallel(parallel, config)
-    dt = resolve_dtype(dtype)
-    mesh = mesh_for(parallel)
-    flat = (checkpoints.load_orbax_params if orbax else checkpoints.load_hf_params)(
-        source, config, dtype=dt, progress=progress,
-        sharding_for=lambda p, shape: NamedSharding(mesh, param_spec(p, parallel.q_replicate)))
-    return Engine(config, nest_params(flat), parallel=parallel, dtype=dt, kv_cache_dtype=kv_cache_dtype,
+    config, parallel, flat = load_params(path, parallel=parallel, dtype=dtype, progress=progress)
+    return Engine(config, nest_params(flat), parallel=parallel, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                   max_model_len=max_model_len, **engine_kw)

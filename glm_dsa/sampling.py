@@ -1,28 +1,126 @@
-"""Token sampling on the device: greedy, temperature and nucleus (top-p)."""
+"""Token sampling on the device (greedy, temperature and nucleus top-p) and the checked per-request parameters.
+
+Temperature and top-p are traced per row, so requests with different values share one compiled sampler (one
+compile per row-count bucket, not per value).
+"""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+#: Temperatures below this sample greedily: logits / 1e-40 overflow float32, and the distribution such a
+#: temperature asks for is the argmax anyway.
+GREEDY_BELOW = 1e-5
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
-def sample(logits, key, temperature: float, top_p: float, row_ids):
-    """Next token per row of float32 `logits` [N, V]. Greedy (argmax, lowest id on ties) at temperature 0;
-    otherwise softmax(logits / temperature) restricted to the smallest set of top tokens whose probability
-    reaches `top_p`. Row i draws from `fold_in(key, row_ids[i])`, so a row's draw does not depend on the
-    other rows of the batch."""
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits.astype(jnp.float32) / temperature
-    if top_p < 1.0:
-        order = jnp.argsort(-scaled, axis=-1, stable=True)
-        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-        sorted_logits = jnp.where(before < top_p, sorted_logits, -jnp.inf)
-        scaled = jnp.full_like(scaled, -jnp.inf).at[jnp.arange(scaled.shape[0])[:, None], order].set(sorted_logits)
-    keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(row_ids)
-    return jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled).astype(jnp.int32)
+def _real(name: str, value) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def _int(name: str, value) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def check_token_ids(name: str, ids, vocab_size: int) -> list[int]:
+    """`ids` (a sequence of integers) as a list of ints in [0, vocab_size); TypeError for non-integers (floats,
+    strings, bools are not token ids), ValueError for ids outside the vocabulary. `name` heads the messages."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"{name} must be a list of integer token ids, got {ids!r}")
+    out = []
+    for j, tok in enumerate(ids):
+        if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, numbers.Integral):
+            raise TypeError(f"{name}, position {j}: token id {tok!r} ({type(tok).__name__}) is not an integer")
+        if not 0 <= int(tok) < vocab_size:
+            raise ValueError(f"{name}, position {j}: token id {int(tok)} is outside the vocabulary [0, {vocab_size})")
+        out.append(int(tok))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples, checked on construction (TypeError / ValueError naming the argument).
+
+    temperature: >= 0 and finite; below GREEDY_BELOW (and at 0) the request is greedy. top_p: in (0, 1].
+    seed: any integer in [0, 2**64). max_tokens: new tokens, >= 0. stop_token_ids: None (the model's EOS ids)
+    or a list of token ids; [] never stops early.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        t = _real("temperature", self.temperature)
+        if not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        p = _real("top_p", self.top_p)
+        if not 0 < p <= 1:  # NaN fails this too
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        seed = _int("seed", self.seed)
+        if not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {seed}")
+        n = _int("max_tokens", self.max_tokens)
+        if n < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {n}")
+        stop = self.stop_token_ids
+        if stop is not None:
+            if isinstance(stop, (str, bytes)) or not hasattr(stop, "__iter__"):
+                raise TypeError(f"stop_token_ids must be None or a list of integer token ids, got {stop!r}")
+            stop = tuple(_int(f"stop_token_ids[{j}]", s) for j, s in enumerate(stop))
+            if any(s < 0 for s in stop):
+                raise ValueError(f"stop_token_ids must be non-negative token ids, got {list(stop)}")
+        for name, v in (("temperature", t), ("top_p", p), ("seed", seed), ("max_tokens", n),
+                        ("stop_token_ids", stop)):
+            object.__setattr__(self, name, v)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    def key(self) -> jax.Array:
+        """The request's PRNG key (64-bit seeds are split into two 32-bit words, so every seed is distinct)."""
+        return jax.random.wrap_key_data(np.asarray([self.seed >> 32, self.seed & 0xFFFFFFFF], np.uint32))
+
+
+def _sample_rows(logits, keys, temperature, top_p):
+    """Rows with temperature >= GREEDY_BELOW: softmax(logits / t) restricted to the smallest set of top tokens
+    whose probability reaches top_p (rows with top_p = 1 skip the cut, so no rounding of the cumulative sum can
+    drop a token), drawn with each row's own key."""
+    greedy = temperature < GREEDY_BELOW
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    order = jnp.argsort(-scaled, axis=-1, stable=True)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+    sorted_logits = jnp.where(before < top_p[:, None], sorted_logits, -jnp.inf)
+    cut = jnp.full_like(scaled, -jnp.inf).at[jnp.arange(scaled.shape[0])[:, None], order].set(sorted_logits)
+    scaled = jnp.where((top_p < 1.0)[:, None], cut, scaled)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled)
+    return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+
+
+@jax.jit
+def sample(logits, keys, temperature, top_p):
+    """Next token per row of `logits` [N, V] (float32).
+
+    keys: one PRNG key per row [N] (a row's draw depends only on its key, not on the other rows); temperature,
+    top_p: float32 [N], traced (no recompile per value). Greedy rows (temperature < GREEDY_BELOW) take the argmax
+    (lowest id on ties); when every row is greedy nothing else is computed."""
+    logits = logits.astype(jnp.float32)
+    temperature = jnp.asarray(temperature, jnp.float32)
+    top_p = jnp.asarray(top_p, jnp.float32)
+    return jax.lax.cond(jnp.all(temperature < GREEDY_BELOW),
+                        lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
+                        lambda: _sample_rows(logits, keys, temperature, top_p))

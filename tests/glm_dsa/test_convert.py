@@ -57,7 +57,7 @@ def test_convert_fp8_release_then_load_on_another_mesh(fp8_release, tmp_path, ca
 
 def test_convert_errors_are_messages(fp8_release, tmp_path, capsys):
     assert main(["convert", "--from", str(tmp_path / "nope"), "--to", str(tmp_path / "o")]) == 2
-    assert "no config.json" in capsys.readouterr().err
+    assert "no checkpoint directory" in capsys.readouterr().err
     assert main(["convert", "--from", str(fp8_release), "--to", str(fp8_release.parent / "hf"),
                  "--no-progress"]) == 2
     assert "holds an HF safetensors checkpoint" in capsys.readouterr().err
