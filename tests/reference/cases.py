@@ -1,4 +1,4 @@
-"""Case specs for the reference run against Hugging Face transformers (SPEC §1, §2, §10).
+"""Case specs for the reference run against Hugging Face transformers (docs/math.md §1, §2, §10).
 
 Pure Python with no third-party imports: both interpreters read this file, the Python 3.11 one that
 runs `hf_reference.py` (torch + transformers) and the Python 3.12 one that runs the JAX tests.
@@ -11,7 +11,7 @@ A case spec is a JSON-able dict:
   n_greedy   greedy tokens generated per prompt
 
 Every width is tiny so that the whole reference run takes seconds on two CPU cores; `index_n_heads`
-is >= 16 everywhere (SPEC §10: few indexer heads make exact relu-zero ties at the top-k boundary likely).
+is >= 16 everywhere (docs/math.md §10: few indexer heads make exact relu-zero ties at the top-k boundary likely).
 
 `reference_dir` names the cache directory of a case's outputs: a hash of the case spec and of the
 source of `hf_reference.py`, so editing either makes the reference run again.
@@ -45,7 +45,7 @@ def _prompt(length: int, salt: int, vocab: int = 256) -> list[int]:
 
 _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
-# Shared geometry: GLM-5 proportions shrunk (SPEC §1); no eos/bos/pad so greedy runs never stop early;
+# Shared geometry: GLM-5 proportions shrunk (docs/math.md §1); no eos/bos/pad so greedy runs never stop early;
 # no MTP layer in these checkpoints (`num_nextn_predict_layers` 0 is written to config.json as is).
 _BASE = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,

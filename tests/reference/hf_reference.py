@@ -8,7 +8,7 @@ the JAX side only reads the files it writes. For each case spec (see `cases.py`)
    `lm_head` large enough that greedy decoding has clear winners);
 2. runs each prompt as one full forward without cache (`use_cache=False`) and keeps the fp32 logits;
 3. decodes `n_greedy` tokens per prompt by a plain loop of full forwards (argmax of the last row, append);
-4. guards against ambiguous references (SPEC §10). Forward hooks recompute, in every forward of steps
+4. guards against ambiguous references (docs/math.md §10). Forward hooks recompute, in every forward of steps
    2-3, each full layer's indexer scores and each MoE router's choice scores, check that they select
    what HF selected, and measure the margin at the selection boundary: indexer k-th vs (k+1)-th score
    (k = min(index_topk, #causal candidates), rows with more candidates than k), router top_k-th vs
@@ -115,7 +115,7 @@ class MarginProbe:
 
     @staticmethod
     def indexer_scores(ix, hidden, q_resid, position_embeddings) -> torch.Tensor:
-        """SPEC §2 indexer scores [B, S, S] (before the causal mask), from the module's own weights."""
+        """docs/math.md §2 indexer scores [B, S, S] (before the causal mask), from the module's own weights."""
         b, s, _ = hidden.shape
         r = ix.qk_rope_head_dim
         q = ix.wq_b(q_resid).view(b, s, ix.n_heads, ix.head_dim)
