@@ -38,7 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .layout import param_specs
-from .safetensors_io import CheckpointError, as_dtype, pid_alive, write_json_atomic
+from .safetensors_io import CheckpointError, as_dtype, fsync_dir, pid_alive, write_json_atomic
 
 FORMAT = "glm_dsa.orbax"
 FORMAT_VERSION = 1
@@ -206,9 +206,9 @@ def save_orbax_params(params, cfg, path: str | os.PathLike, *, extra_files: Iter
                        for p, spec in specs.items()},
         })
         steps.update()
-        _fsync_dir(stage)
+        fsync_dir(stage)
         os.rename(stage, final)  # the commit
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         _remove_quietly(stage)
         raise
@@ -235,19 +235,6 @@ def _copy_atomic(src: str, dst: str) -> None:
     tmp = os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}.tmp-{os.getpid()}")
     shutil.copyfile(src, tmp)
     os.replace(tmp, dst)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _short(e: BaseException, limit: int = 400) -> str:

@@ -226,6 +226,20 @@ class SafetensorsWriter:
             os.unlink(self._tmp)
 
 
+def fsync_dir(path: str) -> None:
+    """Flush a directory's entries (renames into it) to disk where the platform allows; best effort."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def write_json_atomic(path: str | os.PathLike, obj) -> None:
     """Write `obj` as JSON to `path` through a temporary file and a rename."""
     path = os.fspath(path)

@@ -33,7 +33,8 @@ import numpy as np
 from tqdm import tqdm
 
 from .layout import param_specs
-from .safetensors_io import INDEX, SINGLE, CheckpointError, SafetensorsWriter, pid_alive, write_json_atomic
+from .safetensors_io import (INDEX, SINGLE, CheckpointError, SafetensorsWriter, fsync_dir, pid_alive,
+                             write_json_atomic)
 
 Entry = tuple[str, np.dtype, tuple[int, ...]]  # HF key, dtype, shape
 _SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
@@ -113,19 +114,6 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copyfile(src, dst)
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _commit(path: str, stage: str, names: list[str]) -> None:
     """Move the complete new checkpoint staged in `stage` into `path` (steps 1-4 of the module doc)."""
     sharded = os.path.exists(os.path.join(stage, INDEX))
@@ -140,16 +128,16 @@ def _commit(path: str, stage: str, names: list[str]) -> None:
             for old, new in renamed.items():
                 _link_or_copy(os.path.join(path, old), os.path.join(path, new))
             doc["weight_map"] = {k: renamed.get(v, v) for k, v in doc["weight_map"].items()}
-            _fsync_dir(path)
+            fsync_dir(path)
             write_json_atomic(index, doc)
     for name in names:  # step 2
         os.replace(os.path.join(stage, name), os.path.join(path, name))
-    _fsync_dir(path)
+    fsync_dir(path)
     if sharded:  # step 3: the commit
         os.replace(os.path.join(stage, INDEX), index)
     elif os.path.exists(index):
         os.unlink(index)
-    _fsync_dir(path)
+    fsync_dir(path)
     for name in sorted(os.listdir(stage)):  # step 4: config.json and other extra files
         os.replace(os.path.join(stage, name), os.path.join(path, name))
     keep = set(names) | ({INDEX} if sharded else set())

@@ -11,24 +11,11 @@ import pytest
 
 import glm_dsa
 import kernels
-from checkpoints.random import write_random_checkpoint
 from glm_dsa import ConfigError, configs
 from glm_dsa.cli import build_parser, main
 from glm_dsa.sampling import GREEDY_BELOW, SamplingParams, sample
 
-CFG = configs.tiny
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    write_random_checkpoint(CFG, path, seed=0, dtype="float32", progress=False)
-    return path
-
-
-@pytest.fixture(scope="module")
-def eng(ckpt):
-    return glm_dsa.load(ckpt, dtype="float32", max_model_len=64, progress=False)
+CFG = configs.tiny  # the fixtures `ckpt` and `eng` (conftest.py) hold a random checkpoint of it
 
 
 # ---- generate: arguments ------------------------------------------------------------------------

@@ -9,22 +9,9 @@ import numpy as np
 import pytest
 
 import glm_dsa
-from checkpoints.random import write_random_checkpoint
 from glm_dsa import configs
 
-CFG = configs.tiny
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    write_random_checkpoint(CFG, path, seed=0, dtype="float32", progress=False)
-    return path
-
-
-@pytest.fixture(scope="module")
-def eng(ckpt):
-    return glm_dsa.load(ckpt, dtype="float32", max_model_len=64, progress=False)
+CFG = configs.tiny  # the fixtures `ckpt` and `eng` (conftest.py) hold a random checkpoint of it
 
 
 @functools.lru_cache(maxsize=None)
