@@ -3,12 +3,14 @@ Pallas kernel, behind one dispatch rule (`kernels.registry`). Arrays in, arrays 
 model or the mesh.
 
 Modules: `fused_norm_rope` (q/kv norm + RoPE + paged cache write), `indexer` (scores + top-k),
-`sparse_mla` (attention over selected cache rows -> (o, lse)), `moe` (routed SwiGLU experts), `lse_merge`,
+`sparse_mla` (attention over selected cache rows -> (o, lse)), `moe` (routed SwiGLU experts, bf16 or FP8
+block-scaled weights), `fp8_linear` (a linear layer over FP8 block-scaled weights: W8A16 or W8A8), `lse_merge`,
 `rope`, `norms`, `fp8_formats`, `chunking`. The Pallas Triton kernels (`*_triton`, helpers in
 `triton_common`, MoE tile layout in `moe_tiles`) are imported on first use of their impl.
 """
 
-from . import chunking, fp8_formats, fused_norm_rope, indexer, lse_merge, moe, norms, registry, rope, sparse_mla
+from . import (chunking, fp8_formats, fp8_linear, fused_norm_rope, indexer, lse_merge, moe, norms, registry, rope,
+               sparse_mla)
 
 IMPLS = ("xla", "triton", "triton_interpret")
 
@@ -19,5 +21,5 @@ def default_impl() -> str:
     return "triton" if jax.default_backend() == "gpu" else "xla"
 
 
-__all__ = ["IMPLS", "default_impl", "chunking", "fp8_formats", "fused_norm_rope", "indexer", "lse_merge", "moe",
+__all__ = ["IMPLS", "default_impl", "chunking", "fp8_formats", "fp8_linear", "fused_norm_rope", "indexer", "lse_merge", "moe",
            "norms", "registry", "rope", "sparse_mla"]

@@ -21,6 +21,10 @@ clipped to +-448, round-to-nearest-even (the same as the GPU's ``cvt.rn.satfinit
 Pallas kernels call these same helpers (``to_e4m3``, ``e4m3_bits``, ``decode_e4m3_bits``,
 ``ue8m0_scale_and_inverse``, ``mla_tile_scale``). Values are read as float32 before quantising; kernels that
 normalise in bf16 must round to bf16 first, as the xla oracle does. Byte order is little-endian (bitcasts).
+
+Block-scaled weights (docs/math.md §11, the FP8 releases): e4m3 [rows, cols] with float32 scales per 128 x 128 block
+(``quantize_weight_blocks``, ``dequantize_weight_blocks``; a TP shard's slice may start mid-block: ``block_index``,
+``block_count``), and W8A8's per-token 1 x 128 activation scales (``quantize_activation_blocks``).
 """
 
 from __future__ import annotations
@@ -201,3 +205,78 @@ def quantize_index_queries(q):
     x = q.astype(jnp.float32)
     s = ue8m0_scale(jnp.max(jnp.abs(x), axis=-1))
     return to_e4m3(x / s[..., None]), s
+
+
+# ---------------------------------------------------------------------------------------- block-scaled weights
+
+WEIGHT_BLOCK = 128  # the FP8 releases' weight_block_size [128, 128] (docs/math.md §11)
+
+
+def block_count(n: int, offset=0, block: int = WEIGHT_BLOCK) -> int:
+    """Scale blocks covering `n` consecutive rows (or columns) whose first one sits at `offset` (0 <= offset <
+    block) inside its block: ``ceil((offset + n) / block)``. A traced `offset` counts as the worst case,
+    ``block - 1``."""
+    off = offset if isinstance(offset, int) else block - 1
+    return -(-(off + n) // block)
+
+
+def block_index(n: int, offset=0, block: int = WEIGHT_BLOCK):
+    """int32 [n]: the scale block of each of `n` local rows (columns) whose first sits at `offset` (an int or a
+    traced int32 scalar) inside its block."""
+    return ((offset + jnp.arange(n, dtype=jnp.int32)) // block).astype(jnp.int32)
+
+
+def quantize_weight_blocks(w, block: int = WEIGHT_BLOCK):
+    """w [..., rows, cols] (any float) -> (e4m3 [..., rows, cols], float32 scales [..., ceil(rows / block),
+    ceil(cols / block)]), one scale per block x block tile of the last two axes, edge tiles ragged:
+    ``scale = amax / 448`` (1.0 for an all-zero tile), ``q = e4m3(w / scale)``, as the FP8 releases store them
+    (``checkpoints.fp8_blocks.quantize_blocks`` is the host form). Leading axes (stacked experts) are kept."""
+    w = jnp.asarray(w, jnp.float32)
+    *lead, rows, cols = w.shape
+    rb, cb = -(-rows // block), -(-cols // block)
+    padded = jnp.pad(jnp.abs(w), [(0, 0)] * len(lead) + [(0, rb * block - rows), (0, cb * block - cols)])
+    amax = padded.reshape(*lead, rb, block, cb, block).max(axis=(-3, -1))
+    scale = jnp.where(amax > 0, exact_div(amax, FP8_MAX), 1.0).astype(jnp.float32)  # IEEE, as numpy
+    full = jnp.repeat(jnp.repeat(scale, block, axis=-2), block, axis=-1)[..., :rows, :cols]
+    return to_e4m3(exact_div(w, full)), scale
+
+
+def dequantize_weight_blocks(q, scale, row_offset=0, col_offset=0, dtype=jnp.float32, block: int = WEIGHT_BLOCK):
+    """e4m3 [..., rows, cols] and its scale grid [..., row_blocks, col_blocks] -> ``q * scale`` in `dtype`
+    (float32: exact). The local rows (columns) start at `row_offset` (`col_offset`) inside the grid's first block
+    (a TP shard that starts mid-block); offsets may be traced int32 scalars."""
+    rows, cols = q.shape[-2:]
+    s = jnp.take(jnp.take(scale, block_index(rows, row_offset, block), axis=-2), block_index(cols, col_offset, block),
+                 axis=-1)
+    return (e4m3_to_f32(q) * s).astype(dtype)
+
+
+def quantize_activation_blocks(x, col_offset=0, n_blocks: int | None = None, block: int = WEIGHT_BLOCK):
+    """Dynamic per-token 1 x 128 activation quantisation of W8A8 (docs/math.md §11): x [T, K] -> (e4m3 [T, K],
+    float32 s_a [T, n_blocks]) with ``s_a = max(amax / 448, 1.1754944e-38)`` over each row's columns in one
+    weight K-block and ``a_q = e4m3(x / s_a)`` (IEEE division). The groups follow the weight's blocks: local
+    column j is in block ``(col_offset + j) // 128``. `n_blocks` (default `block_count(K, col_offset)`) is the
+    weight grid's K extent; blocks holding no local column get the minimum scale."""
+    t, k = x.shape
+    nb = block_count(k, col_offset, block) if n_blocks is None else n_blocks
+    xf = jnp.asarray(x, jnp.float32)
+    if isinstance(col_offset, int) and col_offset == 0 and k == nb * block:
+        amax = jnp.max(jnp.abs(xf).reshape(t, nb, block), axis=-1)
+        kb = block_index(k, 0, block)
+    else:
+        kb = block_index(k, col_offset, block)
+        amax = jnp.zeros((t, nb), jnp.float32).at[:, kb].max(jnp.abs(xf), mode="drop")
+    s_a = mla_tile_scale(amax)
+    return to_e4m3(exact_div(xf, jnp.take(s_a, kb, axis=1))), s_a
+
+
+def load_e4m3(ref, lead, rows, cols, n_rows: int, n_cols: int, dtype=None):
+    """In-kernel (Pallas): ref[*lead, rows, cols] of an e4m3 ref with out-of-range rows/columns read clamped (real,
+    finite weights) and, when `dtype` is given, converted to it (exact) with those entries zeroed. Pallas Triton
+    cannot build a masked e4m3 load's fill value (`other`), hence clamped indices instead of a mask."""
+    rc, cc = jnp.clip(rows, 0, n_rows - 1), jnp.clip(cols, 0, n_cols - 1)
+    x = ref[(*lead, rc[:, None], cc[None, :])]
+    if dtype is None:
+        return x
+    ok = ((rows >= 0) & (rows < n_rows))[:, None] & ((cols >= 0) & (cols < n_cols))[None, :]
+    return jnp.where(ok, x.astype(dtype), jnp.zeros((), dtype))

@@ -12,6 +12,9 @@ Forms (`mode`, impl="xla"), each reading weights differently:
 impl="triton" runs the same tile layout (kernels/moe_tiles.py) as one grouped-GEMM Pallas kernel per projection
 (kernels/moe_triton.py):
 each non-empty tile reads its expert's weights once, so a decode step reads only the experts it uses.
+FP8 experts (e4m3 weights with float32 128 x 128 block scales, docs/math.md §11): `routed_experts(...,
+wg_scale=, wu_scale=, wd_scale=, i_offset=)`; the kernels read the e4m3 bytes (W8A16: each tile dequantised in
+registers), the xla forms run over the experts dequantised to float32 (the reference).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from . import registry
+from .fp8_formats import FP8, dequantize_weight_blocks
+from .fp8_linear import check_offset, check_scale_grid
 from .moe_tiles import tile_plan, tile_rows
 
 MODES = ("gather", "dense", "tiles", "ragged")
@@ -51,8 +56,31 @@ def _tiles(x, experts, weights, wg, wu, wd):
     return jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(y.reshape(src.shape[0], -1) * w[:, None])
 
 
-def experts_xla(x, experts, weights, wg, wu, wd, *, mode: str | None = None):
-    """The routed experts by one XLA form (`mode`, default `pick_mode` by shape); float32 [T, D]."""
+def _experts_fp8_xla(x, experts, weights, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset, mode):
+    """The FP8 reference: the experts dequantised to float32 (in the "gather" form only the chosen ones, one
+    weight set per (token, expert) pair), x in float32, then the bf16 path's form `mode` at highest precision
+    (h stays float32 here; the kernels round it to x.dtype)."""
+    t, k = experts.shape
+    mode = mode or pick_mode(t, k, wg.shape[0])
+    if mode == "gather":
+        flat = experts.reshape(-1)
+        wg, wu, wd = (dequantize_weight_blocks(w[flat], s[flat], r, c) for w, s, r, c in
+                      ((wg, wg_scale, 0, i_offset), (wu, wu_scale, 0, i_offset), (wd, wd_scale, i_offset, 0)))
+        experts = jnp.arange(t * k, dtype=jnp.int32).reshape(t, k)
+    else:
+        wg = dequantize_weight_blocks(wg, wg_scale, 0, i_offset)
+        wu = dequantize_weight_blocks(wu, wu_scale, 0, i_offset)
+        wd = dequantize_weight_blocks(wd, wd_scale, i_offset, 0)
+    with jax.default_matmul_precision("highest"):  # IEEE float32 on a GPU too (its default is TF32)
+        return experts_xla(x.astype(jnp.float32), experts, weights, wg, wu, wd, mode=mode)
+
+
+def experts_xla(x, experts, weights, wg, wu, wd, *, mode: str | None = None, wg_scale=None, wu_scale=None,
+                wd_scale=None, i_offset=0):
+    """The routed experts by one XLA form (`mode`, default `pick_mode` by shape); float32 [T, D]. FP8 experts
+    (scales given): the same forms over the experts dequantised to float32 (`_experts_fp8_xla`)."""
+    if wg_scale is not None:
+        return _experts_fp8_xla(x, experts, weights, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset, mode)
     t, k = experts.shape
     n_exp = wg.shape[0]
     mode = mode or pick_mode(t, k, n_exp)
@@ -84,27 +112,66 @@ def experts_xla(x, experts, weights, wg, wu, wd, *, mode: str | None = None):
 
 
 def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: str | None = None,
-                   **kernel_options):
+                   wg_scale=None, wu_scale=None, wd_scale=None, i_offset=0, **kernel_options):
     """float32 [T, D]: the routed SwiGLU experts of rows `x` [T, D] at `experts` [T, k] (int) with routing
     `weights` [T, k]; gate/up [E, D, I], down [E, I, D].
 
     impl (`kernels.registry`): "xla" (the forms above), "triton" (the grouped-GEMM Pallas kernel, any widths),
     "triton_interpret" (that kernel interpreted: CPU tests). `mode` forces one xla form whatever `impl` says
     (the model's switch for comparing forms). `kernel_options` go to `moe_triton.grouped_swiglu` (config, tile,
-    bn_up, bk_up, bn_down, bk_down, num_warps, num_stages, k_split)."""
+    bn_up, bk_up, bn_down, bk_down, num_warps, num_stages, k_split).
+
+    FP8 experts (docs/math.md §11): gate/up/down float8_e4m3fn in the layout above (the HF [out, in] experts
+    transposed and stacked, as `checkpoints.layout` does) with float32 block scales in the same orientation:
+    `wg_scale`, `wu_scale` [E, ceil(D / 128), ceil((i_offset + I) / 128)], `wd_scale` [E, ceil((i_offset + I) /
+    128), ceil(D / 128)] (the HF `weight_scale_inv` grids transposed and stacked). `i_offset` (an int in [0, 128)
+    or a traced int32 scalar): where this TP shard's expert-width slice starts inside its first scale block.
+    W8A16: the kernel reads the e4m3 bytes and dequantises each tile in registers; "xla" is the float32
+    reference."""
     e, d, i = wg.shape
     if x.shape[-1] != d or wu.shape != wg.shape or wd.shape != (e, i, d):
         raise ValueError(f"moe: x {x.shape}, gate {wg.shape}, up {wu.shape}, down {wd.shape} do not agree "
                          "(want x [T, D], gate/up [E, D, I], down [E, I, D])")
     if experts.shape != weights.shape or experts.shape[0] != x.shape[0]:
         raise ValueError(f"moe: experts {experts.shape} and weights {weights.shape} must both be [T={x.shape[0]}, k]")
+    fp8 = _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset)
     if mode is not None:
         if kernel_options:
             raise ValueError(f"moe: mode {mode!r} forces an xla form, which takes no kernel options "
                              f"({sorted(kernel_options)})")
         registry.get("moe", impl)  # an unknown impl is an error even when `mode` overrides it
-        return experts_xla(x, experts, weights, wg, wu, wd, mode=mode)
-    return registry.dispatch("moe", impl, x, experts, weights, wg, wu, wd, **kernel_options)
+        return experts_xla(x, experts, weights, wg, wu, wd, mode=mode, **fp8)
+    return registry.dispatch("moe", impl, x, experts, weights, wg, wu, wd, **fp8, **kernel_options)
+
+
+def _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset) -> dict:
+    """{} for bf16/float32 experts; the scale keywords for FP8 ones, after checking every weight is e4m3 with its
+    float32 scale grid of the right shape (TypeError / ValueError naming the tensor)."""
+    names = ("gate", "up", "down")
+    ws, scales = (wg, wu, wd), (wg_scale, wu_scale, wd_scale)
+    is_fp8 = [jnp.dtype(w.dtype) == FP8 for w in ws]
+    if not any(is_fp8):
+        given = [f"{n}_scale" for n, s in zip(names, scales) if s is not None]
+        if given:
+            raise ValueError(f"moe: {', '.join(given)} given but the experts are {wg.dtype}, not float8_e4m3fn "
+                             "(a scale without its FP8 weight)")
+        if not (isinstance(i_offset, int) and i_offset == 0):
+            raise ValueError(f"moe: i_offset {i_offset!r} applies to FP8 experts only")
+        return {}
+    if not all(is_fp8):
+        raise TypeError(f"moe: FP8 experts need gate, up and down all float8_e4m3fn, got {wg.dtype}, {wu.dtype}, "
+                        f"{wd.dtype}")
+    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype) == FP8:
+        raise TypeError(f"moe: x must be float16/bfloat16/float32 with FP8 experts, got {x.dtype}")
+    missing = [f"{n}_scale" for n, s in zip(names, scales) if s is None]
+    if missing:
+        raise ValueError(f"moe: FP8 experts without their block scales: {', '.join(missing)} missing")
+    check_offset("i_offset", i_offset, "moe")
+    e, d, i = wg.shape
+    for n, w, s in zip(names, ws, scales):
+        rows, cols, roff, coff = (i, d, i_offset, 0) if n == "down" else (d, i, 0, i_offset)
+        check_scale_grid(f"moe: {n}_scale", s, rows, cols, roff, coff, lead=(e,))
+    return dict(wg_scale=wg_scale, wu_scale=wu_scale, wd_scale=wd_scale, i_offset=i_offset)
 
 
 registry.register("moe", "xla", experts_xla)

@@ -9,6 +9,10 @@ The combine y[T, k, D].sum(1) is one XLA reduction outside.
 Widths that are not a multiple of the blocks (a tiny model's expert slice under TP: I = 4..8) take 16-wide
 blocks whose columns past the width are masked: loads read zeros there (so those h columns are exactly 0) and
 stores skip them. Launch configs are `MoEConfig`s (`default_config` picks one per shape).
+FP8 experts (W8A16): the same kernels read e4m3 blocks, convert them to x.dtype in registers (exact) and scale
+each K step's float32 partial by its 128-block's scale (K steps of at most 128 stay in one block; a width slice
+starting mid-block shifts the down kernel's steps onto the block boundaries). The bf16 kernels are traced
+unchanged when no scales are given.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .moe_tiles import tile_plan, tile_rows
+from .fp8_formats import WEIGHT_BLOCK as FP8_BLOCK, load_e4m3
 from .triton_common import MASKED_ROW, col_range, dot, gather
 
 
@@ -50,11 +55,12 @@ def _weight_block(ref, e, r0, nr, c0, nc, n_rows, n_cols, interpret):
     return plgpu.load(ref.at[e, rows[:, None], cols[None, :]], mask=mask, other=0)
 
 
-def _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, *, tile, n0, bn, k0, steps, k, bk, interpret):
+def _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, *, tile, n0, bn, k0, steps, k, bk, interpret, fp8=None):
     """float32 (x @ gate_e, x @ up_e) [tile, bn] of columns [n0, n0 + bn) over hidden columns
     [k0, k0 + steps * bk), the x rows gathered by the tile's tokens (padding rows, and columns past the
     widths, read as zeros). Program ids are read by the caller, outside its `pl.when` (the interpreter cannot
-    evaluate them inside)."""
+    evaluate them inside). `fp8`: None (weights in x's dtype), or the `_Fp8Scales` of e4m3 weights: each step's
+    e4m3 blocks become x.dtype in registers and the step's partials are scaled by their 128-block's scales."""
     src = src_ref[...]
     e = te_ref[0]
     valid = src >= 0
@@ -69,25 +75,50 @@ def _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, *, tile, n0, bn, k0, steps,
             xt = jnp.where((cols < d)[None, :], xt, jnp.zeros((), xt.dtype))
         else:
             xt = gather(x_ref, token, cols, valid, interpret)  # [tile, bk]
-        return (acc[0] + dot(xt, _weight_block(wg_ref, e, c0, bk, n0, bn, d, i, interpret)),
-                acc[1] + dot(xt, _weight_block(wu_ref, e, c0, bk, n0, bn, d, i, interpret)))
+        if fp8 is None:
+            return (acc[0] + dot(xt, _weight_block(wg_ref, e, c0, bk, n0, bn, d, i, interpret)),
+                    acc[1] + dot(xt, _weight_block(wu_ref, e, c0, bk, n0, bn, d, i, interpret)))
+        kb = c0 // FP8_BLOCK  # bk divides 128: the step lies in one hidden-axis block
+        wg = _weight_block_fp8(wg_ref, e, c0, bk, n0, bn, d, i, xt.dtype)  # e4m3 -> x.dtype: exact
+        wu = _weight_block_fp8(wu_ref, e, c0, bk, n0, bn, d, i, xt.dtype)
+        return (acc[0] + dot(xt, wg) * fp8.out_scales(fp8.refs[0], e, kb, n0, bn),
+                acc[1] + dot(xt, wu) * fp8.out_scales(fp8.refs[1], e, kb, n0, bn))
 
     z = jnp.zeros((tile, bn), jnp.float32)
     return jax.lax.fori_loop(0, steps, body, (z, z))
 
 
-def _up_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, h_ref, *, k, bk, steps, interpret):
+@dataclasses.dataclass(frozen=True)
+class _Fp8Scales:
+    """In-kernel view of the FP8 experts' block scales: `refs` (the scale grids the kernel reads), `i_off` (the
+    expert-width slice's offset inside its first block: an int, or a traced scalar read from the offsets ref)
+    and whether the width axis is the grid's last axis (gate/up [E, D-blocks, I-blocks]) or its middle one
+    (down [E, I-blocks, D-blocks])."""
+    refs: tuple
+    i_off: object
+    scalar: bool  # one scale per step and column block (offset 0 and blocks within one 128-block)
+
+    def out_scales(self, ref, e, kb, n0, bn):
+        """Scales of gate/up output columns [n0, n0 + bn) (the expert width) at hidden block kb: [1, bn] or a
+        scalar."""
+        if self.scalar:
+            return ref[e, kb, n0 // FP8_BLOCK]
+        blocks = jnp.minimum((self.i_off + col_range(n0, bn)) // FP8_BLOCK, ref.shape[2] - 1)
+        return ref[e, kb, blocks][None, :]
+
+
+def _up_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, h_ref, *, k, bk, steps, interpret, fp8=None):
     tile, bn = h_ref.shape
     n0 = pl.program_id(0) * bn
 
     @pl.when(src_ref[0] >= 0)
     def _():
         g, u = _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, tile=tile, n0=n0, bn=bn, k0=0,
-                        steps=steps, k=k, bk=bk, interpret=interpret)
+                        steps=steps, k=k, bk=bk, interpret=interpret, fp8=fp8)
         h_ref[...] = (jax.nn.silu(g) * u).astype(h_ref.dtype)
 
 
-def _up_partial_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, k, bk, steps, interpret):
+def _up_partial_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, k, bk, steps, interpret, fp8=None):
     """Split-K form of the up kernel (few tiles: decode at small batch): program (n, m, c) sums `steps` hidden
     blocks from c * steps * bk into float32 partials of gate and up; SwiGLU after the sum, outside."""
     tile, bn = g_ref.shape
@@ -97,7 +128,7 @@ def _up_partial_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, 
     @pl.when(src_ref[0] >= 0)
     def _():
         g_ref[...], u_ref[...] = _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, tile=tile, n0=n0, bn=bn, k0=k0,
-                                          steps=steps, k=k, bk=bk, interpret=interpret)
+                                          steps=steps, k=k, bk=bk, interpret=interpret, fp8=fp8)
 
     @pl.when(src_ref[0] < 0)
     def _():  # defined values for the rows of empty tiles, which the sum outside reads
@@ -105,7 +136,10 @@ def _up_partial_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, 
         u_ref[...] = jnp.zeros((tile, bn), jnp.float32)
 
 
-def _down_kernel(src_ref, te_ref, w_ref, h_ref, wd_ref, y_ref, *, bn, bk, steps, interpret):
+def _down_kernel(src_ref, te_ref, w_ref, h_ref, wd_ref, y_ref, *, bn, bk, steps, interpret, fp8=None, shift=0):
+    """y rows of one tile and column block. `fp8`: None, or the `_Fp8Scales` of e4m3 down weights, whose K axis
+    (the expert width) may start mid-block: the steps then start `shift` columns (static, or None: from the
+    traced offset) before column 0, on the weight's block boundaries, and mask the columns outside [0, I)."""
     tile = src_ref.shape[0]
     n0 = pl.program_id(0) * bn
     m0 = pl.program_id(1) * tile
@@ -120,6 +154,10 @@ def _down_kernel(src_ref, te_ref, w_ref, h_ref, wd_ref, y_ref, *, bn, bk, steps,
             wd = _weight_block(wd_ref, e, s * bk, bk, n0, bn, i, d, interpret)
             return acc + dot(h_ref[pl.ds(m0, tile), pl.ds(s * bk, bk)], wd)
 
+        if fp8 is not None:
+            body = functools.partial(_down_step_fp8, fp8=fp8, e=e, m0=m0, n0=n0, tile=tile, bn=bn, bk=bk,
+                                     shift=shift, h_ref=h_ref, wd_ref=wd_ref, interpret=interpret)
+
         acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((tile, bn), jnp.float32))
         y = (acc * w_ref[...][:, None]).astype(y_ref.dtype)
         valid = src >= 0
@@ -132,6 +170,45 @@ def _down_kernel(src_ref, te_ref, w_ref, h_ref, wd_ref, y_ref, *, bn, bk, steps,
         else:
             mask = valid[:, None]
         plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y, mask=mask)
+
+
+def _cols(ref, r0, nr, cols, ok, interpret):
+    """ref[r0:r0 + nr, cols] of a 2-D ref, zeros in the columns not `ok`."""
+    rows = col_range(r0, nr)
+    if interpret:  # the interpreter cannot discharge masked loads: clamp, then zero
+        x = ref[rows[:, None], jnp.clip(cols, 0, ref.shape[1] - 1)[None, :]]
+        return jnp.where(ok[None, :], x, jnp.zeros((), x.dtype))
+    return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=jnp.broadcast_to(ok[None, :], (nr, len(cols))),
+                      other=0)
+
+
+def _weight_block_fp8(ref, e, r0, nr, c0, nc, n_rows, n_cols, dtype):
+    """`_weight_block` of an e4m3 weight, converted to `dtype` (exact): zeros past its rows or columns, read by
+    clamped indices (Triton cannot fill a masked e4m3 load)."""
+    if n_rows % nr == 0 and n_cols % nc == 0:
+        return ref[e, pl.ds(r0, nr), pl.ds(c0, nc)].astype(dtype)
+    return load_e4m3(ref, (e,), col_range(r0, nr), col_range(c0, nc), n_rows, n_cols, dtype)
+
+
+def _down_step_fp8(s, acc, *, fp8, e, m0, n0, tile, bn, bk, shift, h_ref, wd_ref, interpret):
+    """One K step of the FP8 down projection: h [tile, bk] @ e4m3 down rows [bk, bn] (as h.dtype), the partial
+    scaled by its (width block, hidden block) scale."""
+    i, d = wd_ref.shape[1], wd_ref.shape[2]
+    r = shift if shift is not None else fp8.i_off % bk
+    kb = jnp.minimum((fp8.i_off - r + s * bk) // FP8_BLOCK, fp8.refs[0].shape[1] - 1)
+    if shift == 0:  # steps on block boundaries from column 0: the bf16 path's loads
+        h = h_ref[pl.ds(m0, tile), pl.ds(s * bk, bk)]
+        wd = _weight_block_fp8(wd_ref, e, s * bk, bk, n0, bn, i, d, h.dtype)
+    else:  # the shard starts mid-block: columns before 0 and past I read as zeros
+        cols = col_range(s * bk - r, bk)
+        ok = (cols >= 0) & (cols < i)
+        h = _cols(h_ref, m0, tile, cols, ok, interpret)
+        wd = load_e4m3(wd_ref, (e,), cols, col_range(n0, bn), i, d, h.dtype)
+    if bn <= FP8_BLOCK:  # n0 is a multiple of bn, which divides 128: one hidden block
+        scale = fp8.refs[0][e, kb, n0 // FP8_BLOCK]
+    else:
+        scale = fp8.refs[0][e, kb, jnp.minimum(col_range(n0, bn) // FP8_BLOCK, fp8.refs[0].shape[2] - 1)][None, :]
+    return acc + dot(h, wd) * scale
 
 
 def _pow2(v) -> bool:
@@ -179,19 +256,57 @@ def default_config(t: int, k: int, n_exp: int, d: int, i: int, itemsize: int = 2
                      num_warps=8 if big else 4, num_stages=3 if big else 4)
 
 
+def _fp8_kernel(kernel, n_in, scalar, i_off, shift, *refs, **kw):
+    """`kernel` with FP8 block scales: refs are [offset (when `i_off` is None: traced)], the `n_in` inputs of the
+    bf16 kernel, its scale grids, then its outputs; the scale grids go to `kernel` as `fp8=_Fp8Scales(...)`."""
+    refs = list(refs)
+    off = refs.pop(0)[0] if i_off is None else i_off
+    n_scales = len(refs) - n_in - (2 if kernel is _up_partial_kernel else 1)
+    fp8 = _Fp8Scales(tuple(refs[n_in:n_in + n_scales]), off, scalar)
+    if kernel is _down_kernel:
+        kw["shift"] = shift
+    return kernel(*refs[:n_in], *refs[n_in + n_scales:], fp8=fp8, **kw)
+
+
+def _fp8_launch(kernel, i_offset, scales, in_specs, inputs, *, scalar, shift):
+    """(kernel, in_specs, inputs) with the FP8 scale grids (and a traced offset) added; unchanged without FP8."""
+    if scales is None:
+        return kernel, in_specs, inputs
+    traced = not isinstance(i_offset, int)
+    wrapped = functools.partial(_fp8_kernel, kernel.func, len(inputs), scalar, None if traced else i_offset, shift,
+                                **kernel.keywords)
+    specs = list(in_specs) + [pl.BlockSpec(memory_space=pl.ANY)] * len(scales)
+    args = list(inputs) + list(scales)
+    if traced:
+        specs = [pl.BlockSpec(memory_space=pl.ANY)] + specs
+        args = [jnp.reshape(jnp.asarray(i_offset, jnp.int32), (1,))] + args
+    return wrapped, specs, args
+
+
 def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None = None, interpret: bool = False,
-                   **overrides):
+                   wg_scale=None, wu_scale=None, wd_scale=None, i_offset=0, **overrides):
     """float32 [T, D]: the routed experts by the two grouped-GEMM kernels. `config` (default `default_config`
     for the shape); `overrides` replace fields of it by name (tile, bn_up, bk_up, bn_down, bk_down, num_warps,
-    num_stages, k_split). `interpret`: run under the Pallas interpreter."""
+    num_stages, k_split). `interpret`: run under the Pallas interpreter.
+
+    FP8 experts (`kernels.moe.routed_experts` validates them): e4m3 gate/up [E, D, I] and down [E, I, D] with
+    float32 block scales `wg_scale`, `wu_scale` [E, D-blocks, I-blocks] and `wd_scale` [E, I-blocks, D-blocks];
+    `i_offset` (int or traced int32 scalar) is the expert-width slice's position in its first block (TP shards).
+    W8A16: the e4m3 blocks become x.dtype in the kernels' registers (exact) and each K step's float32 partial is
+    scaled by its block's scale; K steps (bk_up, bk_down) must then be at most 128."""
     t, k = experts.shape
     n_exp, d, i = wg.shape
-    cfg = config or default_config(t, k, n_exp, d, i, jnp.dtype(wg.dtype).itemsize)
+    fp8 = wg_scale is not None
+    cfg = config or default_config(t, k, n_exp, d, i, jnp.dtype(x.dtype if fp8 else wg.dtype).itemsize)
     fields = {f.name for f in dataclasses.fields(MoEConfig)}
     unknown = set(overrides) - fields
     if unknown:
         raise ValueError(f"moe triton: unknown options {sorted(unknown)} (known: {sorted(fields)})")
     cfg = dataclasses.replace(cfg, **overrides)
+    if fp8 and max(cfg.bk_up, cfg.bk_down) > FP8_BLOCK:
+        raise ValueError(f"moe triton: FP8 experts need bk_up and bk_down <= {FP8_BLOCK} (one scale block per K "
+                         f"step), got {cfg.bk_up} and {cfg.bk_down}")
+    static_off = isinstance(i_offset, int)
     tile = cfg.tile
     src, tile_expert = tile_plan(experts, n_exp, tile)
     n_tiles = tile_expert.shape[0]
@@ -207,35 +322,50 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     up_steps = _cdiv(d, cfg.bk_up)
     if up_steps % ks:
         raise ValueError(f"moe triton: k_split {ks} must be a power of two dividing D / bk_up = {up_steps}")
+    up_scales = (wg_scale, wu_scale) if fp8 else None
+    up_scalar = static_off and i_offset == 0 and bn <= FP8_BLOCK
     if ks == 1:
+        kernel, specs, args = _fp8_launch(
+            functools.partial(_up_kernel, k=k, bk=cfg.bk_up, steps=up_steps, interpret=interpret), i_offset,
+            up_scales, tile_specs + [any_spec] * 3, (src, tile_expert, x, wg, wu), scalar=up_scalar, shift=0)
         h = pl.pallas_call(
-            functools.partial(_up_kernel, k=k, bk=cfg.bk_up, steps=up_steps, interpret=interpret),
+            kernel,
             grid=(i_h // bn, n_tiles),
-            in_specs=tile_specs + [any_spec] * 3,
+            in_specs=specs,
             out_specs=pl.BlockSpec((tile, bn), lambda n, m: (m, n)),
             out_shape=jax.ShapeDtypeStruct((n_tiles * tile, i_h), x.dtype),
             compiler_params=params, interpret=interpret, name="moe_up",
-        )(src, tile_expert, x, wg, wu)
+        )(*args)
     else:
         part = jax.ShapeDtypeStruct((ks, n_tiles * tile, i_h), jnp.float32)
-        g, u = pl.pallas_call(
+        kernel, specs, args = _fp8_launch(
             functools.partial(_up_partial_kernel, k=k, bk=cfg.bk_up, steps=up_steps // ks, interpret=interpret),
+            i_offset, up_scales,
+            [pl.BlockSpec((tile,), lambda n, m, c: (m,)), pl.BlockSpec((1,), lambda n, m, c: (m,))]
+            + [any_spec] * 3, (src, tile_expert, x, wg, wu), scalar=up_scalar, shift=0)
+        g, u = pl.pallas_call(
+            kernel,
             grid=(i_h // bn, n_tiles, ks),
-            in_specs=[pl.BlockSpec((tile,), lambda n, m, c: (m,)), pl.BlockSpec((1,), lambda n, m, c: (m,))]
-            + [any_spec] * 3,
+            in_specs=specs,
             out_specs=[pl.BlockSpec((None, tile, bn), lambda n, m, c: (c, m, n))] * 2,
             out_shape=[part, part],
             compiler_params=params, interpret=interpret, name="moe_up_split_k",
-        )(src, tile_expert, x, wg, wu)
+        )(*args)
         h = (jax.nn.silu(g.sum(0)) * u.sum(0)).astype(x.dtype)
 
-    bn = cfg.bn_down
+    bn, bk = cfg.bn_down, cfg.bk_down
+    shift = (i_offset % bk if static_off else None) if fp8 else 0
+    down_steps = _cdiv(i, bk) if shift == 0 else _cdiv((bk - 1 if shift is None else shift) + i, bk)
+    kernel, specs, args = _fp8_launch(
+        functools.partial(_down_kernel, bn=bn, bk=bk, steps=down_steps, interpret=interpret), i_offset,
+        (wd_scale,) if fp8 else None, tile_specs + [pl.BlockSpec((tile,), lambda n, m: (m,)), any_spec, any_spec],
+        (src, tile_expert, pair_w, h, wd), scalar=False, shift=shift)
     y = pl.pallas_call(
-        functools.partial(_down_kernel, bn=bn, bk=cfg.bk_down, steps=_cdiv(i, cfg.bk_down), interpret=interpret),
+        kernel,
         grid=(_cdiv(d, bn), n_tiles),
-        in_specs=tile_specs + [pl.BlockSpec((tile,), lambda n, m: (m,)), any_spec, any_spec],
+        in_specs=specs,
         out_specs=any_spec,
         out_shape=jax.ShapeDtypeStruct((t * k, d), x.dtype),
         compiler_params=params, interpret=interpret, name="moe_down",
-    )(src, tile_expert, pair_w, h, wd)
+    )(*args)
     return y.astype(jnp.float32).reshape(t, k, d).sum(1)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import moe, moe_tiles, moe_triton
+from kernels import fp8_formats, moe, moe_tiles, moe_triton
 from kernels.triton_common import lower_for_gpu, triton_calls
 
 
@@ -196,3 +196,138 @@ def test_gpu_narrow_widths(kernel_impl, d, i):
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)):
         args = _inputs(37, 4, 8, d, i, seed=d + i, dtype=dtype)
         assert _rel(_run(kernel_impl, args), _oracle(*args)) < tol
+
+
+# ------------------------------------------------------------------------------ FP8 experts (W8A16)
+
+def _fp8_inputs(t, k, n_exp, d, i, i_off, *, seed, dtype=jnp.float32):
+    """Routed experts with e4m3 weights: the expert-width slice [i_off, i_off + i) of block-quantised experts wider
+    than it (a TP shard starting mid-block when i_off % 128 != 0), the scale sub-grids covering it, and the
+    float64 dequantised weights for the oracle."""
+    rng = np.random.default_rng(seed)
+    wide = i_off + i + 9
+    q, s, deq = [], [], []
+    for shape, axis in (((n_exp, d, wide), 2), ((n_exp, d, wide), 2), ((n_exp, wide, d), 1)):
+        w = rng.normal(size=shape) * rng.uniform(0.2, 3.0, size=shape[:2] + (1,)) / np.sqrt(d if axis == 2 else i)
+        wq, ws = fp8_formats.quantize_weight_blocks(w)
+        nb = fp8_formats.block_count(i, i_off)
+        wq = wq[:, :, i_off:i_off + i] if axis == 2 else wq[:, i_off:i_off + i]
+        ws = ws[:, :, :nb] if axis == 2 else ws[:, :nb]
+        r, c = (0, i_off) if axis == 2 else (i_off, 0)
+        q.append(wq)
+        s.append(ws)
+        deq.append(np.asarray(fp8_formats.dequantize_weight_blocks(wq, ws, r, c), np.float64))
+    experts = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(t)])
+    x = jnp.asarray(rng.normal(size=(t, d)), dtype)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, size=(t, k)), jnp.float32)
+    scales = dict(wg_scale=s[0], wu_scale=s[1], wd_scale=s[2], i_offset=i_off)
+    return (x, jnp.asarray(experts, jnp.int32), w, *q), scales, deq
+
+
+@pytest.mark.parametrize("t,k,n_exp,d,i,i_off,options", [
+    (3, 2, 8, 256, 192, 0, {}),                       # whole hidden blocks, a ragged width block
+    (13, 4, 8, 130, 40, 100, {}),                     # ragged hidden, a width shard across a block boundary
+    (3, 2, 8, 256, 256, 0, {"k_split": 2, "bk_up": 64}),  # split-K up projection
+    (3, 2, 8, 256, 192, 64, {"bk_down": 64}),         # offset on a step boundary: the aligned down loads
+    (3, 2, 8, 256, 256, 0, {"bn_down": 256, "bk_down": 32}),  # down blocks wider than one scale block
+])
+def test_fp8_matches_oracle(impl, t, k, n_exp, d, i, i_off, options):
+    """FP8 experts in float32 rows: every impl within float32 rounding of the float64 oracle over the
+    dequantised weights (a wrong block index, scale or offset is O(1)); the kernel impl runs the kernels."""
+    args, scales, deq = _fp8_inputs(t, k, n_exp, d, i, i_off, seed=t + i + i_off)
+    opts = options if impl != "xla" else {}
+    got = _run(impl, args, **scales, **opts)
+    assert got.shape == (t, d) and got.dtype == jnp.float32
+    assert _rel(got, _oracle(args[0], args[1], args[2], *deq)) < 2e-6
+    jaxpr = str(jax.make_jaxpr(functools.partial(moe.routed_experts, impl=impl, **scales, **opts))(*args))
+    assert ("name=moe_down" in jaxpr) == (impl != "xla")
+
+
+@pytest.mark.parametrize("mode", moe.MODES)
+def test_fp8_xla_forms(mode):
+    args, scales, deq = _fp8_inputs(5, 2, 8, 130, 40, 100, seed=2)
+    assert _rel(moe.routed_experts(*args, mode=mode, **scales), _oracle(args[0], args[1], args[2], *deq)) < 2e-6
+
+
+def test_fp8_bf16_rows(kernel_impl):
+    """bf16 rows (h stored in bf16 between the kernels): within bf16 rounding of the oracle."""
+    args, scales, deq = _fp8_inputs(24, 4, 8, 256, 128, 0, seed=7, dtype=jnp.bfloat16)
+    got = moe.routed_experts(*args, impl=kernel_impl, **scales)
+    assert _rel(got, _oracle(args[0], args[1], args[2], *deq)) < 2e-2
+
+
+def test_fp8_traced_offset(kernel_impl):
+    """A traced i_offset (each shard_map rank's own) with scale grids of the worst case's block count."""
+    args, scales, deq = _fp8_inputs(6, 2, 4, 130, 40, 100, seed=3)
+    want = _oracle(args[0], args[1], args[2], *deq)
+    f = jax.jit(lambda off, *a: moe.routed_experts(*a, impl=kernel_impl, **dict(scales, i_offset=off)))
+    assert _rel(f(jnp.int32(100), *args), want) < 2e-6
+
+
+def test_fp8_bad_inputs_are_named():
+    args, scales, _ = _fp8_inputs(3, 2, 4, 130, 40, 0, seed=0)
+    x, e, w, qg, qu, qd = args
+    with pytest.raises(ValueError, match="without their block scales: up_scale missing"):
+        moe.routed_experts(*args, **dict(scales, wu_scale=None))
+    with pytest.raises(ValueError, match="a scale without its FP8 weight"):
+        moe.routed_experts(x, e, w, *(a.astype(jnp.float32) for a in (qg, qu, qd)), wg_scale=scales["wg_scale"])
+    with pytest.raises(TypeError, match="all float8_e4m3fn"):
+        moe.routed_experts(x, e, w, qg, qu, qd.astype(jnp.bfloat16), **scales)
+    with pytest.raises(TypeError, match="down_scale: the scale grid must be float32"):
+        moe.routed_experts(*args, **dict(scales, wd_scale=scales["wd_scale"].astype(jnp.bfloat16)))
+    with pytest.raises(ValueError, match=r"gate_scale: scale grid \(4, 2, 2\) has 2 column blocks; 40 columns"):
+        moe.routed_experts(*args, **dict(scales, wg_scale=jnp.ones((4, 2, 2), jnp.float32)))
+    with pytest.raises(ValueError, match=r"up_scale: scale grid \(2, 1\) must be \[4, row_blocks, col_blocks\]"):
+        moe.routed_experts(*args, **dict(scales, wu_scale=jnp.ones((2, 1), jnp.float32)))
+    with pytest.raises(ValueError, match="bk_up and bk_down <= 128"):
+        moe.routed_experts(*args, impl="triton_interpret", bk_up=256, **scales)
+
+
+def test_fp8_lowers_at_glm52_shapes():
+    """The FP8 kernels lower at GLM-5.2 widths under TP = 8 (D 6144, I 2048 / 8, 256 experts), decode and
+    prefill, on the bf16 path's grids."""
+    s = jax.ShapeDtypeStruct
+    f8 = jnp.float8_e4m3fn
+    for t in (32, 4096):
+        args = (s((t, 6144), jnp.bfloat16), s((t, 8), jnp.int32), s((t, 8), jnp.float32),
+                s((256, 6144, 256), f8), s((256, 6144, 256), f8), s((256, 256, 6144), f8),
+                s((256, 48, 2), jnp.float32), s((256, 48, 2), jnp.float32), s((256, 2, 48), jnp.float32))
+        cfg = moe_triton.default_config(t, 8, 256, 6144, 256)
+        n_tiles = -(-t * 8 // cfg.tile) + min(256, t * 8)
+
+        def fn(x, e, w, g, u, d, sg, su, sd):
+            return moe_triton.grouped_swiglu(x, e, w, g, u, d, wg_scale=sg, wu_scale=su, wd_scale=sd)
+
+        calls = triton_calls(lower_for_gpu(fn, *args))
+        assert [(c.name, c.grid) for c in calls] == [("moe_up", (256 // cfg.bn_up, n_tiles, 1)),
+                                                     ("moe_down", (6144 // cfg.bn_down, n_tiles, 1))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 32, 128])
+def test_gpu_fp8_glm52_widths(kernel_impl, t):
+    """Native FP8 kernels at GLM-5.2 widths (256 experts of 6144 x 2048, bf16 rows) against the float64 oracle;
+    tokens route among 16 experts so the oracle dequantises only those (T = 128: prefill-sized tiles)."""
+    n_exp, d, i, k = 256, 6144, 2048, 8
+    rng = np.random.default_rng(t)
+    keys = jax.random.split(jax.random.key(t), 6)
+    qs, ss = [], []
+    for j, shape in enumerate(((n_exp, d, i), (n_exp, d, i), (n_exp, i, d))):
+        bits = jax.random.randint(keys[j], shape, 0, 0x7F, jnp.uint8) | jnp.uint8(0x80 * (j % 2))
+        qs.append(jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn))
+        ss.append(jax.random.uniform(keys[3 + j], (n_exp, -(-shape[1] // 128), -(-shape[2] // 128)), jnp.float32,
+                                     0.5e-4, 2e-4))
+    pool = rng.choice(n_exp, 16, replace=False)
+    experts = jnp.asarray(np.stack([rng.choice(pool, k, replace=False) for _ in range(t)]), jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
+    x = jax.random.normal(keys[5], (t, d), jnp.bfloat16)
+    got = jax.jit(functools.partial(moe.routed_experts, impl=kernel_impl))(
+        x, experts, w, *qs, wg_scale=ss[0], wu_scale=ss[1], wd_scale=ss[2])
+    want = np.zeros((t, d))
+    xf = np.asarray(x.astype(jnp.float32), np.float64)
+    for e in np.unique(np.asarray(experts)):
+        deq = [np.asarray(fp8_formats.dequantize_weight_blocks(q[e], s[e]), np.float64) for q, s in zip(qs, ss)]
+        rows, slot = np.nonzero(np.asarray(experts) == e)
+        g, u = xf[rows] @ deq[0], xf[rows] @ deq[1]
+        want[rows] += np.asarray(w)[rows, slot][:, None] * ((g / (1 + np.exp(-g)) * u) @ deq[2])
+    assert _rel(got, want) < 2e-2

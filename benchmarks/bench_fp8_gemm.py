@@ -1,0 +1,153 @@
+"""FP8 block-scaled GEMMs on the GPU: bf16 weights vs FP8 weights (W8A16 and W8A8) of the same random model.
+
+Linear layers at GLM-5.2 TP = 8 shapes (kernels/fp8_linear.py; weights [N, K]): q_a 6144 -> 2048 (replicated),
+q_b 2048 -> 16384 / 8, o_proj 16384 / 8 -> 6144. The bf16 baseline is XLA's matmul (cuBLAS) on the same weights
+dequantised to bf16; "xla_fp8" is the FP8 op's xla impl (the float32 reference). Routed experts
+(kernels/moe.py): 256 experts, hidden 6144, width 2048 (--moe_dims), top-8, uniform random routing: the bf16
+grouped-GEMM kernel vs the FP8 W8A16 one, the xla form beside them (FP8 xla only up to 128 rows: it
+dequantises every expert to float32).
+
+Rows T in --batches (decode 1, 32, 128; prefill 8192). Each row: time (median of --iters calls of one jitted op
+after a warm-up), TB/s over the weight bytes read (the experts actually used for the MoE; FP8: the e4m3 bytes plus
+scales) and % of the HBM peak, TFLOP/s, and the speed-up of each FP8 form over bf16. The Triton FP8 linear kernel
+runs its default config and a small budgeted config sweep (--budget_s per shape and form; 0: defaults only);
+the best is reported with its config. Prints one JSON line per measurement and writes the record to --out.
+
+    PYTHONPATH=. python benchmarks/bench_fp8_gemm.py --out bench_fp8_gemm.json        # ~5 min on one H200
+    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/bench_fp8_gemm.py --impl triton_interpret --batches 1,16 \\
+        --linear 256x384 --moe_dims 256,128,8 --iters 1 --budget_s 0                   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.harness import budgeted_sweep, command_line, device_peaks, record, timeit, write_json
+from kernels import fp8_formats, fp8_linear, fp8_linear_triton, moe
+
+LINEAR = {"q_a": (2048, 6144), "q_b": (2048, 2048), "o_proj": (6144, 2048)}  # name: (N, K) at TP = 8
+K_TOP = 8
+
+
+def random_fp8(key, shape):
+    """Random finite e4m3 weights (no NaN codes) [..., rows, cols] and float32 block scales around 1e-3."""
+    kq, kb, ks = jax.random.split(key, 3)
+    bits = jax.random.randint(kq, shape, 0, 0x7F, jnp.uint8) | (jax.random.randint(kb, shape, 0, 2, jnp.uint8) << 7)
+    grid = (*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128))
+    return (jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn),
+            jax.random.uniform(ks, grid, jnp.float32, 0.5e-3, 2e-3))
+
+
+def linear_configs(t: int):
+    """Launch configs of the FP8 linear kernel to try at T rows, beside the default."""
+    if t <= 128:
+        bm = max(16, 1 << (t - 1).bit_length())
+        for bn, ks, bk, st in itertools.product((32, 64, 128), (1, 2, 4, 8), (64, 128), (3, 4)):
+            yield dict(bm=bm, bn=bn, k_split=ks, bk=bk, num_warps=4, num_stages=st)
+    else:
+        for bm, bn, bk, w, st in itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4)):
+            yield dict(bm=bm, bn=bn, bk=bk, k_split=1, num_warps=w, num_stages=st)
+
+
+def _rates(res, s, wbytes, flops, peaks):
+    return dict(us=1e6 * s, tb_s=wbytes / s / 1e12, pct_hbm=100 * wbytes / s / peaks.hbm_bytes_per_s,
+                tflops=flops / s / 1e12)
+
+
+def bench_linear(args, peaks, rows):
+    """bf16 (XLA) vs FP8 W8A16 / W8A8 (Triton, xla reference) per linear shape and T."""
+    for name, (n, k) in args.linear.items():
+        w_q, w_s = random_fp8(jax.random.key(n + k), (n, k))
+        w_bf16 = fp8_formats.dequantize_weight_blocks(w_q, w_s, dtype=jnp.bfloat16).T  # [K, N], our bf16 layout
+        fp8_bytes = n * k + 4 * w_s.size
+        for t in args.batches:
+            x = jax.random.normal(jax.random.key(t), (t, k), jnp.bfloat16)
+            flops = 2 * t * n * k
+            base = timeit(jax.jit(jnp.matmul), x, w_bf16, warmup=1, reps=args.iters)
+            res = {"op": "linear", "name": name, "N": n, "K": k, "T": t,
+                   "bf16_xla": _rates({}, base, 2 * n * k, flops, peaks)}
+            for form in fp8_linear.FORMS:
+                def run(impl, **opts):
+                    f = jax.jit(functools.partial(fp8_linear.fp8_linear, form=form, impl=impl, **opts))
+                    return timeit(f, x, w_q, w_s, warmup=1, reps=args.iters)
+
+                best = {"config": "default", "s": run(args.impl)}
+                if args.budget_s > 0:
+                    sweep = budgeted_sweep(linear_configs(t), lambda cfg: run(args.impl, **cfg), args.budget_s,
+                                           min_measured=0, label=f"{name} T={t} {form}")
+                    if sweep.measured and sweep.best()[1] < best["s"]:
+                        best = {"config": sweep.best()[0], "s": sweep.best()[1]}
+                cfg = fp8_linear_triton.default_config(t, n, k, form)
+                res[form] = {**_rates({}, best["s"], fp8_bytes, flops, peaks), "config": best["config"],
+                             "default": vars(cfg), "speedup_vs_bf16": base / best["s"]}
+                res[f"xla_fp8_{form}"] = _rates({}, run("xla"), fp8_bytes, flops, peaks)
+            print(json.dumps(res), flush=True)
+            rows.append(res)
+
+
+def bench_moe(args, peaks, rows):
+    """bf16 vs FP8 (W8A16) grouped-GEMM routed experts, the xla forms beside them."""
+    d, i, e = args.moe_dims
+    keys = jax.random.split(jax.random.key(1), 3)
+    fp8 = [random_fp8(kk, shape) for kk, shape in zip(keys, ((e, d, i), (e, d, i), (e, i, d)))]
+    bf16 = [fp8_formats.dequantize_weight_blocks(q, s, dtype=jnp.bfloat16) for q, s in fp8]
+    scales = dict(wg_scale=fp8[0][1], wu_scale=fp8[1][1], wd_scale=fp8[2][1])
+    rng = np.random.default_rng(0)
+    for t in args.batches:
+        x = jax.random.normal(jax.random.key(t), (t, d), jnp.bfloat16)
+        experts = jnp.asarray(np.stack([rng.choice(e, K_TOP, replace=False) for _ in range(t)]), jnp.int32)
+        w = jnp.asarray(rng.uniform(0.1, 1.0, (t, K_TOP)), jnp.float32)
+        used = len(np.unique(np.asarray(experts)))
+        flops = 2 * 3 * t * K_TOP * d * i
+        res = {"op": "moe", "T": t, "experts_used": used, "dims": [d, i, e]}
+
+        def run(impl, ws, **kw):
+            f = jax.jit(functools.partial(moe.routed_experts, impl=impl, **kw))
+            return timeit(f, x, experts, w, *ws, warmup=1, reps=args.iters)
+
+        base = run(args.impl, bf16)
+        res["bf16"] = _rates({}, base, used * 3 * d * i * 2, flops, peaks)
+        res["bf16_xla"] = _rates({}, run("xla", bf16), used * 3 * d * i * 2, flops, peaks)
+        fp8_bytes = used * 3 * (d * i + 4 * fp8[0][1][0].size)
+        s = run(args.impl, [q for q, _ in fp8], **scales)
+        res["w8a16"] = {**_rates({}, s, fp8_bytes, flops, peaks), "speedup_vs_bf16": base / s}
+        if t <= 128:
+            res["xla_fp8"] = _rates({}, run("xla", [q for q, _ in fp8], **scales), fp8_bytes, flops, peaks)
+        print(json.dumps(res), flush=True)
+        rows.append(res)
+
+
+def main(argv=None):
+    """The command line: linear rows, then MoE rows."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,32,128,8192")
+    ap.add_argument("--linear", default=",".join(f"{n}x{k}" for n, k in LINEAR.values()),
+                    help="NxK shapes (default q_a, q_b, o_proj at TP = 8); '' for none")
+    ap.add_argument("--moe_dims", default="6144,2048,256", help="hidden, expert width, experts; '' for none")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--budget_s", type=float, default=4.0, help="config sweep budget per shape, T and form")
+    ap.add_argument("--impl", default="triton", help="triton_interpret for a CPU smoke run")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    names = {f"{n}x{k}": name for name, (n, k) in LINEAR.items()}
+    args.linear = {names.get(s, s): tuple(int(v) for v in s.split("x")) for s in filter(None, args.linear.split(","))}
+    args.moe_dims = tuple(int(v) for v in args.moe_dims.split(",")) if args.moe_dims else None
+    peaks = device_peaks()
+    rows = []
+    bench_linear(args, peaks, rows)
+    if args.moe_dims:
+        bench_moe(args, peaks, rows)
+    if args.out:
+        write_json(args.out, record(rows, command=command_line(argv, script=__file__), roofline=peaks.name))
+
+
+if __name__ == "__main__":
+    main()
