@@ -116,7 +116,7 @@ def stage_times(eng: Engine, batch: StepBatch) -> dict[str, float]:
     q = rnd(b, h_local, cfg.mla_row_dim)
     out["sparse_mla"] = cfg.num_hidden_layers * device_time(lambda q, c, s: _nudge(q, attend(q, c, s)[1]), q, mla,
                                                             slots)
-    norm = functools.partial(fused_norm_rope.fused_norm_rope_cache, rope_theta=cfg.rope_theta, impl=impl)
+    norm = functools.partial(fused_norm_rope.fused_norm_rope_cache, rope_theta=cfg.rope, impl=impl)
     args = (rnd(b, cfg.q_lora_rank), rnd(b, cfg.mla_row_dim), batch.positions, batch.slot_mapping,
             rnd(cfg.q_lora_rank), rnd(cfg.kv_lora_rank))
     out["norms_rope_cache"] = cfg.num_hidden_layers * device_time(lambda c, *a: norm(*a, c)[1], jnp.zeros_like(mla),

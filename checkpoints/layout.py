@@ -7,6 +7,9 @@ explicit axis so that tensor parallelism shards one axis. Routed experts are sta
 `hf_axes` states that mapping as data (which of our axes each HF axis is split into), so a loader can read just
 the HF rows and columns one device's shard of a parameter needs (`hf_index`, `ours_from_hf_blocks`).
 
+The LM head is stored with `padded_vocab_size(vocab_size)` output columns (zeros past vocab_size) so that any
+power-of-two tensor-parallel split divides it (docs/math.md §14); HF tensors keep exactly vocab_size rows.
+
 `cfg` is duck-typed (any object with the GlmDsaConfig fields), so this package does not import the model.
 """
 
@@ -34,6 +37,36 @@ class ParamSpec:
     # With several hf_keys, our axis 0 stacks them (one per key) and the groups name our other axes.
     # E.g. q_b_proj, HF [H * (Dn + Dr), Rq] -> ours [Rq, H, Dn + Dr]: ((1, 2), (0,)). None: not described.
     hf_axes: tuple[tuple[int, ...], ...] | None = None
+
+
+#: The LM head's columns are padded to a multiple of this: every power-of-two TP size up to 128 divides the padded
+#: width, and FP8 releases' 128 x 128 weight blocks tile it whole. Vocabularies already a multiple (GLM-5.x's
+#: 154880, DeepSeek-V3.2's 129280) are not padded at all.
+VOCAB_PAD_MULTIPLE = 128
+
+
+def padded_vocab_size(vocab_size: int) -> int:
+    """`vocab_size` rounded up to a multiple of `VOCAB_PAD_MULTIPLE`: the LM head's stored width."""
+    return -(-int(vocab_size) // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+
+
+def _lm_head(n_in, vocab, padded):
+    """HF [vocab, in] -> ours [in, padded]: the transposed weight, zero columns past vocab (pad logits are 0 and
+    cut off by the model). Padded, the layout is not described as data (hf_axes None): a loader reads the whole
+    tensor, which only odd vocabularies need."""
+    conv = _linear(n_in, vocab)
+    if padded == vocab:
+        return conv
+
+    def from_hf(w):
+        out = np.zeros((n_in, padded), w.dtype)
+        out[:, :vocab] = w.T
+        return out
+
+    def to_hf(a):
+        return (np.ascontiguousarray(np.asarray(a)[:, :vocab].T),)
+
+    return dict(from_hf=from_hf, to_hf=to_hf, hf_shapes=((vocab, n_in),), hf_axes=None)
 
 
 def _identity(shape):
@@ -133,7 +166,8 @@ def param_specs(cfg) -> dict[str, ParamSpec]:
                 add(m + "shared_down", (Is, D), [hm + "shared_experts.down_proj.weight"], _linear(Is, D))
     add("final_norm", (D,), ["model.norm.weight"], _identity((D,)), fp32=True)
     lm_key = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    add("lm_head", (D, V), [lm_key], _linear(D, V))
+    Vp = padded_vocab_size(V)
+    add("lm_head", (D, Vp), [lm_key], _lm_head(D, V, Vp))
     return specs
 
 

@@ -98,7 +98,28 @@ demo = GlmDsaConfig(
     pad_token_id=0,
 )
 
-PRESETS = {"glm5": glm5, "glm52": glm52, "tiny": tiny, "bench": bench, "heads": heads, "demo": demo}
+#: DeepSeek-V3.2 (HF `DeepseekV32Config` / the release's config.json): 61 layers (3 dense), 128 heads, q_lora 1536,
+#: qk_nope 128 + rope 64, v_head 128, an indexer of 64 x 128 on every layer (half-split rope), 256 experts in 8
+#: groups (4 kept), vocab 129280, YaRN factor 40 over 4096 original positions (mscale = mscale_all_dim = 1); QREP
+#: off by default (docs/math.md §13).
+deepseek_v32 = GlmDsaConfig.from_dict({
+    "model_type": "deepseek_v32",
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "rope_theta": 10000, "max_position_embeddings": 163840, "num_nextn_predict_layers": 1,
+    "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+}, source="preset deepseek_v32")
+
+#: One TP=2 shard of DeepSeek-V3.2 on one GPU: its 64 heads (128 / 2) and its halves of the dense and expert widths,
+#: with the whole indexer (64 heads, replicated) and every other dimension real, for the GPU benchmarks.
+deepseek_v32_tp2_shard = deepseek_v32.replace(
+    num_attention_heads=64,
+    intermediate_size=deepseek_v32.intermediate_size // 2,
+    moe_intermediate_size=deepseek_v32.moe_intermediate_size // 2,
+)
+
+PRESETS = {"glm5": glm5, "glm52": glm52, "tiny": tiny, "bench": bench, "heads": heads, "demo": demo,
+           "deepseek_v32": deepseek_v32, "deepseek_v32_tp2_shard": deepseek_v32_tp2_shard}
 
 
 def get(name: str) -> GlmDsaConfig:

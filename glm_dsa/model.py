@@ -125,7 +125,7 @@ class MLA(nnx.Module):
         normed rows `h`; docs/math.md §2 (MLA, Indexer) with the DCP steps of docs/math.md §6."""
         cfg, par, tr = ctx.cfg, ctx.parallel, ctx.tracer.at(self.layer)
         rank = jax.lax.axis_index(DCP)
-        cos, sin = rope.rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+        cos, sin = rope.rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope)
         # batch.slot_mapping is the slot on the token's owning rank; the other ranks write nothing for it.
         own_slots = jnp.where(dcp.owner(batch.positions, ctx.n, par.interleave) == rank, batch.slot_mapping, -1)
         # q_a -> norm; kv_a -> norm | rope -> cache (and the indexer's keys -> its cache)
@@ -157,7 +157,7 @@ class MLA(nnx.Module):
         q_n, mla_cache, index_cache, _ = fused_norm_rope.fused_norm_rope_cache(
             h @ self.q_a_proj[...], h @ self.kv_a_proj[...], positions, slots,
             self.q_a_norm[...], self.kv_a_norm[...], mla_cache.reshape(-1, mla_cache.shape[-1]),
-            rope_theta=cfg.rope_theta, rope_interleave=cfg.rope_interleave,
+            rope_theta=cfg.rope, rope_interleave=cfg.rope_interleave,
             index_k=None if idx is None else h @ idx.wk[...],
             index_norm_w=None if idx is None else idx.k_norm_w[...],
             index_norm_b=None if idx is None else idx.k_norm_b[...],
@@ -269,7 +269,7 @@ class DecoderLayer(nnx.Module):
 
 
 class GlmDsaModel(nnx.Module):
-    """Embedding, decoder layers, final norm and the (vocab-sharded) LM head."""
+    """Embedding, decoder layers, final norm and the (vocab-sharded, padded: docs/math.md §14) LM head."""
 
     def __init__(self, cfg: GlmDsaConfig, dtype=jnp.bfloat16):
         specs = param_specs(cfg)
@@ -277,8 +277,9 @@ class GlmDsaModel(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, i, specs, dtype) for i in range(cfg.num_hidden_layers)])
 
     def __call__(self, caches, batch: StepBatch, ctx: StepContext):
-        """Per-shard step: returns (float32 logits [L, vocab] of the logits rows, updated caches); an active
-        `ctx.tracer` records every layer's intermediate tensors (glm_dsa.trace)."""
+        """Per-shard step: returns (float32 logits [L, vocab_size] of the logits rows, updated caches); an active
+        `ctx.tracer` records every layer's intermediate tensors (glm_dsa.trace). The LM head's padding columns
+        (past vocab_size) are cut off here, so no caller (logits, sampling, trace) ever sees a pad id."""
         cfg = ctx.cfg
         x = self.embed[...][batch.token_ids]
         mla, index = list(caches["mla"]), list(caches["indexer"])
@@ -291,5 +292,5 @@ class GlmDsaModel(nnx.Module):
             mla[i] = mla[i].reshape(caches["mla"][i].shape)
         x = rms_norm(x[batch.logits_indices], self.final_norm[...], cfg.rms_norm_eps)
         logits = jnp.einsum("td,dv->tv", x, self.lm_head[...], preferred_element_type=jnp.float32)
-        logits = jax.lax.all_gather(logits, TP_AXES, axis=1, tiled=True)
+        logits = jax.lax.all_gather(logits, TP_AXES, axis=1, tiled=True)[:, : cfg.vocab_size]
         return logits, {"mla": tuple(mla), "indexer": tuple(index)}

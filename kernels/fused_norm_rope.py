@@ -45,7 +45,7 @@ def _scatter_rows(cache, slots, rows, block_size=None):
 
 
 def fused_norm_rope_cache_xla(q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_w, mla_cache, *,
-                              rope_theta: float, rope_interleave: bool = True, eps: float = QKV_NORM_EPS,
+                              rope_theta, rope_interleave: bool = True, eps: float = QKV_NORM_EPS,
                               index_k=None, index_norm_w=None, index_norm_b=None, index_cache=None,
                               index_slot_mapping=None, index_rope_interleave: bool = True, topk_buf=None,
                               block_size=None):
@@ -75,7 +75,7 @@ def fused_norm_rope_cache_xla(q_c, kv_c, positions, slot_mapping, q_norm_w, kv_n
 
 
 def fused_norm_rope_cache(q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_w, mla_cache, *,
-                          rope_theta: float, rope_interleave: bool = True, eps: float = QKV_NORM_EPS,
+                          rope_theta, rope_interleave: bool = True, eps: float = QKV_NORM_EPS,
                           index_k=None, index_norm_w=None, index_norm_b=None, index_cache=None,
                           index_slot_mapping=None, index_rope_interleave: bool = True, topk_buf=None,
                           impl: str = "xla", block_size=None, **triton_options):

@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import fp8_formats as f8
+from . import rope
 from .triton_common import MASKED_ROW, bytes_of, check_addressable
 
 
@@ -355,7 +356,7 @@ def default_config(T: int) -> FusedNormRopeConfig:
 
 
 def fused_norm_rope_cache_triton(q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_w, mla_cache, *,
-                                 rope_theta: float, rope_interleave: bool = True, eps: float = 1e-6,
+                                 rope_theta, rope_interleave: bool = True, eps: float = 1e-6,
                                  index_k=None, index_norm_w=None, index_norm_b=None, index_cache=None,
                                  index_slot_mapping=None, index_rope_interleave: bool = True, topk_buf=None,
                                  block_size=None, config: FusedNormRopeConfig | None = None, interpret: bool = False,
@@ -415,7 +416,7 @@ def fused_norm_rope_cache_triton(q_c, kv_c, positions, slot_mapping, q_norm_w, k
     grid = n_q + n_blocks
     topk_n = topk_buf.size if has_topk else 0
     topk_chunk = min(1024, _p2(max(1, pl.cdiv(topk_n, grid)))) if has_topk else 1
-    inv_freq = 1.0 / (rope_theta ** (jnp.arange(0, Dr, 2, dtype=jnp.float32) / Dr))
+    inv_freq = rope.inv_freq(Dr, rope_theta)  # a plain base or YaRN's blend (kernels.rope.YarnRope)
 
     q_geom = _QGeometry(T=T, Rq=Rq, eps=float(eps), bt=cfg.q_rows)
     c_geom = _CacheGeometry(T=T, R=R, Dr=Dr, Di=Di, tile=tile, nt=nt, mla_fp8=mla_fp8, idx_fp8=idx_fp8,

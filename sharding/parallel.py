@@ -62,15 +62,23 @@ class ParallelConfig:
         return bool(self.dcp_q_replicate) and self.dcp > 1
 
     def check_model(self, cfg) -> None:
-        """Raise if the model's widths do not divide over the TP devices (names the field and numbers)."""
+        """Raise if the model's widths do not divide over the TP devices (names the field and numbers).
+
+        The vocabulary is split as the LM head is stored, padded (`cfg.padded_vocab_size`, docs/math.md §14); heads
+        and the MLP / expert widths are not padded and must divide."""
         tp = self.tp
         widths = {"num_attention_heads": cfg.num_attention_heads, "intermediate_size": cfg.intermediate_size,
-                  "moe_intermediate_size": cfg.moe_intermediate_size, "vocab_size": cfg.vocab_size}
+                  "moe_intermediate_size": cfg.moe_intermediate_size}
         if cfg.n_shared_experts:
             widths["moe_intermediate_size * n_shared_experts"] = cfg.moe_intermediate_size * cfg.n_shared_experts
         for name, v in widths.items():
             if v % tp:
-                raise ValueError(f"{name} ({v}) is not divisible by tensor_parallel_size ({tp})")
+                raise ValueError(f"{name} ({v}) is not divisible by tensor_parallel_size ({tp}): heads and MLP / "
+                                 "expert widths are split over the TP devices unpadded")
+        padded = getattr(cfg, "padded_vocab_size", cfg.vocab_size)
+        if padded % tp:
+            raise ValueError(f"vocab_size ({cfg.vocab_size}, LM head padded to {padded} columns) is not divisible by "
+                             f"tensor_parallel_size ({tp})")
 
     def resolve(self, model_defaults: dict | None = None, env: dict | None = None) -> "ParallelConfig":
         """Fill the unset fields: QREP = environment override if set, else the explicit field, else the model

@@ -271,6 +271,21 @@ def test_triton_matches_oracle(kernel_impl, on_gpu, T, cache_dtype, full, index_
     assert_matches_oracle(kw, out, ref, **{k: TINY[k] for k in ("R", "Dr", "Di")}, exact_scales=not on_gpu)
 
 
+def test_yarn_frequencies_reach_the_kernel(kernel_impl, on_gpu):
+    """A YaRN rope (DeepSeek-V3.2) through `rope_theta`: the kernel rotates by the blended frequencies as the
+    oracle does, and by different angles than the plain base would (so the blend is not dropped on the way)."""
+    from kernels.rope import YarnRope
+    yarn = YarnRope(theta=THETA, factor=40.0, original_max_position_embeddings=64)
+    kw = make_inputs(17, **TINY, fp8=False, seed=5)
+    kw["positions"] = kw["positions"] * 97  # long positions: the interpolated frequencies matter there
+    run = jax.jit(lambda kw, impl, theta: fnr.fused_norm_rope_cache(**kw, rope_theta=theta, impl=impl),
+                  static_argnames=("impl", "theta"))
+    ref = run(kw, "xla", yarn)
+    assert_matches_oracle(kw, run(kw, kernel_impl, yarn), ref, R=32, Dr=16, Di=32, exact_scales=not on_gpu)
+    plain = run(kw, "xla", THETA)
+    assert not np.allclose(np.asarray(plain[1]), np.asarray(ref[1]), atol=1e-3)
+
+
 @pytest.mark.parametrize("T,fp8,il,opts", [
     (23, True, True, (("q_rows", 4), ("cache_rows", 2))),
     (40, False, True, (("q_rows", 1), ("cache_rows", 8), ("num_warps", 2))),

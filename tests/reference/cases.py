@@ -4,7 +4,8 @@ Pure Python with no third-party imports: both interpreters read this file, the P
 runs `hf_reference.py` (torch + transformers) and the Python 3.12 one that runs the JAX tests.
 
 A case spec is a JSON-able dict:
-  config     keyword arguments for `transformers.GlmMoeDsaConfig` (they end up in `config.json`)
+  model_type absent (GLM: `transformers.GlmMoeDsaConfig`) or "deepseek_v32" (`transformers.DeepseekV32Config`)
+  config     keyword arguments for that config class (they end up in `config.json`)
   seed       first seed tried for the random weights; `hf_reference.py` moves on to seed+1, ... while the
              drawn model has a near-tie at a top-k boundary (see its docstring) and records the seed it kept
   prompts    token-id lists, run as separate forwards (no padding)
@@ -69,6 +70,22 @@ def _case(seed: int, prompt_lens: tuple[int, int], **config) -> dict:
     }
 
 
+def _v32_case(seed: int, prompt_lens: tuple[int, int], **config) -> dict:
+    """A DeepSeek-V3.2 case (docs/math.md §13): an indexer on every layer (half-split rope), YaRN, 8 expert groups."""
+    return {"model_type": "deepseek_v32", **_case(seed, prompt_lens, **{**_V32, **config})}
+
+
+def _yarn(factor: float, original: int, mscale: float = 1.0, **extra) -> dict:
+    return {"rope_type": "yarn", "rope_theta": 10000.0, "factor": factor, "original_max_position_embeddings": original,
+            "mscale": mscale, "mscale_all_dim": mscale, **extra}
+
+
+# DeepSeek-V3.2's structure shrunk: YaRN over a short original context (64 positions, factor 8) so that the
+# prompts' positions reach the interpolated frequencies; group-limited routing with V3.2's 8 groups / 4 kept.
+_V32 = dict(n_routed_experts=16, n_group=8, topk_group=4, num_experts_per_tok=4, rms_norm_eps=1e-6,
+            rope_parameters=_yarn(8.0, 64), max_position_embeddings=512)
+
+
 CASES: dict[str, dict] = {
     # Default schedule (freq 1, offset 2): every layer owns an indexer. top-k 8 against prompts of
     # 23 and 37 tokens, so most query rows attend a strict subset of their past: the sparse case.
@@ -85,6 +102,19 @@ CASES: dict[str, dict] = {
     # pattern string, which wins over the freq/offset schedule.
     "topk_exceeds_len": _case(4, (12, 26), num_hidden_layers=4, first_k_dense_replace=2, index_topk=64,
                               index_topk_pattern="FSFS"),
+    # DeepSeek-V3.2: 4 layers (1 dense), top-k 8 against 23 / 37 tokens, YaRN factor 8 with mscale 1.
+    "v32_yarn": _v32_case(5, (23, 37), num_hidden_layers=4, first_k_dense_replace=1, index_topk=8),
+    # DeepSeek-V3.2, 8 heads (TP = 8 splits them), 5 layers (2 dense), 32 indexer heads, top-k 12, YaRN factor 4
+    # over 64 positions with mscale 0.8 and its own ramp (beta_fast 16, beta_slow 2).
+    "v32_yarn_tp8": _v32_case(6, (19, 34), num_hidden_layers=5, first_k_dense_replace=2, num_attention_heads=8,
+                              num_key_value_heads=8, index_n_heads=32, index_topk=12,
+                              rope_parameters=_yarn(4.0, 64, 0.8, beta_fast=16.0, beta_slow=2.0),
+                              max_position_embeddings=256),
+    # A prime vocabulary (257: no TP > 1 divides it; the LM head is padded, docs/math.md §14) and 8 heads, so
+    # TP = 8 applies; prompts use the last id.
+    "glm_prime_vocab": {**_case(7, (21, 33), vocab_size=257, num_attention_heads=8, num_key_value_heads=8,
+                                index_topk=8),
+                        "prompts": [[256] + _prompt(20, 70, 257), _prompt(32, 71, 257) + [256]]},
 }
 
 

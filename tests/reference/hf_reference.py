@@ -1,9 +1,10 @@
-"""Reference outputs of Hugging Face `GlmMoeDsaForCausalLM` for glm-dsa's comparison tests.
+"""Reference outputs of HF `GlmMoeDsaForCausalLM` / `DeepseekV32ForCausalLM` for glm-dsa's comparison tests.
 
 Runs under the Python 3.11 reference interpreter (CPU torch + transformers >= 5.13), as its own process;
 the JAX side only reads the files it writes. For each case spec (see `cases.py`) it:
 
-1. builds a random float32 `GlmMoeDsaForCausalLM` with eager attention and re-draws every weight from
+1. builds a random float32 model of the spec's `model_type` (`GlmMoeDsaForCausalLM` by default,
+   `DeepseekV32ForCausalLM` for "deepseek_v32") with eager attention and re-draws every weight from
    its own generator (scaled so activations stay O(1), norms and the router bias not trivial, and
    `lm_head` large enough that greedy decoding has clear winners);
 2. runs each prompt as one full forward without cache (`use_cache=False`) and keeps the fp32 logits;
@@ -40,7 +41,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_v32
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_glm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,15 +57,22 @@ GREEDY_MIN_MARGIN = 2e-3       # absolute top-1 minus top-2 logit at every greed
 MAX_SEEDS = 16                 # seeds tried per case before giving up
 LM_HEAD_GAIN = 4.0             # logits std ~ this: well-separated greedy choices
 
+# model_type -> (config class, model class); a spec without "model_type" is GLM.
+MODELS = {"glm_moe_dsa": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM),
+          "deepseek_v32": (DeepseekV32Config, DeepseekV32ForCausalLM)}
+INDEXERS = (hf_glm.GlmMoeDsaIndexer, hf_v32.DeepseekV32Indexer)
+ROUTERS = (hf_glm.GlmMoeDsaTopkRouter, hf_v32.DeepseekV32TopkRouter)
+
 
 # ----------------------------------------------------------------------------------------------
 # Model
 # ----------------------------------------------------------------------------------------------
-def build_model(config_kwargs: dict, seed: int) -> GlmMoeDsaForCausalLM:
-    """A float32 eager-attention model whose every weight is drawn here from `seed`."""
+def build_model(config_kwargs: dict, seed: int, model_type: str = "glm_moe_dsa"):
+    """A float32 eager-attention model of `model_type` whose every weight is drawn here from `seed`."""
     torch.manual_seed(seed)
-    config = GlmMoeDsaConfig(**config_kwargs, attn_implementation="eager")
-    model = GlmMoeDsaForCausalLM(config).to(torch.float32).eval()
+    config_cls, model_cls = MODELS[model_type]
+    config = config_cls(**config_kwargs, attn_implementation="eager")
+    model = model_cls(config).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
 
     def normal(shape, std):
@@ -96,7 +105,7 @@ def build_model(config_kwargs: dict, seed: int) -> GlmMoeDsaForCausalLM:
 class MarginProbe:
     """Forward hooks that measure how close each indexer / router selection is to a tie."""
 
-    def __init__(self, model: GlmMoeDsaForCausalLM):
+    def __init__(self, model):
         self.indexer_abs = float("inf")
         self.indexer_rel = float("inf")
         self.indexer_rows = 0  # rows with more candidates than k (where a tie could matter)
@@ -104,9 +113,9 @@ class MarginProbe:
         self.router_group = float("inf")
         self.handles = []
         for name, mod in model.named_modules():
-            if isinstance(mod, hf_glm.GlmMoeDsaIndexer):
+            if isinstance(mod, INDEXERS):
                 self.handles.append(mod.register_forward_hook(self._indexer_hook, with_kwargs=True))
-            elif isinstance(mod, hf_glm.GlmMoeDsaTopkRouter):
+            elif isinstance(mod, ROUTERS):
                 self.handles.append(mod.register_forward_hook(self._router_hook))
 
     def close(self):
@@ -115,13 +124,16 @@ class MarginProbe:
 
     @staticmethod
     def indexer_scores(ix, hidden, q_resid, position_embeddings) -> torch.Tensor:
-        """docs/math.md §2 indexer scores [B, S, S] (before the causal mask), from the module's own weights."""
+        """docs/math.md §2 indexer scores [B, S, S] (before the causal mask), from the module's own weights; the
+        rope is GLM's interleaved one or DeepSeek-V3.2's half-split one (docs/math.md §13)."""
         b, s, _ = hidden.shape
         r = ix.qk_rope_head_dim
         q = ix.wq_b(q_resid).view(b, s, ix.n_heads, ix.head_dim)
         k = ix.k_norm(ix.wk(hidden))[:, :, None, :]  # one key head
         cos, sin = position_embeddings
-        q_rot, k_rot = hf_glm.apply_rotary_pos_emb_interleave(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=2)
+        rotate = (hf_v32.apply_rotary_pos_emb if isinstance(ix, hf_v32.DeepseekV32Indexer)
+                  else hf_glm.apply_rotary_pos_emb_interleave)
+        q_rot, k_rot = rotate(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=2)
         q = torch.cat([q_rot, q[..., r:]], dim=-1).float()
         k = torch.cat([k_rot, k[..., r:]], dim=-1)[:, :, 0].float()
         logits = F.relu(torch.einsum("bshd,btd->bsht", q, k) * ix.softmax_scale)
@@ -187,7 +199,7 @@ class MarginProbe:
 # ----------------------------------------------------------------------------------------------
 @torch.inference_mode()
 def run_once(spec: dict, seed: int):
-    model = build_model(spec["config"], seed)
+    model = build_model(spec["config"], seed, spec.get("model_type", "glm_moe_dsa"))
     probe = MarginProbe(model)
     try:
         logits = [model(torch.tensor([p]), use_cache=False).logits[0].float().numpy() for p in spec["prompts"]]
@@ -215,7 +227,7 @@ def run_once(spec: dict, seed: int):
 def sparsity_effect(model, prompts, logits) -> list[float]:
     """Max |logits| change per prompt when every indexer keeps all tokens (dense attention): how much
     the comparison can see of the top-k selection (large where index_topk < the prompt length)."""
-    indexers = [m for m in model.modules() if isinstance(m, hf_glm.GlmMoeDsaIndexer)]
+    indexers = [m for m in model.modules() if isinstance(m, INDEXERS)]
     saved = [m.index_topk for m in indexers]
     try:
         for m in indexers:
@@ -259,7 +271,9 @@ def build_reference(spec: dict, out_dir: Path, name: str | None = None) -> dict:
         "sparsity_effect": sparsity_effect(model, spec["prompts"], logits),
         "thresholds": {"indexer_min_rel": INDEXER_MIN_REL_MARGIN, "router_min": ROUTER_MIN_MARGIN,
                        "greedy_min": GREEDY_MIN_MARGIN},
-        "indexer_types": list(model.config.indexer_types), "mlp_layer_types": list(model.config.mlp_layer_types),
+        "indexer_types": list(getattr(model.config, "indexer_types", None)  # DeepSeek-V3.2: all layers full
+                              or ["full"] * model.config.num_hidden_layers),
+        "mlp_layer_types": list(model.config.mlp_layer_types),
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
         "seconds": round(time.perf_counter() - t0, 3),

@@ -1,4 +1,5 @@
-"""glm-dsa against Hugging Face transformers' `GlmMoeDsaForCausalLM` (docs/math.md §2, §10).
+"""glm-dsa against Hugging Face transformers' `GlmMoeDsaForCausalLM` and `DeepseekV32ForCausalLM` (docs/math.md §2,
+§10, §13, §14).
 
 A session fixture makes sure every case of `cases.py` has its reference in the cache (running
 `hf_reference.py` under the Python 3.11 reference interpreter for the missing ones), then each case's
@@ -7,7 +8,9 @@ checkpoint is loaded with `glm_dsa.load` in float32 and compared:
 - 16 greedy tokens of both prompts, batched in one `generate` call: identical to HF's;
 - the reference itself is unambiguous (its recorded top-k / router / greedy margins clear the guard);
 - negative control: the same checkpoint with `index_topk` = 1 << 20 (dense attention) is far from HF
-  on the sparse cases, so the comparison does see the top-k selection.
+  on the sparse cases, so the comparison does see the top-k selection;
+- DeepSeek-V3.2 and the prime vocabulary under several TP / DCP layouts, DCP = N against DCP = 1, and negative
+  controls showing that the comparison sees YaRN, its softmax-scale correction and the half-split indexer rope.
 
 Environment: GLM_DSA_REF_PYTHON (default `<repo>/.venv-ref/bin/python`) is the reference interpreter;
 GLM_DSA_REF_CACHE (default `<repo>/.ref_cache`) the cache; GLM_DSA_REQUIRE_REF=1 turns "reference
@@ -49,6 +52,10 @@ MAX_MODEL_LEN = 256
 LOGITS_ATOL = 1e-4
 SPARSITY_MIN_DIFF = 1e-2
 NAMES = sorted(cases.CASES)
+V32_NAMES = [n for n in NAMES if cases.CASES[n].get("model_type") == "deepseek_v32"]
+# (case, TP, DCP) layouts checked against HF beyond test_dcp_matches_hf's TP=4 x DCP=4.
+LAYOUTS = [("v32_yarn", 2, 1), ("v32_yarn", 4, 2), ("glm_prime_vocab", 4, 1), ("glm_prime_vocab", 4, 2),
+           ("glm_prime_vocab", 8, 1), ("glm_prime_vocab", 8, 4)]
 # Cases where some prompt is longer than index_topk: the top-k selection changes the result.
 SPARSE_NAMES = [n for n in NAMES
                 if cases.CASES[n]["config"]["index_topk"] < max(map(len, cases.CASES[n]["prompts"]))]
@@ -220,7 +227,92 @@ def test_trace_matches_hf_dump(name, reference_dirs, engines, tmp_path):
     assert all(r.jaccard == 1.0 for r in rows if r.jaccard is not None)
 
 
-@pytest.mark.parametrize("name", NAMES)
+def _linked_copy(src: Path, dst: Path, **config_changes) -> Path:
+    """`dst` holding `src`'s weights (linked) with its config.json changed by `config_changes`."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".safetensors" or f.name.endswith(".index.json"):
+            try:
+                os.symlink(f, dst / f.name)
+            except OSError:
+                shutil.copy(f, dst / f.name)
+    config = json.loads((src / "config.json").read_text())
+    config.update(config_changes)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def _check_against_hf(eng, meta, ref, what: str) -> list[np.ndarray]:
+    """Logits of every prompt within LOGITS_ATOL of HF's and HF's greedy tokens; returns the logits."""
+    got = [jax_logits(eng, p) for p in meta["prompts"]]
+    for i, (g, want) in enumerate(zip(got, ref)):
+        err = float(np.abs(g - want).max())
+        assert g.shape == want.shape and err <= LOGITS_ATOL, f"{what} prompt {i}: max |JAX - HF| = {err:.3g}"
+    n = len(meta["greedy"][0])
+    assert eng.generate([list(p) for p in meta["prompts"]], max_new_tokens=n) == meta["greedy"], what
+    return got
+
+
+@pytest.mark.parametrize("name,tp,dcp", LAYOUTS)
+def test_layouts_match_hf(name, tp, dcp, reference_dirs):
+    """DeepSeek-V3.2 under TP / DCP (QREP off: its default) and the prime vocabulary (LM head padded to 384
+    columns, split over 4 or 8 devices) give HF's logits and greedy tokens."""
+    import glm_dsa
+    from glm_dsa import ParallelConfig
+
+    meta, ref = load_reference(reference_dirs[name])
+    eng = glm_dsa.load(str(reference_dirs[name]), dtype="float32", max_model_len=MAX_MODEL_LEN, progress=False,
+                       parallel=ParallelConfig(tp, dcp))
+    assert eng.parallel.dcp_q_replicate is (cases.CASES[name].get("model_type") != "deepseek_v32")
+    _check_against_hf(eng, meta, ref, f"{name} TP={tp} DCP={dcp}")
+
+
+def test_v32_dcp_equals_dcp1(reference_dirs):
+    """DeepSeek-V3.2 at TP = 8: DCP = 4 (QREP off, and on when asked) computes what DCP = 1 computes (float32: up
+    to summation order, a few ulps of logits ~10), and both match HF."""
+    import glm_dsa
+    from glm_dsa import ParallelConfig
+
+    name = "v32_yarn_tp8"
+    meta, ref = load_reference(reference_dirs[name])
+    logits = {}
+    for dcp, qrep in ((1, None), (4, None), (4, True)):
+        eng = glm_dsa.load(str(reference_dirs[name]), dtype="float32", max_model_len=MAX_MODEL_LEN, progress=False,
+                           parallel=ParallelConfig(8, dcp, dcp_q_replicate=qrep))
+        assert eng.parallel.q_replicate is (qrep is True)
+        logits[dcp, qrep] = _check_against_hf(eng, meta, ref, f"{name} TP=8 DCP={dcp} QREP={qrep}")
+    for key in ((4, None), (4, True)):
+        for a, b in zip(logits[1, None], logits[key]):
+            assert np.abs(a - b).max() <= 3e-5, key
+
+
+@pytest.mark.parametrize("change", ["no_yarn", "no_mscale", "interleaved_indexer_rope"])
+def test_v32_comparison_sees_its_differences(change, reference_dirs, tmp_path):
+    """Negative controls (docs/math.md §13): the V3.2 checkpoint read without YaRN's frequencies, without its
+    softmax-scale correction (mscale_all_dim unset, mscale 0 so cos / sin stay unscaled) or with GLM's interleaved
+    indexer rope must FAIL the comparison, so the passing tests do exercise each of them."""
+    import glm_dsa
+
+    name = "v32_yarn"
+    src = reference_dirs[name]
+    config = json.loads((src / "config.json").read_text())
+    rope = dict(config["rope_parameters"])
+    if change == "no_yarn":
+        changes = {"rope_parameters": {"rope_type": "default", "rope_theta": rope["rope_theta"]}}
+    elif change == "no_mscale":
+        changes = {"rope_parameters": {**rope, "mscale_all_dim": 0.0, "mscale": 0.0, "attention_factor": 1.0}}
+    else:
+        changes = {"indexer_rope_interleave": True}
+    eng = glm_dsa.load(str(_linked_copy(src, tmp_path / change, **changes)), dtype="float32",
+                       max_model_len=MAX_MODEL_LEN, progress=False)
+    meta, ref = load_reference(src)
+    i = max(range(len(meta["prompts"])), key=lambda j: len(meta["prompts"][j]))
+    diff = float(np.abs(jax_logits(eng, meta["prompts"][i]) - ref[i]).max())
+    assert diff > SPARSITY_MIN_DIFF, f"{name} with {change}: within {diff:.3g} of HF; the comparison cannot see it"
+
+
+# The padded vocabulary has nothing to do with the cache format: one prime-vocabulary load fewer.
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "glm_prime_vocab"])
 def test_fp8_cache_logit_error(name, reference_dirs):
     """kv_cache_dtype="fp8_ds_mla" against the bf16 cache on the reference models (fp32 compute).
 
