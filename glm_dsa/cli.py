@@ -1,4 +1,4 @@
-"""`python -m glm_dsa {generate,info,demo,random-checkpoint,convert}`: the command line, with vLLM-style flags."""
+"""`python -m glm_dsa {generate,serve,info,demo,random-checkpoint,convert}`: the command line, with vLLM-style flags."""
 
 from __future__ import annotations
 
@@ -31,6 +31,27 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
 
 
+def _add_distributed_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("several hosts (JAX's multi-controller runtime: one process per host; the JAX_* "
+                             "environment variables work too)")
+    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="process 0's address, the same for every process (JAX_COORDINATOR_ADDRESS)")
+    g.add_argument("--num-processes", type=int, default=None, help="processes in all (JAX_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=int, default=None, help="this process, 0..N-1 (JAX_PROCESS_ID)")
+    g.add_argument("--distributed-timeout", type=int, default=300, metavar="S",
+                   help="seconds to wait for every process to join before giving up with an error")
+
+
+def _start_distributed(args) -> None:
+    """Join the multi-process runtime when the flags or JAX_* variables ask for it; only process 0 prints."""
+    if not hasattr(args, "coordinator_address"):
+        return
+    from . import distributed
+    if distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                              init_timeout_s=args.distributed_timeout) and not distributed.is_primary():
+        sys.stdout = open(os.devnull, "w")  # every process computes the same results; process 0 reports them
+
+
 def _parallel(args):
     from sharding import ParallelConfig
     return ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
@@ -48,6 +69,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="op implementation (default: the platform's, kernels.default_impl(): the Pallas Triton "
                         "kernels on an NVIDIA GPU, the xla references elsewhere)")
     _add_parallel_flags(p)
+    _add_distributed_flags(p)
 
 
 def _generate_and_report(eng, prompts, args, out=None, tokenizer=None) -> list[list[int]]:
@@ -85,12 +107,39 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _single_process(command: str) -> None:
+    import jax
+    if jax.process_count() > 1:
+        raise NotImplementedError(f"{command} runs in one process so far (a mesh of one host's devices, any TP / "
+                                  "DCP); generate and trace run across several processes")
+
+
+def cmd_serve(args) -> int:
+    """Load a checkpoint and serve it over an OpenAI-compatible HTTP API (see glm_dsa.server)."""
+    _single_process("serve")
+    import glm_dsa
+    from glm_dsa import text
+    from glm_dsa.server import chat_template, serve
+    tokenizer = text.load_tokenizer(args.checkpoint)
+    engine_kw = {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens", "num_pages", "block_size")
+                 if getattr(args, k) is not None}
+    eng = glm_dsa.load(args.checkpoint, parallel=_parallel(args), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                       max_model_len=args.max_model_len, impl=args.impl, progress=False, **engine_kw)
+    if tokenizer is not None:
+        tokenizer.vocab_size = eng.config.vocab_size
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.checkpoint))
+    serve(eng, model_name=name, host=args.host, port=args.port, api_key=args.api_key, tokenizer=tokenizer,
+          template=chat_template(args.checkpoint))
+    return 0
+
+
 def cmd_convert(args) -> int:
     """HF safetensors (bf16 / fp32 / FP8 block-scaled) or orbax -> a new committed orbax version at --to."""
     import checkpoints
     from glm_dsa.params import load_params
     from glm_dsa.text import TEXT_FILES
 
+    _single_process("convert")
     src, dst = args.src, args.dst
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError(f"convert: --from and --to are the same directory ({src})")
@@ -149,6 +198,7 @@ def cmd_info(args) -> int:
     _, with_qrep = param_bytes_per_device(cfg, parallel, True, args.dtype) if parallel.dcp > 1 else (0, without)
     info = {
         "source": args.checkpoint or f"preset {args.preset}",
+        "model_type": cfg.model_type,
         "layers": cfg.num_hidden_layers,
         "full_indexer_layers": list(cfg.full_layers),
         "shared_indexer_layers": [i for i in range(cfg.num_hidden_layers) if not cfg.is_full(i)],
@@ -159,13 +209,19 @@ def cmd_info(args) -> int:
         "tensor_parallel_size": parallel.tp,
         "decode_context_parallel_size": parallel.dcp,
         "cp_kv_cache_interleave_size": parallel.interleave,
-        "dcp_q_replicate": parallel.q_replicate,
+        "dcp_q_replicate": parallel.q_replicate,  # in effect (requested and DCP > 1)
+        "dcp_q_replicate_model_default": cfg.parallel_defaults["dcp_q_replicate"],
+        "dcp_q_replicate_requested": parallel.dcp_q_replicate,
         "dcp_comm_backend": parallel.dcp_comm_backend,
         "param_bytes_per_device_without_qrep": _human(without),
         "param_bytes_per_device_with_qrep": _human(with_qrep),
         "param_bytes_per_device": _human(with_qrep if parallel.q_replicate else without),
         "kv_cache_bytes_per_token_per_dcp_group": cache_bytes_per_token(cfg, args.dtype),
         "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if cfg.rope_scaling is None else cfg.rope_scaling.to_hf(cfg.rope_theta),
+        "softmax_scale": cfg.softmax_scale,
+        "vocab_size": cfg.vocab_size,
+        "padded_vocab_size": cfg.padded_vocab_size,
         "index_topk": cfg.index_topk,
     }
     if args.json:
@@ -267,6 +323,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-shard-mb", type=float, default=None)
     r.set_defaults(fn=cmd_random_checkpoint)
 
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the extra 'serve')")
+    sv.add_argument("--checkpoint", required=True, help="HF safetensors or orbax (convert) directory")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests")
+    sv.add_argument("--served-model-name", default=None, help="the model id (default: the checkpoint's directory name)")
+    sv.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once (default 8)")
+    sv.add_argument("--max-num-batched-tokens", type=int, default=None, help="rows per step (default 2048)")
+    sv.add_argument("--num-pages", type=int, default=None,
+                    help="KV cache pages per DCP rank (default: from the free device memory)")
+    sv.add_argument("--block-size", type=int, default=None, help="tokens per KV cache page (default 16)")
+    _add_model_flags(sv)
+    sv.set_defaults(fn=cmd_serve)
+
     c = sub.add_parser("convert", help="HF checkpoint (bf16 / fp32 / FP8 block-scaled) -> orbax checkpoint directory")
     c.add_argument("--from", dest="src", required=True, help="HF safetensors directory (or an orbax one)")
     c.add_argument("--to", dest="dst", required=True, help="orbax checkpoint directory (a new version is committed)")
@@ -274,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stored dtype (router, norms and indexer weights_proj stay float32)")
     c.add_argument("--no-progress", action="store_true")
     _add_parallel_flags(c)  # the mesh the parameters are staged on while converting (memory per device)
+    _add_distributed_flags(c)
     c.set_defaults(fn=cmd_convert)
 
     b = sub.add_parser("bench", help="prefill/decode speed of a reduced-depth model with random weights")
@@ -311,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _start_distributed(args)
         return args.fn(args)
     except (ValueError, TypeError, OSError, NotImplementedError, ImportError, KeyError) as e:
         # user-facing failures (bad input, a bad or missing file, a missing extra): one line,

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import itertools
+import logging
 import os
+import queue
+import threading
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kernels import default_impl
 from sharding import ParallelConfig, cache_spec, mesh_for
@@ -21,6 +27,8 @@ from .params import load_params, resolve_dtype
 from .paged_cache import (PageAllocator, allocate_caches, block_table_array, cache_bytes_per_token, cache_dtype,
                           free_device_bytes, max_addressable_pages, owner_slots, pages_needed, plan_pages)
 from .sampling import SamplingParams, check_token_ids, sample
+from .scheduler import Request, Scheduler, StepPlan
+from .streaming import RequestStream
 from .pytree import nest_params
 from .step import resolve_parallel, step
 
@@ -34,13 +42,24 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
-@jax.jit
-def _row_keys(seed_words, steps, rows):
-    """PRNG key of each sampled row: the request's seed (two uint32 words), then the step, then the row id
-    (so a row's draw depends on neither the other rows nor the batch it shares a step with)."""
-    def one(w, s, r):
-        return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(w), s), r)
-    return jax.vmap(one)(seed_words, steps, rows)
+def _serve_step(params, caches, rows: dict, prev_ids, *, config, parallel, impl, n_out: int):
+    """One serving step: the model step over `rows` (a dict of int32 arrays, as `StepBatch` plus `src`), then the
+    sampled id of each logits row, padded to `n_out` ids.
+
+    A row with src >= 0 takes its token from `prev_ids` (the previous step's sampled ids, still on the device),
+    so the host does not wait for them before building this step. Row i of the logits samples with the key
+    fold_in(fold_in(key(seed), token_index), prompt_index): a request's draws depend on its own seed, prompt
+    index and token index only, never on the batch it shares a step with."""
+    token_ids = jnp.where(rows["src"] >= 0, prev_ids[jnp.maximum(rows["src"], 0)], rows["token_ids"])
+    batch = StepBatch(token_ids.astype(jnp.int32), rows["positions"], rows["slot_mapping"], rows["token_req"],
+                      rows["block_tables"], rows["logits_indices"])
+    logits, caches = step(params, caches, batch, config=config, parallel=parallel, impl=impl)
+
+    def key(words, token_index, prompt_index):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(words), token_index), prompt_index)
+    keys = jax.vmap(key)(rows["seed_words"], rows["token_index"], rows["prompt_index"])
+    ids = sample(logits, keys, rows["temperature"], rows["top_p"])
+    return jnp.zeros(n_out, jnp.int32).at[: ids.shape[0]].set(ids), caches
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -49,6 +68,20 @@ def _bucket(n: int, minimum: int) -> int:
     while b < n:
         b *= 2
     return b
+
+
+@dataclasses.dataclass
+class _LoopStats:
+    """Counters of the serving loop since the engine was made (read by `Engine.metrics`)."""
+
+    steps: int = 0
+    decode_steps: int = 0  # steps with decode rows only
+    host_s: float = 0.0  # loop time not spent waiting for the device's ids
+    wall_s: float = 0.0  # loop time of steps that dispatched work
+    decode_host_s: float = 0.0  # the same two over the decode-only steps
+    decode_wall_s: float = 0.0
+    generated: int = 0
+    recent: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=256))
 
 
 @dataclasses.dataclass
@@ -103,7 +136,7 @@ class Engine:
             page_bytes = block_size * cache_bytes_per_token(config, self.dtype, kv_cache_dtype)
             self.num_pages, self.max_num_seqs = plan_pages(
                 max_num_seqs=max_num_seqs, pages_per_seq=self.pages_per_seq, page_bytes=page_bytes,
-                free_bytes=free_device_bytes(self.mesh.devices.flat[0]), memory_fraction=cache_memory_fraction,
+                free_bytes=free_device_bytes(self.mesh.local_devices[0]), memory_fraction=cache_memory_fraction,
                 max_pages=max_pages)
         self.params = params
         cache_sharding = NamedSharding(self.mesh, cache_spec())
@@ -113,6 +146,26 @@ class Engine:
         self.last_timings: dict = {}  # of the last generate (see there)
         self._step = jax.jit(functools.partial(step, config=config, parallel=self.parallel, impl=self.impl),
                              donate_argnums=(1,))
+        # serving: the host scheduler, the fused step + sampler, and the loop's state (see `step`)
+        self.scheduler = Scheduler(self.allocator, block_size=self.block_size, dcp=n, interleave=inter,
+                                   max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                                   max_model_len=self.max_model_len)
+        self._n_out = _bucket(self.max_num_seqs, 8)  # a step samples at most one row per running request
+        # outputs placed exactly as the inputs they replace: a step fed the caches (or ids) of the previous one
+        # hits the compiled step the first call made, instead of compiling again for an equal-but-new sharding
+        out_shardings = (NamedSharding(self.mesh, P()), jax.tree.map(lambda c: c.sharding, self.caches))
+        self._serve_step = jax.jit(functools.partial(_serve_step, config=config, parallel=self.parallel,
+                                                     impl=self.impl, n_out=self._n_out), donate_argnums=(1,),
+                                   out_shardings=out_shardings)
+        self._prev_ids = None  # device ids sampled by the last dispatched step
+        self._pending = None  # (plan, device ids) of the dispatched step whose ids are not processed yet
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submits and aborts from other threads
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._background = None
+        self.wake_event = threading.Event()
+        self._dry: set | None = None  # warmup: shapes already compiled (their steps are skipped)
+        self.stats = _LoopStats()
 
     # ---- input checks ----------------------------------------------------------------------
     def _check_tokens(self, seqs, what: str) -> list[list[int]]:
@@ -170,35 +223,18 @@ class Engine:
 
     def warmup(self, batch: int, prompt_len: int, max_new_tokens: int = 2, temperature: float = 0.0,
                top_p: float = 1.0) -> None:
-        """Compile what a `generate` of `batch` prompts of `prompt_len` tokens will use (each distinct prefill
-        chunk shape and the decode shape, with sampling), one step per shape on scratch pages: the whole
-        prefill is not run."""
-        batch = min(batch, self.max_num_seqs)
-        seqs = self._new_seqs([[0] * prompt_len] * batch, [max_new_tokens] * batch)
-
-        params = SamplingParams(temperature=temperature, top_p=top_p)
-
-        def compile_sample(logits):
-            jax.block_until_ready(self._sample(logits, np.zeros(logits.shape[0], np.int64), 0, params))
+        """Compile what a `generate` of `batch` prompts of `prompt_len` tokens and `max_new_tokens` will use: the
+        scheduler plans that call step by step, but only a step of a shape not seen yet runs (on the pages the
+        plan holds, released afterwards); the others are skipped, with token 0 standing for their samples."""
+        _positive_int("max_new_tokens", max_new_tokens, minimum=0)
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, stop_token_ids=[])
+        self._check_idle("warmup")
+        self._dry = set()
         try:
-            total, step = batch * prompt_len, self.max_num_batched_tokens
-            seq_idx = np.repeat(np.arange(batch), prompt_len)
-            pos = np.tile(np.arange(prompt_len), batch)
-            shapes = {}
-            for c in range(0, total, step):  # (rows, logits rows) of each chunk, as _prefill will make them
-                size = min(step, total - c)
-                n_last = int(np.sum(pos[c: c + size] == prompt_len - 1))
-                shapes.setdefault((_bucket(size, 16), _bucket(n_last, 8)), (size, n_last))
-            for size, n_last in shapes.values():
-                logits = self._run(seq_idx[:size], pos[:size], np.zeros(size, np.int64), seqs, np.arange(n_last))
-                compile_sample(logits)
-            if max_new_tokens > 1:
-                for s in seqs:
-                    s.tokens.append(0)
-                live = np.arange(batch)
-                compile_sample(self._run(live, np.full(batch, prompt_len), np.zeros(batch, np.int64), seqs, live))
+            reqs = [self._request([0] * prompt_len, params, i) for i in range(batch)]
+            self._drive(reqs)
         finally:
-            self._release(seqs)
+            self._dry = None
 
     def _release(self, seqs: list[_Seq]) -> None:
         for s in seqs:
@@ -256,71 +292,246 @@ class Engine:
         """Continue each prompt (a list of token ids) by up to `max_new_tokens` tokens.
 
         Greedy at temperature 0 (and below `sampling.GREEDY_BELOW`); otherwise temperature sampling with nucleus
-        `top_p`, reproducible for a given `seed` (any integer in [0, 2**64)). Arguments are checked first:
-        TypeError / ValueError naming the argument (token ids must be integers in the vocabulary). A sequence
-        stops after emitting a token of `stop_token_ids` (default: the model's EOS ids; pass [] to never stop
-        early), or on reaching max_model_len. Returns the new tokens per prompt.
-        Afterwards `self.last_timings` holds host-clock seconds of this call: "prefill_s" (to the first token
-        of every prompt), "decode_s" and "decode_steps" (summed over groups of max_num_seqs prompts).
+        `top_p`, reproducible for a given `seed` (any integer in [0, 2**64)): the n-th new token of prompt i is
+        drawn with the key fold_in(fold_in(key(seed), n), i), whatever else shares its steps. Arguments are
+        checked first: TypeError / ValueError naming the argument (token ids must be integers in the vocabulary).
+        A sequence stops after emitting a token of `stop_token_ids` (default: the model's EOS ids; pass [] to
+        never stop early), or on reaching max_model_len. Returns the new tokens per prompt.
+
+        The prompts go through the continuous-batching scheduler (at most max_num_seqs at once, admitted as
+        others finish). Afterwards `self.last_timings` holds host-clock seconds of this call: "prefill_s" (to
+        the first token of every prompt), "decode_s" (the rest), "decode_steps" (steps of decode rows only),
+        "steps", "host_ms_per_step" (loop time per step not spent waiting for the device), "step_ms" (loop time
+        per step), the same two over decode-only steps ("decode_host_ms_per_step", "decode_step_ms") and
+        "preemptions".
         """
         _positive_int("max_new_tokens", max_new_tokens, minimum=0)  # named as the caller named it
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_new_tokens,
                                 stop_token_ids=stop_token_ids)
         prompts = self._check_tokens(prompts, "prompt")
-        stop = set(self.config.eos_token_id if params.stop_token_ids is None else params.stop_token_ids)
-        results: list[list[int]] = []
-        self.last_timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
-        for g in range(0, len(prompts), self.max_num_seqs):
-            group = prompts[g: g + self.max_num_seqs]
-            results.extend(self._generate_group(group, params, stop, g))
-        return results
+        self._check_idle("generate")
+        reqs = [self._request(p, params, i) for i, p in enumerate(prompts)]
+        self.last_timings = self._drive(reqs)
+        failed = [r for r in reqs if r.finish_reason == "error"]
+        if failed:
+            raise RuntimeError(f"generate: prompt {failed[0].prompt_index} failed: {failed[0].error}")
+        return [list(r.output) for r in reqs]
 
-    def _sample(self, logits, rows: np.ndarray, step: int, params: SamplingParams) -> jax.Array:
-        """Device ids [logits rows] sampled for request rows `rows` (padding rows after them) at `step`."""
-        n = logits.shape[0]
-        row_ids = np.zeros(n, np.uint32)
-        row_ids[: len(rows)] = rows
-        words = np.tile(np.asarray([params.seed >> 32, params.seed & 0xFFFFFFFF], np.uint32), (n, 1))
-        keys = _row_keys(words, np.full(n, step, np.uint32), row_ids)
-        return sample(logits, keys, np.full(n, params.temperature, np.float32), np.full(n, params.top_p, np.float32))
+    def stream(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+               stop_token_ids=None):
+        """`generate`'s work as an iterator of (prompt index, token id) in the order tokens are sampled (the same
+        tokens `generate` returns). Closing the iterator early aborts what is left and frees its pages."""
+        _positive_int("max_new_tokens", max_new_tokens, minimum=0)
+        params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_new_tokens,
+                                stop_token_ids=stop_token_ids)
+        prompts = self._check_tokens(prompts, "prompt")
+        self._check_idle("stream")
+        return self._stream(prompts, params)
 
-    def _generate_group(self, prompts, params: SamplingParams, stop, offset):
-        max_new = params.max_tokens
-        seqs = self._new_seqs(prompts, [max_new] * len(prompts))
-        new: list[list[int]] = [[] for _ in prompts]
-
-        def take(logits, seq_idx, step):
-            """Sample the rows' next tokens on the device; only the ids come back to the host."""
-            ids = np.asarray(self._sample(logits, offset + np.asarray(seq_idx), step, params))
-            for k, s in enumerate(seq_idx):
-                tok = int(ids[k])
-                seqs[s].tokens.append(tok)
-                new[s].append(tok)
-                if tok in stop or len(seqs[s].tokens) >= self.max_model_len or len(new[s]) >= max_new:
-                    seqs[s].done = True
-
+    def _stream(self, prompts, params):
+        out: collections.deque = collections.deque()
+        reqs = [self._request(p, params, i) for i, p in enumerate(prompts)]
+        for r in reqs:
+            r.on_token = lambda r, tok: out.append((r.prompt_index, tok))
+            self.scheduler.add(r)
         try:
-            if max_new == 0:
-                return new
-            t0 = time.perf_counter()
-            self._prefill(seqs, lambda logits, seq_idx, pos: take(logits, seq_idx, 0))  # take() waits for the ids
-            t1 = time.perf_counter()
-            steps = 0
-            for i in range(1, max_new):
-                live = np.asarray([s for s in range(len(seqs)) if not seqs[s].done], np.int64)
-                if not len(live):
+            while True:
+                while out:
+                    yield out.popleft()
+                if not self.step():
                     break
-                pos = np.asarray([len(seqs[s].tokens) - 1 for s in live])
-                tok = np.asarray([seqs[s].tokens[-1] for s in live])
-                take(self._run(live, pos, tok, seqs, np.arange(len(live))), live, i)
-                steps += 1
-            timings = self.last_timings
-            timings["prefill_s"] += t1 - t0
-            timings["decode_s"] += time.perf_counter() - t1
-            timings["decode_steps"] += steps
+            yield from out
         finally:
-            self._release(seqs)
-        return new
+            for r in reqs:
+                if not r.finished:
+                    self.scheduler.abort(r)
+            while self.step():
+                pass
+        failed = [r for r in reqs if r.finish_reason == "error"]
+        if failed:
+            raise RuntimeError(f"stream: prompt {failed[0].prompt_index} failed: {failed[0].error}")
+
+    def submit(self, prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+               prompt_index: int = 0) -> RequestStream:
+        """Queue one prompt (a list of token ids) and return its `RequestStream` (iterate it, or `async for` it
+        under a `BackgroundLoop`). Thread-safe; checks the prompt and that the request fits in the cache at
+        once (ValueError / TypeError). `prompt_index` enters the sampling keys (see `generate`); `request_id`
+        (default: a fresh one) is what `abort` takes."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompt = self._check_tokens([prompt], "prompt")[0]
+        r = self._request(prompt, params, _positive_int("prompt_index", prompt_index, minimum=0), request_id)
+        stream = RequestStream(self, r)
+        self._inbox.put(("add", r))
+        self.wake_event.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a submitted request (thread-safe): it finishes with reason "abort" and its pages are freed at
+        the loop's next step. Unknown or finished ids are ignored."""
+        self._inbox.put(("abort", request_id))
+        self.wake_event.set()
+
+    @property
+    def serving_in_background(self) -> bool:
+        """Whether a `BackgroundLoop` runs this engine's steps."""
+        return self._background is not None
+
+    def attach_background(self, loop) -> None:
+        """Called by `BackgroundLoop.start` / `stop`: while attached, only that loop calls `step`."""
+        if loop is not None and self._background is not None:
+            raise RuntimeError("the engine already has a background loop")
+        self._background = loop
+
+    def metrics(self) -> dict:
+        """Serving counters: requests running and waiting, KV pages used and free (per DCP rank), preemptions,
+        finished and aborted requests, steps, generated tokens, tokens/s over the recent steps, host time per
+        step."""
+        st, sch = self.stats, self.scheduler
+        recent = list(st.recent)
+        span = recent[-1][0] - recent[0][0] if len(recent) > 1 else 0.0
+        rate = sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
+        return {"running": len(sch.running), "waiting": len(sch.waiting), "kv_pages_used": sch.pages_used(),
+                "kv_pages_free": self.allocator.free, "kv_pages_total": self.num_pages - 1,
+                "preemptions": sch.preemptions, "requests_finished": sum(sch.finished.values()),
+                "requests_aborted": sch.finished["abort"], "steps": st.steps, "generated_tokens": st.generated,
+                "tokens_per_s": rate, "host_ms_per_step": 1e3 * st.host_s / max(st.steps, 1),
+                "step_ms": 1e3 * st.wall_s / max(st.steps, 1)}
+
+    # ---- the serving loop ------------------------------------------------------------------
+    def _check_idle(self, what: str) -> None:
+        if self._background is not None:
+            raise RuntimeError(f"{what}: the engine is serving in the background; use submit()")
+        if self.scheduler.has_work or self._pending is not None:
+            raise RuntimeError(f"{what}: the engine still has requests in flight (a stream not yet finished)")
+
+    def _request(self, prompt, params: SamplingParams, prompt_index: int, request_id: str | None = None) -> Request:
+        stop = frozenset(self.config.eos_token_id if params.stop_token_ids is None else params.stop_token_ids)
+        r = Request(request_id or f"req-{next(self._ids)}", list(prompt), params, stop, prompt_index)
+        self.scheduler.check_fits(r)
+        return r
+
+    def _drive(self, reqs: list[Request]) -> dict:
+        """Run the loop in this thread until `reqs` finish; returns the call's timings (see `generate`)."""
+        st = self.stats
+        steps0, decode0, host0, wall0 = st.steps, st.decode_steps, st.host_s, st.wall_s
+        dhost0, dwall0 = st.decode_host_s, st.decode_wall_s
+        pre0 = self.scheduler.preemptions
+        t0 = time.perf_counter()
+        for r in reqs:
+            self.scheduler.add(r)
+        while self.step():
+            pass
+        t1 = time.perf_counter()
+        firsts = [r.first_token_time for r in reqs if r.first_token_time is not None]
+        prefill = (max(firsts) - t0) if len(firsts) == len(reqs) else (t1 - t0)
+        steps = st.steps - steps0
+        return {"prefill_s": prefill, "decode_s": t1 - t0 - prefill, "decode_steps": st.decode_steps - decode0,
+                "steps": steps, "host_ms_per_step": 1e3 * (st.host_s - host0) / max(steps, 1),
+                "step_ms": 1e3 * (st.wall_s - wall0) / max(steps, 1),
+                "decode_host_ms_per_step": 1e3 * (st.decode_host_s - dhost0) / max(st.decode_steps - decode0, 1),
+                "decode_step_ms": 1e3 * (st.decode_wall_s - dwall0) / max(st.decode_steps - decode0, 1),
+                "preemptions": self.scheduler.preemptions - pre0}
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, x = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._requests[x.request_id] = x
+                finish = x.on_finish
+
+                def forget(r, finish=finish):
+                    self._requests.pop(r.request_id, None)
+                    if finish is not None:
+                        finish(r)
+                x.on_finish = forget
+                try:
+                    self.scheduler.add(x)
+                except Exception as e:  # checked in submit; a request that still cannot queue fails alone
+                    self.scheduler.fail([x], f"{type(e).__name__}: {e}")
+            elif x in self._requests:
+                self.scheduler.abort(self._requests[x])
+
+    def step(self) -> bool:
+        """One turn of the serving loop: plan and dispatch the next step, then take the previous step's sampled
+        ids (the device runs the new step meanwhile) and hand them to their requests. Returns whether work is
+        left. Called by `generate` / `stream` / a `RequestStream` in the caller's thread, or by a
+        `BackgroundLoop`. A step that fails finishes its requests with an error; the others go on."""
+        self._drain_inbox()
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        new = None
+        if plan is not None:
+            try:
+                new = (plan, self._dispatch(plan))
+            except Exception as e:  # a step that cannot run fails its requests, not the loop
+                logging.getLogger(__name__).exception("step failed")
+                self.scheduler.fail(plan.requests, f"{type(e).__name__}: {e}")
+        blocked = 0.0
+        if self._pending is not None:
+            old_plan, ids = self._pending
+            tb = time.perf_counter()
+            host_ids = np.asarray(ids)  # waits for the previous step only: the new one is queued behind it
+            blocked = time.perf_counter() - tb
+            self.scheduler.process(old_plan, host_ids, time.perf_counter())
+            self.stats.generated += len(old_plan.sample_reqs)
+        self._pending = new
+        t1 = time.perf_counter()
+        if new is not None:
+            st = self.stats
+            st.steps += 1
+            st.decode_steps += plan.prefill_rows == 0
+            st.host_s += t1 - t0 - blocked
+            st.wall_s += t1 - t0
+            if plan.prefill_rows == 0:
+                st.decode_host_s += t1 - t0 - blocked
+                st.decode_wall_s += t1 - t0
+            st.recent.append((t1, len(plan.sample_reqs)))
+        return self.scheduler.has_work or self._pending is not None
+
+    def _dispatch(self, plan: StepPlan):
+        """Build the plan's step inputs on the host and launch the fused step; returns the device ids."""
+        bs, n, inter = self.block_size, self.parallel.dcp, self.parallel.interleave
+        rows = plan.num_rows
+        t = _bucket(rows, 8)
+        width = min(_bucket(max(len(r.pages) for r in plan.requests), 1), self.pages_per_seq)
+        tables = block_table_array([r.pages for r in plan.requests], width, _bucket(len(plan.requests), 8))
+        ids, pos, slot, req, src = (np.zeros(t, np.int32) for _ in range(5))
+        slot[:] = -1  # padding rows write nothing
+        src[:] = -1
+        ids[:rows], pos[:rows], req[:rows], src[:rows] = plan.token, plan.pos, plan.req, plan.src
+        slot[:rows] = owner_slots(tables, plan.req, plan.pos, bs, n, inter)
+        k = len(plan.sample_rows)
+        nl = _bucket(k, 8)
+        li = np.zeros(nl, np.int32)
+        li[:k] = plan.sample_rows
+        seed_words = np.zeros((nl, 2), np.uint32)
+        token_index, prompt_index = np.zeros(nl, np.uint32), np.zeros(nl, np.uint32)
+        temperature, top_p = np.zeros(nl, np.float32), np.ones(nl, np.float32)  # padding rows: greedy
+        for j, r in enumerate(plan.sample_reqs):
+            seed_words[j] = (r.params.seed >> 32, r.params.seed & 0xFFFFFFFF)
+            prompt_index[j] = r.prompt_index
+            temperature[j], top_p[j] = r.params.temperature, r.params.top_p
+        token_index[:k] = plan.sample_token_index
+        arrays = {"token_ids": ids, "positions": pos, "slot_mapping": slot, "token_req": req,
+                  "block_tables": tables, "logits_indices": li, "src": src, "seed_words": seed_words,
+                  "token_index": token_index, "prompt_index": prompt_index, "temperature": temperature,
+                  "top_p": top_p}
+        if self._dry is not None:
+            shape = (t, tables.shape, nl)
+            if shape in self._dry:
+                return np.zeros(self._n_out, np.int32)
+            self._dry.add(shape)
+        prev = self._prev_ids
+        if prev is None:
+            prev = jax.device_put(np.zeros(self._n_out, np.int32), NamedSharding(self.mesh, P()))
+        out, self.caches = self._serve_step(self.params, self.caches, arrays, prev)
+        self._prev_ids = out
+        return out
 
 
 def load(path: str | os.PathLike, *, parallel: ParallelConfig | None = None, dtype="bfloat16",

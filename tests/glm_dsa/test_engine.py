@@ -126,9 +126,9 @@ def test_generate_records_its_timings(eng):
 def test_compiled_steps_are_reused(eng):
     prompts = _prompts(7, [4, 6])
     eng.generate(prompts, max_new_tokens=5, stop_token_ids=[])
-    before = eng._step._cache_size()
+    before = eng._serve_step._cache_size()  # generate's compiled step (the model step with its sampler)
     eng.generate(_prompts(8, [5, 7]), max_new_tokens=9, stop_token_ids=[])  # same buckets, more tokens
-    assert eng._step._cache_size() == before
+    assert eng._serve_step._cache_size() == before
 
 
 @pytest.mark.parametrize("mode", ["gather", "dense", "tiles", "ragged"])

@@ -1,0 +1,253 @@
+"""Serving benchmark: N requests of given input/output lengths arriving at a rate (Poisson) or all at once, served
+by the continuous-batching engine loop, against the static-group baseline on the same work (groups of
+max_num_seqs requests, a group admitted only when the previous one has finished, as `generate` ran before
+continuous batching). Random weights of a preset, token ids drawn from the model's vocabulary, EOS ignored.
+
+Reports per mode: output tokens/s, TTFT and TPOT p50/p99 (from each request's arrival), steps, preemptions, host
+time per step (loop time not spent waiting for the device) against the step's wall time; and, with
+--host-overhead-batches, the host overhead of decode-only steps at those concurrencies. --tp/--dcp pick the mesh
+(e.g. DCP=2 vs DCP=1 on two GPUs with --num-pages small enough that DCP=1 runs out of pages: DCP=2 holds twice
+the tokens in the same pages per rank).
+
+    PYTHONPATH=. python3 benchmarks/bench_serving.py --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+from benchmarks.harness import command_line, record, write_json
+from glm_dsa.engine import Engine
+from glm_dsa.init import init_params
+from glm_dsa.sampling import SamplingParams
+from sharding import ParallelConfig
+
+
+@dataclasses.dataclass
+class ServingBenchConfig:
+    """What `run_serving_bench` runs (the command line's flags)."""
+
+    preset: str = "bench"
+    num_layers: int | None = None
+    num_requests: int = 64
+    input_len: int = 1024
+    output_len: int = 128
+    request_rate: float = float("inf")  # requests/s (Poisson arrivals); inf: all at once
+    modes: tuple[str, ...] = ("continuous", "static")
+    tp: int = 1
+    dcp: int = 1
+    dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"
+    impl: str | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 8192
+    num_pages: int | None = None
+    block_size: int = 64
+    host_overhead_batches: tuple[int, ...] = ()
+    host_overhead_input_len: int = 128
+    warm: bool = True
+    seed: int = 0
+
+
+def _pct(xs, q):
+    return float(np.percentile(xs, q)) if len(xs) else float("nan")
+
+
+def serve_workload(eng: Engine, prompts, output_len: int, arrivals, mode: str) -> dict:
+    """Run `prompts` arriving at `arrivals` (seconds from now) through `eng`'s loop in this thread and return the
+    per-request latencies and the loop's figures. mode "continuous": each request is submitted when it arrives;
+    "static": groups of max_num_seqs in arrival order, each submitted once all of it has arrived and the previous
+    group has finished."""
+    if mode not in ("continuous", "static"):
+        raise ValueError(f"mode must be 'continuous' or 'static', got {mode!r}")
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, stop_token_ids=[])
+    n = len(prompts)
+    times: list[list[float]] = [[] for _ in range(n)]
+    streams = [None] * n
+    st, pre0 = eng.stats, eng.scheduler.preemptions
+    steps0, host0, wall0, dsteps0, dhost0, dwall0 = (st.steps, st.host_s, st.wall_s, st.decode_steps,
+                                                     st.decode_host_s, st.decode_wall_s)
+    t0 = time.perf_counter()
+    nxt = 0
+    running: list[int] = []  # requests running after each step
+
+    def submit(i):
+        s = eng.submit(prompts[i], params, prompt_index=i)
+        on_token = s.request.on_token  # the loop runs in this thread: wrapping before the next step is safe
+
+        def stamp(r, tok, i=i, on_token=on_token):
+            times[i].append(time.perf_counter())
+            on_token(r, tok)
+        s.request.on_token = stamp
+        streams[i] = s
+
+    while nxt < n or eng.scheduler.has_work or not eng._inbox.empty():
+        now = time.perf_counter() - t0
+        if mode == "continuous":
+            while nxt < n and arrivals[nxt] <= now:
+                submit(nxt)
+                nxt += 1
+        elif nxt < n and not eng.scheduler.has_work and eng._inbox.empty():
+            group = range(nxt, min(nxt + eng.max_num_seqs, n))
+            if arrivals[group[-1]] <= now:
+                for i in group:
+                    submit(i)
+                nxt = group[-1] + 1
+        busy = eng.step()
+        running.append(len(eng.scheduler.running))
+        if not busy and nxt < n:
+            time.sleep(min(0.001, max(0.0, arrivals[nxt] - (time.perf_counter() - t0))))
+    while eng.step():
+        pass
+    end = time.perf_counter()
+    ttft = [times[i][0] - t0 - arrivals[i] for i in range(n)]
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1]
+    out_tokens = sum(len(t) for t in times)
+    steps = st.steps - steps0
+    dsteps = st.decode_steps - dsteps0
+    return {"mode": mode, "requests": n, "output_tokens": out_tokens, "duration_s": end - t0,
+            "output_tokens_per_s": out_tokens / (end - t0),
+            "ttft_ms_p50": 1e3 * _pct(ttft, 50), "ttft_ms_p99": 1e3 * _pct(ttft, 99),
+            "tpot_ms_p50": 1e3 * _pct(tpot, 50), "tpot_ms_p99": 1e3 * _pct(tpot, 99),
+            "steps": steps, "preemptions": eng.scheduler.preemptions - pre0,
+            "mean_running": float(np.mean(running)) if running else 0.0,
+            "host_ms_per_step": 1e3 * (st.host_s - host0) / max(steps, 1),
+            "step_ms": 1e3 * (st.wall_s - wall0) / max(steps, 1),
+            "decode_steps": dsteps,
+            "decode_host_ms_per_step": 1e3 * (st.decode_host_s - dhost0) / max(dsteps, 1),
+            "decode_step_ms": 1e3 * (st.decode_wall_s - dwall0) / max(dsteps, 1)}
+
+
+def run_serving_bench(bc: ServingBenchConfig, log=print) -> dict:
+    """Run the benchmark; returns a JSON-able dict and logs one line per measurement."""
+    from glm_dsa import configs
+    cfg = configs.get(bc.preset)
+    if bc.num_layers:
+        cfg = cfg.with_depth(bc.num_layers)
+    parallel = ParallelConfig(tensor_parallel_size=bc.tp, decode_context_parallel_size=bc.dcp)
+    params = init_params(cfg, seed=bc.seed, dtype=bc.dtype, parallel=parallel)
+    kw = dict(parallel=parallel, dtype=bc.dtype, kv_cache_dtype=bc.kv_cache_dtype, impl=bc.impl,
+              block_size=bc.block_size, max_num_batched_tokens=bc.max_num_batched_tokens)
+    rng = np.random.default_rng(bc.seed)
+    prompts = [rng.integers(0, cfg.vocab_size, bc.input_len).tolist() for _ in range(bc.num_requests)]
+    if np.isinf(bc.request_rate):
+        arrivals = np.zeros(bc.num_requests)
+    else:
+        arrivals = np.cumsum(rng.exponential(1.0 / bc.request_rate, bc.num_requests))
+    dev0 = jax.devices()[0]
+    res = {"config": dataclasses.asdict(bc), "device": getattr(dev0, "device_kind", str(dev0)),
+           "layers": cfg.num_hidden_layers, "modes": {}, "host_overhead": {}}
+    eng = Engine(cfg, params, max_model_len=bc.input_len + bc.output_len, max_num_seqs=bc.max_num_seqs,
+                 num_pages=bc.num_pages, **kw)
+    res["num_pages_per_rank"] = eng.num_pages
+    res["tokens_in_cache"] = (eng.num_pages - 1) * bc.block_size * bc.dcp
+    log(f"engine: {cfg.num_hidden_layers} layers, TP={bc.tp} DCP={bc.dcp}, {eng.num_pages} pages of {bc.block_size} "
+        f"per rank ({res['tokens_in_cache']} tokens), max_num_seqs {eng.max_num_seqs}")
+    for mode in bc.modes:
+        if bc.warm:  # the same work once untimed: every step shape it meets is compiled
+            t = time.perf_counter()
+            serve_workload(eng, prompts, bc.output_len, np.zeros_like(arrivals), mode)
+            log(f"[{mode}] warm-up pass {time.perf_counter() - t:.1f} s")
+        row = serve_workload(eng, prompts, bc.output_len, arrivals, mode)
+        res["modes"][mode] = row
+        log(f"[{mode}] {json.dumps(row)}")
+    del eng
+    for b in bc.host_overhead_batches:
+        eng = Engine(cfg, params, max_model_len=bc.host_overhead_input_len + bc.output_len, max_num_seqs=b, **kw)
+        ps = [rng.integers(0, cfg.vocab_size, bc.host_overhead_input_len).tolist() for _ in range(b)]
+        eng.warmup(b, bc.host_overhead_input_len, bc.output_len)
+        eng.generate(ps, bc.output_len, stop_token_ids=[])
+        t = eng.last_timings
+        row = {"B": b, "decode_steps": t["decode_steps"], "decode_host_ms_per_step": t["decode_host_ms_per_step"],
+               "decode_step_ms": t["decode_step_ms"],
+               "host_fraction": t["decode_host_ms_per_step"] / max(t["decode_step_ms"], 1e-9)}
+        res["host_overhead"][b] = row
+        log(f"host overhead B={b}: {json.dumps(row)}")
+        del eng
+    log(format_results(res))
+    return res
+
+
+def format_results(res: dict) -> str:
+    """The results as a table."""
+    lines = [f"device {res['device']}, {res['layers']} layers, config {json.dumps(res['config'])}"]
+    for mode, r in res["modes"].items():
+        lines.append(f"[{mode:>10}] {r['output_tokens_per_s']:.0f} out tok/s; TTFT p50/p99 {r['ttft_ms_p50']:.1f}/"
+                     f"{r['ttft_ms_p99']:.1f} ms; TPOT p50/p99 {r['tpot_ms_p50']:.2f}/{r['tpot_ms_p99']:.2f} ms; "
+                     f"{r['steps']} steps, host {r['host_ms_per_step']:.2f} of {r['step_ms']:.2f} ms/step; "
+                     f"{r['preemptions']} preemptions, {r['mean_running']:.1f} running on average")
+    for b, r in res["host_overhead"].items():
+        lines.append(f"[host B={b}] decode host {r['decode_host_ms_per_step']:.3f} ms of {r['decode_step_ms']:.3f} "
+                     f"ms/step ({100 * r['host_fraction']:.1f}%)")
+    return "\n".join(lines)
+
+
+def to_record(res: dict, command: str | None = None) -> dict:
+    """The results as a harness record: one row per mode and per host-overhead batch."""
+    rows = [{"check": "serving", **r} for r in res["modes"].values()]
+    rows += [{"check": "host_overhead", **r} for r in res["host_overhead"].values()]
+    return record(rows, command=command, device=res["device"], **{k: v for k, v in res.items() if k != "device"})
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x)
+
+
+def main(argv=None) -> int:
+    """The command line."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="bench")
+    ap.add_argument("--num-layers", type=int, default=None)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default: inf, "
+                                                                             "all at once)")
+    ap.add_argument("--modes", default="continuous,static")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--dcp", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--impl", default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--num-pages", type=int, default=None, help="KV pages per DCP rank (default: from free memory)")
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--host-overhead-batches", default="", help="e.g. 1,32,128: decode host overhead at these B")
+    ap.add_argument("--host-overhead-input-len", type=int, default=128)
+    ap.add_argument("--no-warm", action="store_true", help="skip the untimed pass that compiles every step shape")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--xla-autotune", type=int, default=None,
+                    help="XLA's GPU autotune level (0 skips GEMM autotuning: shorter compiles of each step shape)")
+    ap.add_argument("--cpu", action="store_true", help="8 simulated CPU devices (smoke runs)")
+    ap.add_argument("--out", default=None, help="write the JSON record here")
+    args = ap.parse_args(argv)
+    if args.xla_autotune is not None:
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_gpu_autotune_level={args.xla_autotune}"
+    if args.cpu:  # jax is imported but no backend started yet: the platform and XLA's flags still apply
+        jax.config.update("jax_platforms", "cpu")
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    bc = ServingBenchConfig(preset=args.preset, num_layers=args.num_layers, num_requests=args.num_requests,
+                            input_len=args.input_len, output_len=args.output_len, request_rate=args.request_rate,
+                            modes=tuple(args.modes.split(",")), tp=args.tp, dcp=args.dcp, dtype=args.dtype,
+                            kv_cache_dtype=args.kv_cache_dtype, impl=args.impl, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
+                            block_size=args.block_size, host_overhead_batches=_ints(args.host_overhead_batches),
+                            host_overhead_input_len=args.host_overhead_input_len, warm=not args.no_warm,
+                            seed=args.seed)
+    res = run_serving_bench(bc)
+    if args.out:
+        write_json(args.out, to_record(res, command_line(argv, script=__file__)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""Continuous batching on the host: a request queue, per-step plans that mix decode rows with prefill chunks,
+page admission and preemption. No device code: `Engine` turns a `StepPlan` into one ragged step.
+
+Every request is a list of known tokens (its prompt, then the tokens it generated) plus at most one token "in
+flight": sampled by the step the device is running, not yet copied to the host. A plan's row may take its token
+from the previous step's sampled ids on the device (`StepPlan.src`), so the host never waits for a step's ids
+before building the next one (one step of lag). A request finishes on a stop id (seen one step late: the step
+already planned computes one more row for it, which is dropped), at `max_tokens`, or at `max_model_len`.
+
+Pages are taken as a request grows (per DCP rank: every rank holds the same page table, `pages_needed` counts
+rank 0's share, the largest). When a running request needs a page and none is free, the newest running request
+(by arrival) is preempted: its pages are freed and it waits again, keeping its generated tokens, which are
+recomputed as prompt when it is admitted again (its draws depend on its own seed, prompt index and token index
+only, so it continues as if never interrupted).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import enum
+import itertools
+from collections.abc import Callable
+
+import numpy as np
+
+from .paged_cache import PageAllocator, pages_needed
+from .sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One sequence being served. `prompt_index` enters its sampling keys (see `Engine.generate`); `on_token`
+    and `on_finish` are called on the thread that runs the engine loop."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    stop: frozenset
+    prompt_index: int = 0
+    arrival: int = 0
+    output: list[int] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # positions whose rows have been scheduled (their KV is or will be in the cache)
+    in_flight: int = 0  # sampled tokens not yet on the host (1, or 2 between planning a step and processing the last)
+    flight_row: int = -1  # the newest in-flight token's index in the last planned step's sampled ids
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    aborted: bool = False
+    first_token_time: float | None = None
+    on_token: Callable[[Request, int], None] | None = None
+    on_finish: Callable[[Request], None] | None = None
+
+    @property
+    def total(self) -> int:
+        """Tokens of the sequence, the in-flight one included."""
+        return len(self.prompt) + len(self.output) + self.in_flight
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """One step's rows, in order: each row's request (index into `requests`), position and token (`src` >= 0:
+    the token is the previous step's sampled id at that index, else `token`), and the rows whose logits are
+    sampled (`sample_rows`, with the request and token index each sample becomes)."""
+
+    requests: list[Request]
+    req: np.ndarray
+    pos: np.ndarray
+    token: np.ndarray
+    src: np.ndarray
+    sample_rows: np.ndarray
+    sample_reqs: list[Request]
+    sample_token_index: np.ndarray
+    prefill_rows: int  # rows that are not single decode rows
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.pos)
+
+
+class Scheduler:
+    """The host side of continuous batching (see the module docstring). Not thread-safe: one thread (the engine
+    loop) calls `add`, `abort`, `schedule` and `process`.
+
+    max_num_seqs: requests running at once. max_num_batched_tokens: rows per step (each running request's
+    decode row first, in arrival order, then prefill chunks). max_model_len: a sequence's longest length.
+    """
+
+    def __init__(self, allocator: PageAllocator, *, block_size: int, dcp: int, interleave: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+        self.allocator = allocator
+        self.block_size, self.dcp, self.interleave = block_size, dcp, interleave
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: list[Request] = []  # by arrival
+        self.running: list[Request] = []  # by arrival
+        self.preemptions = 0
+        self.finished: collections.Counter = collections.Counter()  # finished requests by finish reason
+        self._arrivals = itertools.count()
+
+    # ---- queue -----------------------------------------------------------------------------
+    def pages_for(self, length: int) -> int:
+        """Pages (per DCP rank) a sequence of `length` tokens holds."""
+        return pages_needed(length, self.block_size, self.dcp, self.interleave)
+
+    def check_fits(self, req: Request) -> None:
+        """ValueError when `req` could never run alone (its longest length needs more pages than the cache has):
+        such a request is refused before it is queued, so that preemption always ends."""
+        longest = min(len(req.prompt) + req.params.max_tokens, self.max_model_len)
+        need, have = self.pages_for(longest), self.allocator.num_pages - 1
+        if need > have:
+            raise ValueError(f"request {req.request_id}: {longest} tokens need {need} KV cache pages per rank, more "
+                             f"than the cache's {have}; lower max_tokens or raise num_pages")
+
+    def add(self, req: Request) -> None:
+        """Queue a request (checked by `check_fits`)."""
+        self.check_fits(req)
+        req.arrival = next(self._arrivals)
+        req.status = Status.WAITING
+        if self._length_done(req):  # max_tokens=0: nothing to compute
+            self._finish(req, "length")
+            return
+        self.waiting.append(req)
+
+    def abort(self, req: Request) -> None:
+        """Mark a request aborted; the next `schedule` frees its pages. Its in-flight ids are dropped."""
+        req.aborted = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def pages_used(self) -> int:
+        return self.allocator.num_pages - 1 - self.allocator.free
+
+    # ---- planning --------------------------------------------------------------------------
+    def _length_done(self, r: Request) -> bool:
+        """Whether no more tokens will be sampled for `r` (max_tokens or max_model_len reached, counting the
+        in-flight token)."""
+        return len(r.output) + r.in_flight >= r.params.max_tokens or r.total >= self.max_model_len
+
+    def _release(self, r: Request) -> None:
+        self.allocator.release(r.pages)
+        r.pages = []
+        r.num_computed = 0
+
+    def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
+        if r.status is Status.RUNNING:
+            self.running.remove(r)
+        elif r.status is Status.WAITING and r in self.waiting:
+            self.waiting.remove(r)
+        self._release(r)
+        r.status, r.finish_reason, r.error = Status.FINISHED, reason, error
+        self.finished[reason] += 1
+        if r.on_finish is not None:
+            r.on_finish(r)
+
+    def _preempt(self, r: Request) -> None:
+        self.running.remove(r)
+        self._release(r)
+        r.status = Status.WAITING
+        bisect.insort(self.waiting, r, key=lambda q: q.arrival)
+        self.preemptions += 1
+
+    def _grow(self, r: Request, end: int) -> bool:
+        """Give `r` the pages positions [0, end) need, preempting newer running requests (or `r` itself, when it
+        is the newest) while pages are short. False when `r` was preempted."""
+        need = self.pages_for(end) - len(r.pages)
+        while need > self.allocator.free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is r:
+                return False
+        if need > 0:
+            r.pages.extend(self.allocator.allocate(need))
+        return True
+
+    def schedule(self) -> StepPlan | None:
+        """The next step's rows, or None when there is nothing to compute. Finishes aborted requests first."""
+        for r in [q for q in self.running + self.waiting if q.aborted]:
+            self._finish(r, "abort")
+        budget = self.max_num_batched_tokens
+        chunks: list[tuple[Request, int, int]] = []  # (request, start, end)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            r = self.running[i]
+            if r.num_computed >= r.total - (1 if self._length_done(r) else 0):
+                i += 1  # its last token is in flight and no more are wanted: it finishes when that arrives
+                continue
+            todo = r.total - r.num_computed
+            if todo > 1:  # a prefill chunk: leave one row for each later decoding request
+                later = sum(1 for q in self.running[i + 1:] if q.total - q.num_computed == 1)
+                n = min(todo, max(budget - later, 1))
+            else:
+                n = 1
+            end = r.num_computed + n
+            if not self._grow(r, end):
+                continue  # r was preempted (and was the last running request)
+            chunks.append((r, r.num_computed, end))
+            r.num_computed = end
+            budget -= n
+            i += 1
+        # admission: waiting requests in arrival order while there are sequence slots, rows and pages
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            r = self.waiting[0]
+            if r.in_flight:  # preempted with a token in flight: admitted once it is on the host
+                break
+            n = min(r.total, budget)
+            need = self.pages_for(n)
+            if need > self.allocator.free:
+                break
+            self.waiting.pop(0)
+            r.pages = self.allocator.allocate(need)
+            r.status = Status.RUNNING
+            self.running.append(r)  # arrival order is kept: every running request arrived before any waiting
+            self.running.sort(key=lambda q: q.arrival)
+            chunks.append((r, 0, n))
+            r.num_computed = n
+            budget -= n
+        if not chunks:
+            return None
+        return self._plan(chunks)
+
+    def _plan(self, chunks) -> StepPlan:
+        reqs = [c[0] for c in chunks]
+        n_rows = sum(e - s for _, s, e in chunks)
+        req = np.empty(n_rows, np.int64)
+        pos = np.empty(n_rows, np.int64)
+        tok = np.zeros(n_rows, np.int64)
+        src = np.full(n_rows, -1, np.int64)
+        sample_rows, sample_reqs, sample_idx = [], [], []
+        prefill_rows = 0
+        k = 0
+        for j, (r, s, e) in enumerate(chunks):
+            known = r.prompt + r.output
+            n = e - s
+            req[k: k + n] = j
+            pos[k: k + n] = np.arange(s, e)
+            m = min(e, len(known))
+            if m > s:
+                tok[k: k + m - s] = known[s:m]
+            if e > len(known):  # the last row's token is the in-flight one: gathered on the device
+                src[k + n - 1] = r.flight_row
+            if n > 1 or s < len(r.prompt):
+                prefill_rows += n
+            if e == r.total and not self._length_done(r):
+                # the step samples the next token: in flight until the step after next is dispatched
+                r.flight_row = len(sample_rows)
+                sample_rows.append(k + n - 1)
+                sample_reqs.append(r)
+                sample_idx.append(len(r.output) + r.in_flight)
+                r.in_flight += 1
+            k += n
+        return StepPlan(reqs, req, pos, tok, src, np.asarray(sample_rows, np.int64), sample_reqs,
+                        np.asarray(sample_idx, np.int64), prefill_rows)
+
+    # ---- results ---------------------------------------------------------------------------
+    def process(self, plan: StepPlan, ids: np.ndarray, now: float | None = None) -> None:
+        """Take a finished step's sampled ids (one per `plan.sample_rows`): append them, emit them and finish the
+        requests they end."""
+        for r, tok in zip(plan.sample_reqs, ids[: len(plan.sample_reqs)].tolist()):
+            r.in_flight -= 1
+            if r.finished:
+                continue
+            if r.aborted:
+                self._finish(r, "abort")
+                continue
+            r.output.append(tok)
+            if r.first_token_time is None:
+                r.first_token_time = now
+            if r.on_token is not None:
+                r.on_token(r, tok)
+            if tok in r.stop:
+                self._finish(r, "stop")
+            elif len(r.output) >= r.params.max_tokens or len(r.prompt) + len(r.output) >= self.max_model_len:
+                self._finish(r, "length")
+
+    def fail(self, reqs, error: str) -> None:
+        """Finish `reqs` with an error (a step that raised): their pages come back, the others go on."""
+        for r in reqs:
+            if not r.finished:
+                r.in_flight = 0
+                self._finish(r, "error", error)

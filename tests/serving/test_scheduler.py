@@ -1,0 +1,147 @@
+"""The host scheduler alone (no model): plans checked against hand-computed rows, pages and preemptions.
+
+Samples are fed back by hand with `process`, as the engine loop does one step late."""
+
+import numpy as np
+import pytest
+
+from glm_dsa.paged_cache import PageAllocator
+from glm_dsa.sampling import SamplingParams
+from glm_dsa.scheduler import Request, Scheduler, Status
+
+
+def _sched(num_pages=64, **kw):
+    args = dict(block_size=4, dcp=1, interleave=1, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=32)
+    args.update(kw)
+    return Scheduler(PageAllocator(num_pages), **args)
+
+
+def _req(name, n, max_tokens=4, stop=()):
+    return Request(name, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, stop_token_ids=list(stop)),
+                   frozenset(stop))
+
+
+def _rows(plan):
+    """(request id, position, token or 'src:k') per row."""
+    return [(plan.requests[q].request_id, int(p), int(t) if s < 0 else f"src:{s}")
+            for q, p, t, s in zip(plan.req, plan.pos, plan.token, plan.src)]
+
+
+def test_chunked_prefill_then_decode_rows_gathered_from_the_device():
+    s = _sched()
+    a, b = _req("a", 6), _req("b", 5)
+    s.add(a)
+    s.add(b)
+    p1 = s.schedule()  # budget 8: a's whole prompt (6 rows), then b's first 2 rows
+    assert _rows(p1) == [("a", i, i + 1) for i in range(6)] + [("b", 0, 1), ("b", 1, 2)]
+    assert p1.sample_rows.tolist() == [5] and p1.sample_token_index.tolist() == [0]
+    assert (len(a.pages), len(b.pages)) == (2, 1)  # ceil(6 / 4), ceil(2 / 4)
+    # a's first token is in flight: its decode row gathers it from the previous step's ids (index 0); b's
+    # remaining 3 prompt rows come after, and b's last row is sampled
+    p2 = s.schedule()
+    assert _rows(p2) == [("a", 6, "src:0"), ("b", 2, 3), ("b", 3, 4), ("b", 4, 5)]
+    assert p2.sample_rows.tolist() == [0, 3] and p2.sample_token_index.tolist() == [1, 0]
+    assert p2.prefill_rows == 3
+    s.process(p1, np.array([40]))
+    assert a.output == [40] and a.in_flight == 1
+    p3 = s.schedule()
+    assert _rows(p3) == [("a", 7, "src:0"), ("b", 5, "src:1")] and p3.prefill_rows == 0
+    assert p3.sample_token_index.tolist() == [2, 1]
+
+
+def test_decode_rows_are_kept_when_a_prefill_chunk_fills_the_budget():
+    s = _sched(max_num_batched_tokens=4)
+    a, b = _req("a", 2), _req("b", 9)
+    s.add(a)
+    s.add(b)
+    s.schedule()  # a (2 rows) + b's first 2
+    s.process(s.schedule(), np.array([7, 0]))  # a decodes (row 1 of its output), b continues
+    p = s.schedule()
+    names = [r for r, _, _ in _rows(p)]
+    assert names.count("a") == 1 and len(names) == 4
+
+
+def test_stop_id_finishes_one_step_late_and_frees_pages():
+    s = _sched()
+    a = _req("a", 3, max_tokens=10, stop=[99])
+    s.add(a)
+    p1 = s.schedule()
+    p2 = s.schedule()  # planned before p1's id is known
+    s.process(p1, np.array([99]))
+    assert a.status is Status.FINISHED and a.finish_reason == "stop" and a.output == [99]
+    assert s.allocator.free == s.allocator.num_pages - 1
+    s.process(p2, np.array([5]))  # the extra row's sample is dropped
+    assert a.output == [99] and s.schedule() is None
+
+
+def test_max_tokens_and_max_model_len_need_no_lookahead():
+    s = _sched(max_model_len=8, max_num_batched_tokens=16)
+    a, b = _req("a", 3, max_tokens=2), _req("b", 6, max_tokens=10)
+    s.add(a)
+    s.add(b)
+    p1 = s.schedule()
+    p2 = s.schedule()
+    assert [(r, p) for r, p, _ in _rows(p2)] == [("a", 3), ("b", 6)]  # a samples its 2nd (last) token here
+    s.process(p1, np.array([1, 2]))
+    # a has its 2 tokens in flight or on the host; b's 8th token (max_model_len) is in flight and is never
+    # fed back: no rows are left to compute
+    assert s.schedule() is None and s.has_work
+    s.process(p2, np.array([3, 4]))
+    assert (a.output, a.finish_reason) == ([1, 3], "length")
+    assert (b.output, b.finish_reason) == ([2, 4], "length")
+    assert s.schedule() is None and not s.has_work
+
+
+def test_admission_waits_for_free_pages_and_sequence_slots():
+    s = _sched(num_pages=5, max_num_seqs=2, max_num_batched_tokens=32)  # 4 usable pages of 4 tokens
+    a, b, c = _req("a", 8, max_tokens=1), _req("b", 8), _req("c", 2)
+    for r in (a, b, c):
+        s.add(r)
+    p1 = s.schedule()
+    assert [r.request_id for r in p1.requests] == ["a", "b"] and c.status is Status.WAITING  # 2 slots
+    assert s.allocator.free == 0
+    s.process(p1, np.array([5, 6]))  # a is done (max_tokens 1): its slot and pages come back
+    p2 = s.schedule()
+    assert [r.request_id for r in p2.requests] == ["b", "c"] and a.finish_reason == "length"
+    # pages: a 12-token prompt needs 3 pages; with 2 free it waits, and so does the small request behind it
+    s = _sched(num_pages=5, max_num_batched_tokens=32)
+    a, b, c = _req("a", 8, max_tokens=1), _req("b", 12), _req("c", 2)
+    for r in (a, b, c):
+        s.add(r)
+    p1 = s.schedule()
+    assert [r.request_id for r in p1.requests] == ["a"] and s.schedule() is None
+    s.process(p1, np.array([5]))
+    assert [r.request_id for r in s.schedule().requests] == ["b", "c"]  # 3 + 1 of the 4 pages
+
+
+def test_preemption_takes_the_newest_and_keeps_its_tokens():
+    s = _sched(num_pages=5, max_num_seqs=4)  # 4 usable pages
+    a, b = _req("a", 4, max_tokens=8), _req("b", 4, max_tokens=8)
+    s.add(a)
+    s.add(b)
+    p1 = s.schedule()  # both prompts: 1 page each
+    s.process(p1, np.array([11, 21]))
+    # positions 4..7 need a 2nd page each: 2 free pages cover them
+    for _ in range(4):
+        s.process(s.schedule(), np.array([12, 22]))
+    assert s.allocator.free == 0 and s.preemptions == 0
+    p = s.schedule()  # a needs a 3rd page at position 8: b, the newest, is preempted; its tokens stay
+    assert s.preemptions == 1 and b.status is Status.WAITING and b.pages == [] and b.num_computed == 0
+    assert [r.request_id for r in p.requests] == ["a"]
+    assert b.output == [21, 22, 22, 22, 22] and b.in_flight == 0
+    s.process(p, np.array([13]))
+    with pytest.raises(ValueError, match="32 tokens need 8 KV cache pages per rank, more than the cache's 4"):
+        s.check_fits(_req("big", 30, max_tokens=10))
+
+
+def test_abort_frees_pages_at_the_next_step():
+    s = _sched()
+    a, b = _req("a", 5), _req("b", 3)
+    s.add(a)
+    s.add(b)
+    p = s.schedule()
+    s.abort(a)
+    s.schedule()
+    assert a.finish_reason == "abort" and a.pages == [] and s.running == [b]
+    s.process(p, np.array([1, 2]))  # a's in-flight sample is dropped
+    assert a.output == [] and b.output == [2]

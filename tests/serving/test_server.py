@@ -1,0 +1,214 @@
+"""`python -m glm_dsa serve` as a real subprocess on a free loopback port (tiny random checkpoint, float32, CPU),
+talked to with the real `openai` client and httpx. Oracle: `Engine.generate` of the same prompts in this process.
+Every wait is bounded."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import glm_dsa
+from glm_dsa import configs, text
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "test-key"
+MODEL = "tiny-test"
+MAX_LEN = 64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "glm_dsa", "serve", "--checkpoint", str(ckpt), "--dtype", "float32",
+           "--max-model-len", str(MAX_LEN), "--port", str(port), "--api-key", KEY, "--served-model-name", MODEL,
+           "--max-num-seqs", "16", "--max-num-batched-tokens", "64"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"serve did not come up (exit {proc.returncode}):\n{log.read_text()}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def eng(ckpt):
+    return glm_dsa.load(ckpt, dtype="float32", max_model_len=MAX_LEN, max_num_seqs=16, progress=False)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, timeout=120, max_retries=0)
+
+
+def _prompts(seed, lengths):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, configs.tiny.vocab_size, n).tolist() for n in lengths]
+
+
+def _metrics(server) -> dict:
+    body = httpx.get(server + "/metrics", timeout=10).text
+    return {k.split(":", 1)[1]: float(v) for k, v in (ln.split() for ln in body.splitlines() if not ln.startswith("#"))}
+
+
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def test_sixteen_concurrent_requests_give_generate_tokens(client, eng):
+    ps = _prompts(0, [3 + (5 * i) % 23 for i in range(16)])
+    want = eng.generate(ps, max_new_tokens=8, stop_token_ids=[])
+    got = [None] * 16
+
+    def one(i):
+        r = client.completions.create(model=MODEL, prompt=ps[i], max_tokens=8, **GREEDY)
+        got[i] = r.choices[0].model_extra["token_ids"]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert got == want
+    # a list of prompts in one request: one choice each, in order
+    r = client.completions.create(model=MODEL, prompt=ps[:3], max_tokens=8, **GREEDY)
+    assert [c.model_extra["token_ids"] for c in r.choices] == want[:3] and r.usage.completion_tokens == 24
+
+
+def test_streaming_yields_the_same_tokens_and_text(client, eng, ckpt):
+    tok = text.load_tokenizer(ckpt)
+    p = _prompts(1, [9])[0]
+    want = eng.generate([p], max_new_tokens=7, stop_token_ids=[])[0]
+    ids, pieces, reasons = [], [], []
+    for chunk in client.completions.create(model=MODEL, prompt=p, max_tokens=7, stream=True, **GREEDY):
+        c = chunk.choices[0]
+        ids += c.model_extra["token_ids"]
+        pieces.append(c.text)
+        reasons.append(c.finish_reason)
+    assert ids == want and reasons[-1] == "length" and set(reasons[:-1]) == {None}
+    assert "".join(pieces) == tok.decode(want)
+    # text prompts and chat: the tokenizer and the checkpoint's chat template
+    r = client.completions.create(model=MODEL, prompt="hello world", max_tokens=4, **GREEDY)
+    assert r.choices[0].model_extra["token_ids"] == eng.generate([tok.encode("hello world")], 4,
+                                                                 stop_token_ids=[])[0]
+    chat_ids = tok.encode("user : hello ; assistant :", add_special_tokens=False)
+    want = eng.generate([chat_ids], 5, stop_token_ids=[])[0]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=5,
+                                       **GREEDY)
+    assert r.choices[0].model_extra["token_ids"] == want and r.choices[0].message.content == tok.decode(want)
+    got = []
+    for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                                max_tokens=5, stream=True, **GREEDY):
+        got += chunk.choices[0].model_extra["token_ids"]
+    assert got == want
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+BAD = [  # (body, status, words of the message)
+    (b"{not json", 400, "not valid JSON"),
+    ({"model": "gpt-9", "prompt": [1, 2]}, 404, "does not exist"),
+    ({"model": MODEL, "prompt": []}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [[]]}, 400, "prompt 0 is empty"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt 0 is empty"),
+    ({"model": MODEL, "prompt": [1] * (MAX_LEN + 1)}, 400, "longer than max_model_len=64"),
+    ({"model": MODEL, "prompt": [1, 2], "max_tokens": -1}, 400, "max_tokens must be >= 0"),
+    ({"model": MODEL, "prompt": [1, 2], "temperature": -0.5}, 400, "temperature"),
+    (b'{"model": "tiny-test", "prompt": [1, 2], "temperature": NaN}', 400, "temperature"),
+    ({"model": MODEL, "prompt": [1, 256]}, 400, "outside the vocabulary"),
+    ({"model": MODEL, "prompt": [1, 2], "max_tokens": "many"}, 400, "max_tokens"),
+]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, client):
+    url = server + "/v1/completions"
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    for body, status, words in BAD:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = httpx.post(url, content=data, headers=auth, timeout=30)
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert words in err["message"] and err["type"], (body, err)
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(url, json={"model": MODEL, "prompt": [1]}, headers=headers, timeout=30)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    r = httpx.post(server + "/v1/chat/completions", json={"model": MODEL, "messages": "hi"}, headers=auth, timeout=30)
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    assert httpx.get(server + "/health", timeout=10).json() == {"status": "ok"}
+    r = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2, **GREEDY)
+    assert len(r.choices[0].model_extra["token_ids"]) == 2
+
+
+def test_a_client_gone_mid_stream_aborts_and_frees_its_pages(server):
+    before = _metrics(server)
+    body = {"model": MODEL, "prompt": [5, 6, 7, 8, 9], "max_tokens": 58, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", server + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+            lines = r.iter_lines()
+            got = []
+            for ln in lines:
+                if ln.startswith("data:"):
+                    got.append(ln)
+                if len(got) == 2:
+                    break
+    # the connection is closed: the server aborts the request and its pages come back
+    deadline = time.monotonic() + 30
+    while True:
+        m = _metrics(server)
+        if m["requests_aborted"] > before["requests_aborted"] and m["kv_pages_used"] == 0 and m["running"] == 0:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.2)
+    assert m["kv_pages_free"] == m["kv_pages_total"]
+
+
+def test_a_request_arriving_mid_decode_finishes_before_the_running_one(server, client):
+    arrivals = []  # (time, what)
+    first_two = threading.Event()
+
+    def long_stream():
+        n = 0
+        for chunk in client.completions.create(model=MODEL, prompt=[3, 1, 4, 1, 5], max_tokens=58, stream=True,
+                                               **GREEDY):
+            n += len(chunk.choices[0].model_extra["token_ids"])
+            if n == 2:
+                first_two.set()
+        arrivals.append((time.monotonic(), "long done"))
+    t = threading.Thread(target=long_stream)
+    t.start()
+    assert first_two.wait(timeout=120)
+    r = client.completions.create(model=MODEL, prompt=[2, 7, 1, 8], max_tokens=2, **GREEDY)
+    arrivals.append((time.monotonic(), "short done"))
+    t.join(timeout=120)
+    assert len(r.choices[0].model_extra["token_ids"]) == 2
+    assert [w for _, w in sorted(arrivals)] == ["short done", "long done"]
