@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from .layout import ParamSpec, assemble_shard, hf_index, is_mtp_key, param_specs
+from .layout import ParamSpec, assemble_shard, hf_index, is_mtp_key, ours_from_hf_blocks, param_specs
 from .safetensors_io import INDEX, SINGLE, CheckpointError, SafetensorsFile, as_dtype
 
 FP8_BLOCK = 128  # FP8 releases: one `weight_scale_inv` per 128 x 128 block of a weight
@@ -184,8 +184,14 @@ def load_hf_params(path: str | os.PathLike, cfg, *, dtype,
     for name, spec in tqdm(specs.items(), desc="loading", unit="param", disable=not progress):
         target = np.dtype(np.float32) if spec.fp32 else dtype
         sharding = (sharding_for(name, spec.shape) if sharding_for else None) or default
-        if any(ckpt.is_block_scaled(k) for k in spec.hf_keys):
+        # A layout without hf_axes (the padded LM head of an odd vocabulary) cannot be read shard by shard: an FP8
+        # one is dequantised on the host by `ckpt.read` below, like any whole tensor.
+        if spec.hf_axes is not None and any(ckpt.is_block_scaled(k) for k in spec.hf_keys):
             params[name] = _load_block_scaled(ckpt, spec, target or np.dtype(np.float32), sharding)
+            continue
+        if spec.hf_axes is not None and not sharding.is_fully_addressable:
+            # several processes (multi-host): this one reads only the bytes of its own devices' shards
+            params[name] = _load_local_shards(ckpt, spec, target, sharding)
             continue
         host = spec.from_hf(*(ckpt.read(k) for k in spec.hf_keys))
         if target is not None:
@@ -195,6 +201,26 @@ def load_hf_params(path: str | os.PathLike, cfg, *, dtype,
         params[name] = jax.make_array_from_callback(spec.shape, sharding, lambda idx, h=host: h[idx])
         del host
     return params
+
+
+def _load_local_shards(ckpt: HFCheckpoint, spec: ParamSpec, dtype: np.dtype | None, sharding) -> jax.Array:
+    """One parameter (not block-scaled) placed with a `sharding` that spans other processes' devices too: for each
+    of this process's devices, only the HF slices of its shard are read from the memory maps, laid out in our
+    layout on the host, cast and sent to that device; replicas of one slice are read once."""
+    shards, read = [], {}
+    for device, index in sharding.addressable_devices_indices_map(spec.shape).items():
+        index = tuple(slice(*s.indices(d)) for s, d in zip(index, spec.shape))
+        at = tuple((s.start, s.stop, s.step) for s in index)
+        if at not in read:
+            keys, axes = hf_index(spec, index)
+            shapes = spec.hf_shapes[0]
+            cut = axes if all(isinstance(a, slice) for a in axes) else np.ix_(
+                *(_positions(a, n) for a, n in zip(axes, shapes)))
+            blocks = [np.ascontiguousarray(ckpt.raw(spec.hf_keys[i])[cut]) for i in keys]
+            host = ours_from_hf_blocks(spec, index, blocks)
+            read[at] = host if dtype is None else host.astype(dtype, copy=False)
+        shards.append(jax.device_put(read[at], device))
+    return jax.make_array_from_single_device_arrays(spec.shape, sharding, shards)
 
 
 # ---- FP8 block-scaled weights ------------------------------------------------------------------------------

@@ -1,0 +1,115 @@
+"""Several hosts: JAX's multi-controller runtime, one process per host and one mesh over every process's devices.
+
+Call `initialize(...)` (or `jax.distributed.initialize` yourself) before anything touches a device; then
+`glm_dsa.load(...)` in every process builds the mesh over all processes' devices, each process reads only the
+checkpoint bytes of its own devices' shards, and `Engine.logits` / `Engine.generate` return the same results in
+every process. Host-side scheduling runs identically in every process: the inputs are the same and every decision
+is a deterministic function of them (no clocks, no randomness outside the seeded sampler), so no broadcast is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import threading
+
+import jax
+
+#: The environment variables JAX documents for its multi-controller runtime, read when no argument is given.
+ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
+       "process_id": "JAX_PROCESS_ID"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Where the coordinator listens and who this process is; checked on construction.
+
+    init_timeout_s: how long every process waits for all of them to join before it exits with an error naming
+    the coordinator; heartbeat_timeout_s: how soon the survivors stop (JAX's coordination service aborts them with
+    a message naming the unhealthy task) after a process dies mid-run.
+    """
+
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+    init_timeout_s: int = 300
+    heartbeat_timeout_s: int = 60
+
+    def __post_init__(self):
+        if not isinstance(self.coordinator_address, str) or not re.fullmatch(r"\[?[\w.:-]+\]?:\d{1,5}",
+                                                                               self.coordinator_address):
+            raise ValueError(f"coordinator_address must be HOST:PORT, got {self.coordinator_address!r}")
+        for name in ("num_processes", "init_timeout_s", "heartbeat_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        p = self.process_id
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.num_processes:
+            raise ValueError(f"process_id must be an integer in [0, num_processes={self.num_processes}), got {p!r}")
+
+    @classmethod
+    def from_args(cls, coordinator_address=None, num_processes=None, process_id=None, **timeouts):
+        """The config from arguments, each falling back to its JAX_* environment variable; None when none of the
+        three is given anywhere (a single process). Some but not all of them is a ValueError naming the rest."""
+        given = {"coordinator_address": coordinator_address, "num_processes": num_processes,
+                 "process_id": process_id}
+        for name, var in ENV.items():
+            if given[name] is None and os.environ.get(var):
+                raw = os.environ[var]
+                try:
+                    given[name] = raw if name == "coordinator_address" else int(raw)
+                except ValueError:
+                    raise ValueError(f"environment variable {var} must be an integer, got {raw!r}") from None
+        missing = [n for n, v in given.items() if v is None]
+        if len(missing) == 3:
+            return None
+        if missing:
+            raise ValueError(f"a multi-process run needs coordinator_address, num_processes and process_id; "
+                             f"missing {missing} (arguments or {[ENV[m] for m in missing]})")
+        return cls(**given, **timeouts)
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, init_timeout_s: int = 300, heartbeat_timeout_s: int = 60) -> bool:
+    """Join the multi-controller runtime (see `DistributedConfig`); True if this is a multi-process run.
+
+    With none of the three given (arguments or JAX_* variables), or a single process, nothing happens. Must run
+    before anything touches a device. A peer that never joins ends this process after `init_timeout_s` with one
+    line naming the coordinator and the process count (exit status 1), not a hang."""
+    cfg = DistributedConfig.from_args(coordinator_address, num_processes, process_id,
+                                      init_timeout_s=init_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
+    if cfg is None or cfg.num_processes == 1:
+        return False
+    if jax.distributed.is_initialized():
+        if jax.process_count() != cfg.num_processes or jax.process_index() != cfg.process_id:
+            raise ValueError(f"the JAX runtime is already initialised as process {jax.process_index()} of "
+                             f"{jax.process_count()}, not {cfg.process_id} of {cfg.num_processes}")
+        return True
+    # CPU devices talk over gloo (the default has no cross-process collectives); a GPU backend ignores this
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+    def give_up():
+        # JAX's own deadline ends the process with a bare 'Deadline Exceeded'; say what was waited for first
+        print(f"error: glm_dsa.distributed: not all {cfg.num_processes} processes joined the coordinator at "
+              f"{cfg.coordinator_address} within {cfg.init_timeout_s} s (this is process {cfg.process_id}); "
+              "start every process with the same --coordinator-address and --num-processes", file=sys.stderr,
+              flush=True)
+        os._exit(1)
+
+    watchdog = threading.Timer(max(cfg.init_timeout_s - 1, 0.5), give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(cfg.coordinator_address, cfg.num_processes, cfg.process_id,
+                                   initialization_timeout=cfg.init_timeout_s,
+                                   heartbeat_timeout_seconds=cfg.heartbeat_timeout_s)
+    finally:
+        watchdog.cancel()
+    return True
+
+
+def is_primary() -> bool:
+    """Whether this is process 0: the one that prints the CLI's output and answers HTTP."""
+    return jax.process_index() == 0

@@ -1,0 +1,42 @@
+"""One process of a multi-process run (tests/multihost): joins the runtime, loads the checkpoint under each
+layout given, and (process 0) saves float32 logits and greedy tokens per layout to an .npz.
+
+    python worker.py PORT NUM_PROCESSES PROCESS_ID DEVICES_PER_PROCESS CKPT OUT LAYOUT [LAYOUT ...]
+
+LAYOUT is `tp,dcp,qrep,backend` (qrep 1/0, backend a2a/ag_rs). Every process prints `done` at the end.
+"""
+
+import os
+import sys
+
+
+def main(argv):
+    port, n, pid, k, ckpt, out, *layouts = argv
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={k}"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from glm_dsa import distributed
+    assert distributed.initialize(f"127.0.0.1:{port}", int(n), int(pid), init_timeout_s=120,
+                                  heartbeat_timeout_s=20)
+    import numpy as np
+
+    import glm_dsa
+    from glm_dsa import ParallelConfig
+    from multihost_cases import GEN_PROMPTS, LOGIT_IDS, NEW_TOKENS
+
+    results = {}
+    for layout in layouts:
+        tp, dcp, qrep, backend = layout.split(",")
+        par = ParallelConfig(tensor_parallel_size=int(tp), decode_context_parallel_size=int(dcp),
+                             dcp_q_replicate=qrep == "1", dcp_comm_backend=backend)
+        eng = glm_dsa.load(ckpt, parallel=par, dtype="float32", max_model_len=64, progress=False)
+        results[f"{layout}/logits"] = eng.logits(np.asarray(LOGIT_IDS))
+        gen = eng.generate(GEN_PROMPTS, max_new_tokens=NEW_TOKENS, stop_token_ids=[])
+        results[f"{layout}/tokens"] = np.asarray(gen)
+    if distributed.is_primary():
+        np.savez(out, **results)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main(sys.argv[1:])
