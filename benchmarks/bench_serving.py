@@ -4,8 +4,13 @@ max_num_seqs requests, a group admitted only when the previous one has finished,
 continuous batching). Random weights of a preset, token ids drawn from the model's vocabulary, EOS ignored.
 
 Reports per mode: output tokens/s, TTFT and TPOT p50/p99 (from each request's arrival), steps, preemptions, host
-time per step (loop time not spent waiting for the device) against the step's wall time; and, with
---host-overhead-batches, the host overhead of decode-only steps at those concurrencies. --tp/--dcp pick the mesh
+time per step against the step's wall time; and, with --host-overhead-batches, the host overhead of decode-only
+steps at those concurrencies. "Host time" is the loop time of one `Engine.step` NOT spent waiting for the previous
+step's ids: from starting to plan step n+1 until step n+1 is launched and step n's ids are handed out, i.e. the
+host time between launching one step and being ready to launch the next. It is split into build (planning and
+the numpy inputs), launch (the jitted call: transfers and dispatch; a launch that blocks on the device shows up
+here, not as waiting) and process (the previous step's ids to their requests). "Step" is the loop's wall time
+per step: with the host ahead of the device, the device's step time. --tp/--dcp pick the mesh
 (e.g. DCP=2 vs DCP=1 on two GPUs with --num-pages small enough that DCP=1 runs out of pages: DCP=2 holds twice
 the tokens in the same pages per rank).
 
@@ -164,11 +169,18 @@ def run_serving_bench(bc: ServingBenchConfig, log=print) -> dict:
         eng = Engine(cfg, params, max_model_len=bc.host_overhead_input_len + bc.output_len, max_num_seqs=b, **kw)
         ps = [rng.integers(0, cfg.vocab_size, bc.host_overhead_input_len).tolist() for _ in range(b)]
         eng.warmup(b, bc.host_overhead_input_len, bc.output_len)
+        st = eng.stats
+        s0 = (st.steps, st.build_s, st.launch_s, st.process_s, st.h2d_bytes)
         eng.generate(ps, bc.output_len, stop_token_ids=[])
         t = eng.last_timings
+        n = max(st.steps - s0[0], 1)
         row = {"B": b, "decode_steps": t["decode_steps"], "decode_host_ms_per_step": t["decode_host_ms_per_step"],
                "decode_step_ms": t["decode_step_ms"],
-               "host_fraction": t["decode_host_ms_per_step"] / max(t["decode_step_ms"], 1e-9)}
+               "host_fraction": t["decode_host_ms_per_step"] / max(t["decode_step_ms"], 1e-9),
+               "build_ms_per_step": 1e3 * (st.build_s - s0[1]) / n,
+               "launch_ms_per_step": 1e3 * (st.launch_s - s0[2]) / n,
+               "process_ms_per_step": 1e3 * (st.process_s - s0[3]) / n,
+               "h2d_bytes_per_step": (st.h2d_bytes - s0[4]) / n}
         res["host_overhead"][b] = row
         log(f"host overhead B={b}: {json.dumps(row)}")
         del eng
@@ -186,7 +198,9 @@ def format_results(res: dict) -> str:
                      f"{r['preemptions']} preemptions, {r['mean_running']:.1f} running on average")
     for b, r in res["host_overhead"].items():
         lines.append(f"[host B={b}] decode host {r['decode_host_ms_per_step']:.3f} ms of {r['decode_step_ms']:.3f} "
-                     f"ms/step ({100 * r['host_fraction']:.1f}%)")
+                     f"ms/step ({100 * r['host_fraction']:.1f}%); all steps: build {r['build_ms_per_step']:.3f}, "
+                     f"launch {r['launch_ms_per_step']:.3f}, process {r['process_ms_per_step']:.3f} ms, "
+                     f"{r['h2d_bytes_per_step']:.0f} B to the device per step")
     return "\n".join(lines)
 
 

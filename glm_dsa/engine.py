@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from kernels import default_impl
 from sharding import ParallelConfig, cache_spec, mesh_for
+from sharding.dcp import local_position
 
 from .config import GlmDsaConfig
 from .model import StepBatch
@@ -42,31 +43,46 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
-def _serve_step(params, caches, rows: dict, prev_ids, *, config, parallel, impl, n_out: int):
-    """One serving step: the model step over `rows` (a dict of int32 arrays, as `StepBatch` plus `src`), then the
-    sampled id of each logits row, padded to `n_out` ids.
+def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32,
+                prev_ids, *, config, parallel, impl, n_out: int, block_size: int, width: int):
+    """One serving step: update the device block table, run the model step, sample each logits row; returns the
+    sampled ids padded to `n_out`, the caches and the table.
 
-    A row with src >= 0 takes its token from `prev_ids` (the previous step's sampled ids, still on the device),
-    so the host does not wait for them before building this step. Row i of the logits samples with the key
-    fold_in(fold_in(key(seed), token_index), prompt_index): a request's draws depend on its own seed, prompt
-    index and token index only, never on the batch it shares a step with."""
-    token_ids = jnp.where(rows["src"] >= 0, prev_ids[jnp.maximum(rows["src"], 0)], rows["token_ids"])
-    batch = StepBatch(token_ids.astype(jnp.int32), rows["positions"], rows["slot_mapping"], rows["token_req"],
-                      rows["block_tables"], rows["logits_indices"])
+    tables int32 [S + 1, pages_per_seq]: the block table of every running request, one row each (row S stays
+    page 0, for padding), kept on the device and changed only by `table_resets` (int32 [S + 1], 1: zero the row)
+    and `table_updates` (int32 [3, U]: row, column, page; rows past S are padding, dropped). So a step sends what
+    changed, never whole tables: the host work and bytes per step do not grow with the context.
+    rows int32 [4, T]: each row's token, position (-1: a padding row, which writes nothing), request (index into
+    `plan_rows`, the requests' table rows) and src (>= 0: the token is `prev_ids[src]`, the previous step's sampled
+    id still on the device, so the host does not wait for it). samp_u32 uint32 [5, L]: logits row, seed high and
+    low words, token index, prompt index; samp_f32 float32 [2, L]: temperature, top_p. Logits row i samples with
+    the key fold_in(fold_in(key(seed), token_index), prompt_index): a request's draws depend on its own seed,
+    prompt index and token index only, never on the batch it shares a step with. `width` (static): block-table
+    columns the step reads."""
+    tables = jnp.where(table_resets[:, None] > 0, 0, tables)
+    tables = tables.at[table_updates[0], table_updates[1]].set(table_updates[2], mode="drop")
+    block_tables = tables[plan_rows, :width]
+    src, pos, req = rows[3], rows[1], rows[2]
+    token_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], rows[0])
+    p = jnp.maximum(pos, 0)
+    lp = local_position(p, parallel.dcp, parallel.interleave)  # the position on its owning DCP rank
+    slot = block_tables[req, lp // block_size] * block_size + lp % block_size
+    slot = jnp.where(pos < 0, -1, slot).astype(jnp.int32)  # padding rows write nothing
+    batch = StepBatch(token_ids.astype(jnp.int32), p, slot, req, block_tables, samp_u32[0].astype(jnp.int32))
     logits, caches = step(params, caches, batch, config=config, parallel=parallel, impl=impl)
 
     def key(words, token_index, prompt_index):
         return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(words), token_index), prompt_index)
-    keys = jax.vmap(key)(rows["seed_words"], rows["token_index"], rows["prompt_index"])
-    ids = sample(logits, keys, rows["temperature"], rows["top_p"])
-    return jnp.zeros(n_out, jnp.int32).at[: ids.shape[0]].set(ids), caches
+    keys = jax.vmap(key)(samp_u32[1:3].T, samp_u32[3], samp_u32[4])
+    ids = sample(logits, keys, samp_f32[0], samp_f32[1])
+    return jnp.zeros(n_out, jnp.int32).at[: ids.shape[0]].set(ids), caches, tables
 
 
-def _bucket(n: int, minimum: int) -> int:
-    """Smallest power of two >= max(n, minimum): a few static shapes, so steps compile once per bucket."""
+def _bucket(n: int, minimum: int, factor: int = 2) -> int:
+    """Smallest minimum * factor**i >= n: a few static shapes, so steps compile once per bucket."""
     b = minimum
     while b < n:
-        b *= 2
+        b *= factor
     return b
 
 
@@ -76,7 +92,13 @@ class _LoopStats:
 
     steps: int = 0
     decode_steps: int = 0  # steps with decode rows only
-    host_s: float = 0.0  # loop time not spent waiting for the device's ids
+    host_s: float = 0.0  # loop time not spent waiting for the device's ids (build + launch + process)
+    build_s: float = 0.0  # of host_s: planning the step and building its numpy inputs
+    launch_s: float = 0.0  # of host_s: the jitted call (transfers, dispatch; a launch that blocks shows here)
+    process_s: float = 0.0  # of host_s: handing the previous step's ids to their requests (callbacks)
+    syncs: int = 0  # device-to-host reads (one per step: the previous step's ids)
+    h2d_bytes: int = 0  # bytes of the host arrays sent to the device
+    last_h2d_bytes: int = 0  # the same, of the last step
     wall_s: float = 0.0  # loop time of steps that dispatched work
     decode_host_s: float = 0.0  # the same two over the decode-only steps
     decode_wall_s: float = 0.0
@@ -151,12 +173,16 @@ class Engine:
                                    max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                    max_model_len=self.max_model_len)
         self._n_out = _bucket(self.max_num_seqs, 8)  # a step samples at most one row per running request
+        # the block table of the running requests (scheduler table rows 0..max_num_seqs-1; the last row stays
+        # page 0 for padding), on the device: steps send only its changes (see `_serve_step`)
+        replicated = NamedSharding(self.mesh, P())
+        self._tables = jax.device_put(np.zeros((self.max_num_seqs + 1, self.pages_per_seq), np.int32), replicated)
         # outputs placed exactly as the inputs they replace: a step fed the caches (or ids) of the previous one
         # hits the compiled step the first call made, instead of compiling again for an equal-but-new sharding
-        out_shardings = (NamedSharding(self.mesh, P()), jax.tree.map(lambda c: c.sharding, self.caches))
+        out_shardings = (replicated, jax.tree.map(lambda c: c.sharding, self.caches), replicated)
         self._serve_step = jax.jit(functools.partial(_serve_step, config=config, parallel=self.parallel,
-                                                     impl=self.impl, n_out=self._n_out), donate_argnums=(1,),
-                                   out_shardings=out_shardings)
+                                                     impl=self.impl, n_out=self._n_out, block_size=self.block_size),
+                                   static_argnames=("width",), donate_argnums=(1, 2), out_shardings=out_shardings)
         self._prev_ids = None  # device ids sampled by the last dispatched step
         self._pending = None  # (plan, device ids) of the dispatched step whose ids are not processed yet
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submits and aborts from other threads
@@ -165,6 +191,7 @@ class Engine:
         self._background = None
         self.wake_event = threading.Event()
         self._dry: set | None = None  # warmup: shapes already compiled (their steps are skipped)
+        self._launch_s = 0.0  # seconds the last step's jitted call took (see `_LoopStats.launch_s`)
         self.stats = _LoopStats()
 
     # ---- input checks ----------------------------------------------------------------------
@@ -465,6 +492,7 @@ class Engine:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         new = None
+        self._launch_s = 0.0
         if plan is not None:
             try:
                 new = (plan, self._dispatch(plan))
@@ -472,17 +500,22 @@ class Engine:
                 logging.getLogger(__name__).exception("step failed")
                 self.scheduler.fail(plan.requests, f"{type(e).__name__}: {e}")
         blocked = 0.0
+        tb = time.perf_counter()
         if self._pending is not None:
             old_plan, ids = self._pending
-            tb = time.perf_counter()
             host_ids = np.asarray(ids)  # waits for the previous step only: the new one is queued behind it
-            blocked = time.perf_counter() - tb
-            self.scheduler.process(old_plan, host_ids, time.perf_counter())
+            self.stats.syncs += not isinstance(ids, np.ndarray)
+            tp = time.perf_counter()
+            blocked = tp - tb
+            self.scheduler.process(old_plan, host_ids, tp)
             self.stats.generated += len(old_plan.sample_reqs)
         self._pending = new
         t1 = time.perf_counter()
         if new is not None:
             st = self.stats
+            st.build_s += tb - t0 - self._launch_s
+            st.launch_s += self._launch_s
+            st.process_s += t1 - tb - blocked
             st.steps += 1
             st.decode_steps += plan.prefill_rows == 0
             st.host_s += t1 - t0 - blocked
@@ -494,42 +527,57 @@ class Engine:
         return self.scheduler.has_work or self._pending is not None
 
     def _dispatch(self, plan: StepPlan):
-        """Build the plan's step inputs on the host and launch the fused step; returns the device ids."""
-        bs, n, inter = self.block_size, self.parallel.dcp, self.parallel.interleave
+        """Build the plan's step inputs on the host and launch the fused step; returns the device ids. What is
+        built does not depend on the requests' lengths: rows, logits rows and block-table changes only."""
         rows = plan.num_rows
-        t = _bucket(rows, 8)
-        width = min(_bucket(max(len(r.pages) for r in plan.requests), 1), self.pages_per_seq)
-        tables = block_table_array([r.pages for r in plan.requests], width, _bucket(len(plan.requests), 8))
-        ids, pos, slot, req, src = (np.zeros(t, np.int32) for _ in range(5))
-        slot[:] = -1  # padding rows write nothing
-        src[:] = -1
-        ids[:rows], pos[:rows], req[:rows], src[:rows] = plan.token, plan.pos, plan.req, plan.src
-        slot[:rows] = owner_slots(tables, plan.req, plan.pos, bs, n, inter)
+        t = _bucket(rows, 16)
+        # capped at a full sequence's pages: a power-of-two bucket past it would double the indexer's top-k width;
+        # a bucket over half of it takes the cap at once (at most twice the pages, as any bucket): one shape less
+        width = _bucket(max(len(r.pages) for r in plan.requests), 8)
+        width = self.pages_per_seq if 2 * width > self.pages_per_seq else width
+        # requests (and logits rows, at most one each) in buckets growing 4x, capped at max_num_seqs' bucket
+        nr = min(_bucket(len(plan.requests), 8, 4), self._n_out)
+        row_arr = np.zeros((4, t), np.int32)
+        row_arr[1:, rows:] = -1  # padding rows: position -1 (write nothing), src -1; request 0
+        row_arr[2, rows:] = 0
+        row_arr[0, :rows], row_arr[1, :rows], row_arr[2, :rows], row_arr[3, :rows] = (plan.token, plan.pos, plan.req,
+                                                                                       plan.src)
+        plan_rows = np.full(nr, self.max_num_seqs, np.int32)  # padding requests read the all-zero last row
+        plan_rows[: len(plan.requests)] = [r.table_row for r in plan.requests]
+        # a step adds at most one page per row it computes, so the rows bucket bounds the updates
+        upd = np.full((3, t), self.max_num_seqs + 1, np.int32)  # padding updates fall outside the table: dropped
+        nu = plan.table_updates.shape[1]
+        if nu > t:
+            raise RuntimeError(f"a step of {rows} rows changes {nu} block-table entries, more than its {t} slots")
+        upd[:, :nu] = plan.table_updates
+        resets = np.zeros(self.max_num_seqs + 1, np.int32)
+        resets[plan.table_resets] = 1
         k = len(plan.sample_rows)
-        nl = _bucket(k, 8)
-        li = np.zeros(nl, np.int32)
-        li[:k] = plan.sample_rows
-        seed_words = np.zeros((nl, 2), np.uint32)
-        token_index, prompt_index = np.zeros(nl, np.uint32), np.zeros(nl, np.uint32)
-        temperature, top_p = np.zeros(nl, np.float32), np.ones(nl, np.float32)  # padding rows: greedy
+        nl = nr  # logits rows bucketed with the requests (at most one each): one shape dimension less to compile
+        su = np.zeros((5, nl), np.uint32)  # logits row, seed words, token index, prompt index
+        sf = np.zeros((2, nl), np.float32)  # temperature, top_p: padding rows greedy
+        sf[1] = 1.0
+        su[0, :k] = plan.sample_rows
+        su[3, :k] = plan.sample_token_index
         for j, r in enumerate(plan.sample_reqs):
-            seed_words[j] = (r.params.seed >> 32, r.params.seed & 0xFFFFFFFF)
-            prompt_index[j] = r.prompt_index
-            temperature[j], top_p[j] = r.params.temperature, r.params.top_p
-        token_index[:k] = plan.sample_token_index
-        arrays = {"token_ids": ids, "positions": pos, "slot_mapping": slot, "token_req": req,
-                  "block_tables": tables, "logits_indices": li, "src": src, "seed_words": seed_words,
-                  "token_index": token_index, "prompt_index": prompt_index, "temperature": temperature,
-                  "top_p": top_p}
+            su[1, j], su[2, j], su[4, j] = r.params.seed >> 32, r.params.seed & 0xFFFFFFFF, r.prompt_index
+            sf[0, j], sf[1, j] = r.params.temperature, r.params.top_p
+        arrays = (row_arr, plan_rows, upd, resets, su, sf)
+        nbytes = sum(a.nbytes for a in arrays)
+        self.stats.h2d_bytes += nbytes
+        self.stats.last_h2d_bytes = nbytes
         if self._dry is not None:
-            shape = (t, tables.shape, nl)
+            shape = (t, nr, width)
             if shape in self._dry:
                 return np.zeros(self._n_out, np.int32)
             self._dry.add(shape)
         prev = self._prev_ids
         if prev is None:
             prev = jax.device_put(np.zeros(self._n_out, np.int32), NamedSharding(self.mesh, P()))
-        out, self.caches = self._serve_step(self.params, self.caches, arrays, prev)
+        t_launch = time.perf_counter()
+        out, self.caches, self._tables = self._serve_step(self.params, self.caches, self._tables, *arrays, prev,
+                                                          width=width)
+        self._launch_s = time.perf_counter() - t_launch
         self._prev_ids = out
         return out
 

@@ -51,6 +51,8 @@ class Request:
     num_computed: int = 0  # positions whose rows have been scheduled (their KV is or will be in the cache)
     in_flight: int = 0  # sampled tokens not yet on the host (1, or 2 between planning a step and processing the last)
     flight_row: int = -1  # the newest in-flight token's index in the last planned step's sampled ids
+    table_row: int = -1  # its row of the engine's device block table while it holds pages
+    table_sent: int = 0  # how many of `pages` the device block table holds (the rest go with the next plan)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
@@ -84,6 +86,8 @@ class StepPlan:
     sample_reqs: list[Request]
     sample_token_index: np.ndarray
     prefill_rows: int  # rows that are not single decode rows
+    table_updates: np.ndarray  # int [3, U]: (table row, column, page) entries the device block table gains
+    table_resets: list[int]  # table rows given to a new request: zeroed before the updates apply
 
     @property
     def num_rows(self) -> int:
@@ -110,6 +114,8 @@ class Scheduler:
         self.preemptions = 0
         self.finished: collections.Counter = collections.Counter()  # finished requests by finish reason
         self._arrivals = itertools.count()
+        # rows of the engine's device block table, one per running request (see `StepPlan.table_updates`)
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
     # ---- queue -----------------------------------------------------------------------------
     def pages_for(self, length: int) -> int:
@@ -156,6 +162,9 @@ class Scheduler:
         self.allocator.release(r.pages)
         r.pages = []
         r.num_computed = 0
+        if r.table_row >= 0:
+            self._free_rows.append(r.table_row)
+            r.table_row, r.table_sent = -1, 0
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         if r.status is Status.RUNNING:
@@ -242,17 +251,30 @@ class Scheduler:
         tok = np.zeros(n_rows, np.int64)
         src = np.full(n_rows, -1, np.int64)
         sample_rows, sample_reqs, sample_idx = [], [], []
+        upd_row, upd_col, upd_page, resets = [], [], [], []
         prefill_rows = 0
         k = 0
         for j, (r, s, e) in enumerate(chunks):
-            known = r.prompt + r.output
+            n_prompt = len(r.prompt)
+            n_known = n_prompt + len(r.output)
             n = e - s
             req[k: k + n] = j
             pos[k: k + n] = np.arange(s, e)
-            m = min(e, len(known))
-            if m > s:
-                tok[k: k + m - s] = known[s:m]
-            if e > len(known):  # the last row's token is the in-flight one: gathered on the device
+            # tokens [s, m) from the prompt and output slices (no copy of the whole sequence per step)
+            m = min(e, n_known)
+            if s < min(m, n_prompt):
+                tok[k: k + min(m, n_prompt) - s] = r.prompt[s: min(m, n_prompt)]
+            if m > max(s, n_prompt):
+                tok[k + max(s, n_prompt) - s: k + m - s] = r.output[max(s, n_prompt) - n_prompt: m - n_prompt]
+            if r.table_row < 0:  # newly admitted: a fresh table row
+                r.table_row, r.table_sent = self._free_rows.pop(), 0
+                resets.append(r.table_row)
+            if len(r.pages) > r.table_sent:  # only the pages the device table does not hold yet
+                upd_page.extend(r.pages[r.table_sent:])
+                upd_col.extend(range(r.table_sent, len(r.pages)))
+                upd_row.extend([r.table_row] * (len(r.pages) - r.table_sent))
+                r.table_sent = len(r.pages)
+            if e > n_known:  # the last row's token is the in-flight one: gathered on the device
                 src[k + n - 1] = r.flight_row
             if n > 1 or s < len(r.prompt):
                 prefill_rows += n
@@ -265,7 +287,8 @@ class Scheduler:
                 r.in_flight += 1
             k += n
         return StepPlan(reqs, req, pos, tok, src, np.asarray(sample_rows, np.int64), sample_reqs,
-                        np.asarray(sample_idx, np.int64), prefill_rows)
+                        np.asarray(sample_idx, np.int64), prefill_rows,
+                        np.asarray([upd_row, upd_col, upd_page], np.int64).reshape(3, -1), resets)
 
     # ---- results ---------------------------------------------------------------------------
     def process(self, plan: StepPlan, ids: np.ndarray, now: float | None = None) -> None:

@@ -104,7 +104,8 @@ def test_abort_by_request_id_frees_the_pages(eng):
 
 
 def test_warmup_compiles_every_step_generate_runs(ckpt):
-    e = glm_dsa.load(ckpt, dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+    # 30 prefill rows and 3 decode rows per step: two row buckets, so two compiled steps
+    e = glm_dsa.load(ckpt, dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                      progress=False)
     e.warmup(3, 10, 6)
     compiled = e._serve_step._cache_size()

@@ -23,7 +23,7 @@ httpx = pytest.importorskip("httpx")
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "test-key"
 MODEL = "tiny-test"
-MAX_LEN = 64
+MAX_LEN = 512  # room for a stream long enough to be still running when its client goes
 
 
 def _free_port() -> int:
@@ -140,7 +140,7 @@ BAD = [  # (body, status, words of the message)
     ({"model": MODEL, "prompt": []}, 400, "prompt"),
     ({"model": MODEL, "prompt": [[]]}, 400, "prompt 0 is empty"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt 0 is empty"),
-    ({"model": MODEL, "prompt": [1] * (MAX_LEN + 1)}, 400, "longer than max_model_len=64"),
+    ({"model": MODEL, "prompt": [1] * (MAX_LEN + 1)}, 400, f"longer than max_model_len={MAX_LEN}"),
     ({"model": MODEL, "prompt": [1, 2], "max_tokens": -1}, 400, "max_tokens must be >= 0"),
     ({"model": MODEL, "prompt": [1, 2], "temperature": -0.5}, 400, "temperature"),
     (b'{"model": "tiny-test", "prompt": [1, 2], "temperature": NaN}', 400, "temperature"),
@@ -170,7 +170,7 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, client):
 
 def test_a_client_gone_mid_stream_aborts_and_frees_its_pages(server):
     before = _metrics(server)
-    body = {"model": MODEL, "prompt": [5, 6, 7, 8, 9], "max_tokens": 58, "stream": True, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": [5, 6, 7, 8, 9], "max_tokens": MAX_LEN - 6, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=30) as c:
         with c.stream("POST", server + "/v1/completions", json=body,
                       headers={"Authorization": f"Bearer {KEY}"}) as r:
