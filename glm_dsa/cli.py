@@ -49,7 +49,11 @@ def _start_distributed(args) -> None:
     from . import distributed
     if distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
                               init_timeout_s=args.distributed_timeout) and not distributed.is_primary():
-        sys.stdout = open(os.devnull, "w")  # every process computes the same results; process 0 reports them
+        # every process computes the same results; process 0 reports them. At the descriptor level: the
+        # collectives' C++ libraries (gloo) print to fd 1 themselves
+        sys.stdout.flush()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        sys.stdout = open(os.devnull, "w")
 
 
 def _parallel(args):
