@@ -21,5 +21,5 @@ def default_impl() -> str:
     return "triton" if jax.default_backend() == "gpu" else "xla"
 
 
-__all__ = ["IMPLS", "default_impl", "chunking", "fp8_formats", "fp8_linear", "fused_norm_rope", "indexer", "lse_merge", "moe",
-           "norms", "registry", "rope", "sparse_mla"]
+__all__ = ["IMPLS", "default_impl", "chunking", "fp8_formats", "fp8_linear", "fused_norm_rope", "indexer",
+           "lse_merge", "moe", "norms", "registry", "rope", "sparse_mla"]

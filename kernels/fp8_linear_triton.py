@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .fp8_formats import FP8, WEIGHT_BLOCK, block_count, load_e4m3, quantize_activation_blocks
-from .triton_common import MASKED_ROW, col_range, dot
+from .triton_common import MASKED_ROW, col_range, dot, with_options
 
 
 def _pow2(v) -> bool:
@@ -161,11 +161,7 @@ def fp8_matmul(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0, 
     t, k = x.shape
     n = w_q.shape[0]
     cfg = config or default_config(t, n, k, form, jnp.dtype(x.dtype).itemsize)
-    fields = {f.name for f in dataclasses.fields(Fp8LinearConfig)}
-    unknown = set(overrides) - fields
-    if unknown:
-        raise ValueError(f"fp8_linear triton: unknown options {sorted(unknown)} (known: {sorted(fields)})")
-    cfg = dataclasses.replace(cfg, **overrides)
+    cfg = with_options(cfg, overrides, "fp8_linear")
     bm, bn, bk, ks = cfg.bm, cfg.bn, cfg.bk, cfg.k_split
     static = isinstance(n_offset, int) and isinstance(k_offset, int)
     shift = k_offset % bk if static else None

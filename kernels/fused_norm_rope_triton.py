@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import fp8_formats as f8
 from . import rope
-from .triton_common import MASKED_ROW, bytes_of, check_addressable
+from .triton_common import MASKED_ROW, bytes_of, check_addressable, with_options
 
 
 def _p2(n: int) -> int:
@@ -407,11 +407,8 @@ def fused_norm_rope_cache_triton(q_c, kv_c, positions, slot_mapping, q_norm_w, k
         return q_c, mla_cache, index_cache, topk_out
 
     cfg = config or default_config(T)
-    fields = {f.name for f in dataclasses.fields(FusedNormRopeConfig)}
-    unknown = set(overrides) - fields
-    if unknown:
-        raise ValueError(f"fused_norm_rope triton: unknown options {sorted(unknown)} (known: {sorted(fields)})")
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    # an option given as None keeps the config's value
+    cfg = with_options(cfg, {k: v for k, v in overrides.items() if v is not None}, "fused_norm_rope")
     n_q, n_blocks = pl.cdiv(T, cfg.q_rows), pl.cdiv(T, cfg.cache_rows)
     grid = n_q + n_blocks
     topk_n = topk_buf.size if has_topk else 0

@@ -1,6 +1,6 @@
 """Pallas Triton indexer scores (docs/math.md §2): score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) over the paged
-indexer cache, then the top-k with the tie rule of docs/math.md §2 by `kernels.indexer.topk_positions` (`indexer_topk_triton`,
-the op's "triton" impl).
+indexer cache, then the top-k with the tie rule of docs/math.md §2 by `kernels.indexer.topk_positions`
+(`indexer_topk_triton`, the op's "triton" impl).
 
 Grid (T, S / block_s). Program (t, j) reads row t's request, its visible length n = kv_lens[t], the pages of
 positions [j * block_s, +block_s) from the block table, gathers those key rows from the cache (bf16
@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 from . import fp8_formats
 from .chunking import map_row_chunks
 from .indexer import prepare_queries, topk_positions
-from .triton_common import check_addressable, col_range, dot, gather, u8_words
+from .triton_common import check_addressable, col_range, dot, gather, u8_words, with_options
 
 SCORE_BUDGET = 1 << 25  # float32 scores held at once by the top-k stage (128 MiB)
 ROW_BLOCK_MIN_T = 64  # rows from which indexer_scores_triton takes the row-block form
@@ -177,11 +177,8 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
     t, h, di = q.shape
     s = block_tables.shape[1] * block_size
     cfg = config or default_config(t, s, k_cache.dtype)
-    fields = {f.name for f in dataclasses.fields(IndexerConfig)}
-    unknown = set(overrides) - fields
-    if unknown:
-        raise ValueError(f"indexer triton: unknown options {sorted(unknown)} (known: {sorted(fields)})")
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    # an option given as None keeps the config's value
+    cfg = with_options(cfg, {k: v for k, v in overrides.items() if v is not None}, "indexer")
     block_t = cfg.block_t
     fp8 = k_cache.dtype == jnp.uint8
     if not interpret:

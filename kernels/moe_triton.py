@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .moe_tiles import tile_plan, tile_rows
 from .fp8_formats import WEIGHT_BLOCK as FP8_BLOCK, load_e4m3
-from .triton_common import MASKED_ROW, col_range, dot, gather
+from .triton_common import MASKED_ROW, col_range, dot, gather, with_options
 
 
 def _block(n: int, cap: int) -> int:
@@ -298,11 +298,7 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     n_exp, d, i = wg.shape
     fp8 = wg_scale is not None
     cfg = config or default_config(t, k, n_exp, d, i, jnp.dtype(x.dtype if fp8 else wg.dtype).itemsize)
-    fields = {f.name for f in dataclasses.fields(MoEConfig)}
-    unknown = set(overrides) - fields
-    if unknown:
-        raise ValueError(f"moe triton: unknown options {sorted(unknown)} (known: {sorted(fields)})")
-    cfg = dataclasses.replace(cfg, **overrides)
+    cfg = with_options(cfg, overrides, "moe")
     if fp8 and max(cfg.bk_up, cfg.bk_down) > FP8_BLOCK:
         raise ValueError(f"moe triton: FP8 experts need bk_up and bk_down <= {FP8_BLOCK} (one scale block per K "
                          f"step), got {cfg.bk_up} and {cfg.bk_down}")

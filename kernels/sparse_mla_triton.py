@@ -31,7 +31,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import fp8_formats
 from .lse_merge import merge_partials
-from .triton_common import check_addressable, col_range, dot, gather, u8_to_bf16, u8_to_f32, u8_words
+from .triton_common import check_addressable, col_range, dot, gather, u8_to_bf16, u8_to_f32, u8_words, with_options
 
 
 def _load_rows(cache_ref, slot, valid, r, dr, tile, fp8, n_parts, interpret):
@@ -201,11 +201,8 @@ def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, con
         raise ValueError(f"sparse_mla triton: {why}")
     k = indices.shape[1]
     cfg = config or default_config(t, h, k, fp8, jnp.dtype(cache.dtype).itemsize)
-    fields = {f.name for f in dataclasses.fields(SparseMLAConfig)}
-    unknown = set(overrides) - fields
-    if unknown:
-        raise ValueError(f"sparse_mla triton: unknown options {sorted(unknown)} (known: {sorted(fields)})")
-    cfg = dataclasses.replace(cfg, **{key: v for key, v in overrides.items() if v is not None})
+    # an option given as None keeps the config's value
+    cfg = with_options(cfg, {k: v for k, v in overrides.items() if v is not None}, "sparse_mla")
     bh = cfg.block_h
     h_pad = max(16, -(-h // bh) * bh)
     bh = min(bh, h_pad)

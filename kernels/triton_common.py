@@ -20,6 +20,16 @@ from jax.experimental.pallas import triton as plgpu
 MASKED_ROW = 2**30
 
 
+def with_options(cfg, options: dict, op: str):
+    """The frozen launch config `cfg` with fields replaced by `options`; a name that is not a field of it is a
+    ValueError naming the op, the unknown names and the known ones."""
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    unknown = set(options) - fields
+    if unknown:
+        raise ValueError(f"{op} triton: unknown options {sorted(unknown)} (known: {sorted(fields)})")
+    return dataclasses.replace(cfg, **options)
+
+
 def check_addressable(x, what: str) -> None:
     """Refuse a 1-byte array of more than 2**31 elements and at most 4 GiB. Pallas Triton addresses an array of
     at most 4 GiB with 32-bit element offsets, which Triton adds to the pointer as signed: past 2**31 they read
