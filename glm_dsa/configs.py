@@ -118,8 +118,17 @@ deepseek_v32_tp2_shard = deepseek_v32.replace(
     moe_intermediate_size=deepseek_v32.moe_intermediate_size // 2,
 )
 
+#: One TP=8 shard of DeepSeek-V3.2 on one GPU: 16 heads (128 / 8), an eighth of the dense and expert widths, the
+#: whole 64-head indexer; the geometry where each device's sparse MLA has the fewest heads.
+deepseek_v32_tp8_shard = deepseek_v32.replace(
+    num_attention_heads=16,
+    intermediate_size=deepseek_v32.intermediate_size // 8,
+    moe_intermediate_size=deepseek_v32.moe_intermediate_size // 8,
+)
+
 PRESETS = {"glm5": glm5, "glm52": glm52, "tiny": tiny, "bench": bench, "heads": heads, "demo": demo,
-           "deepseek_v32": deepseek_v32, "deepseek_v32_tp2_shard": deepseek_v32_tp2_shard}
+           "deepseek_v32": deepseek_v32, "deepseek_v32_tp2_shard": deepseek_v32_tp2_shard,
+           "deepseek_v32_tp8_shard": deepseek_v32_tp8_shard}
 
 
 def get(name: str) -> GlmDsaConfig:

@@ -88,6 +88,9 @@ def test_preset_is_v32_at_its_real_dims():
     shard = configs.deepseek_v32_tp2_shard
     assert shard.num_attention_heads == 64 and shard.index_n_heads == 64 and shard.mla_row_dim == 576
     assert shard.with_depth(4).indexer_types == ("full",) * 4
+    tp8 = configs.deepseek_v32_tp8_shard  # 128 heads / 8, widths / 8, the indexer whole
+    assert (tp8.num_attention_heads, tp8.index_n_heads, tp8.moe_intermediate_size, tp8.intermediate_size) == \
+        (16, 64, 2048 // 8, 18432 // 8)
 
 
 def test_yarn_frequencies_match_a_float64_oracle():
