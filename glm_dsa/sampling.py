@@ -7,6 +7,7 @@ compile per row-count bucket, not per value).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 
@@ -111,16 +112,30 @@ def _sample_rows(logits, keys, temperature, top_p):
     return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
 
 
-@jax.jit
-def sample(logits, keys, temperature, top_p):
+def _all_greedy(temperature) -> bool | None:
+    """Whether every row is greedy, when the temperatures are known on the host (None while tracing)."""
+    if isinstance(temperature, jax.core.Tracer):
+        return None
+    return bool(np.all(np.asarray(temperature, np.float32) < GREEDY_BELOW))
+
+
+@functools.partial(jax.jit, static_argnames=("all_greedy",))
+def _sample(logits, keys, temperature, top_p, all_greedy):
+    logits = logits.astype(jnp.float32)
+    if all_greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return _sample_rows(logits, keys, jnp.asarray(temperature, jnp.float32), jnp.asarray(top_p, jnp.float32))
+
+
+def sample(logits, keys, temperature, top_p, *, all_greedy: bool | None = None):
     """Next token per row of `logits` [N, V] (float32).
 
     keys: one PRNG key per row [N] (a row's draw depends only on its key, not on the other rows); temperature,
     top_p: float32 [N], traced (no recompile per value). Greedy rows (temperature < GREEDY_BELOW) take the argmax
-    (lowest id on ties); when every row is greedy nothing else is computed."""
-    logits = logits.astype(jnp.float32)
-    temperature = jnp.asarray(temperature, jnp.float32)
-    top_p = jnp.asarray(top_p, jnp.float32)
-    return jax.lax.cond(jnp.all(temperature < GREEDY_BELOW),
-                        lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
-                        lambda: _sample_rows(logits, keys, temperature, top_p))
+    (lowest id on ties). `all_greedy` (static) says every row is greedy, so nothing else is computed; None decides
+    it from host temperatures, or (inside a trace) samples every row with its greedy rows taking the argmax. The
+    choice is never a `lax.cond` on device values: a GPU reads a conditional's predicate back to the host, which
+    would stall the dispatch of the step that samples."""
+    if all_greedy is None:
+        all_greedy = _all_greedy(temperature)
+    return _sample(logits, keys, temperature, top_p, bool(all_greedy))

@@ -126,9 +126,8 @@ def _pow2(v) -> bool:
 class IndexerConfig:
     """Launch config of the scores kernels: `block_s` keys per program (a power of two >= 16); `block_t` query
     rows per program: 1 the per-row kernel (decode), a power of two > 1 the row-block kernel (prefill: one key
-    gather per block of rows of one request), None both compiled and picked at run time by how long the rows'
-    requests run (`lax.cond`: the row-block kernel of ROW_BLOCK rows when requests run for ROW_BLOCK rows on
-    average); warps; pipeline stages."""
+    gather per block of rows of one request), None picked from the shapes (the row-block kernel of ROW_BLOCK rows when
+    the step's R requests leave runs of ROW_BLOCK rows on average: (R - 1) * ROW_BLOCK <= T); warps; pipeline stages."""
     block_s: int
     block_t: int | None
     num_warps: int = 4
@@ -147,7 +146,7 @@ class IndexerConfig:
 
 def default_config(t: int, s: int, cache_dtype) -> IndexerConfig:
     """128-key tiles (FLOAT32_BLOCK_S for a float32 cache), never wider than S; the per-row kernel below
-    ROW_BLOCK_MIN_T rows and for a float32 cache, else both kernels picked at run time."""
+    ROW_BLOCK_MIN_T rows and for a float32 cache, else picked from the request count (see `indexer_scores_triton`)."""
     f32 = jnp.dtype(cache_dtype) == jnp.float32
     block_s = min(FLOAT32_BLOCK_S if f32 else 128, max(16, pl.next_power_of_2(s)))
     return IndexerConfig(block_s=block_s, block_t=1 if (t < ROW_BLOCK_MIN_T or f32) else None)
@@ -233,8 +232,13 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
         return per_row(*args)
     if block_t is not None:
         return row_block(*args, block_t)
-    changes = jnp.sum((token_req[1:] != token_req[:-1]).astype(jnp.int32))
-    return jax.lax.cond(changes * ROW_BLOCK <= t, lambda *a: row_block(*a, ROW_BLOCK), per_row, *args)
+    # Decided from static shapes, not by a `lax.cond` on the rows: a conditional's predicate is read back by the
+    # host on a GPU, which stalls the dispatch of every step behind the previous one. With R requests the rows
+    # change request at most R - 1 times, so (R - 1) * ROW_BLOCK <= T guarantees runs of ROW_BLOCK rows on average
+    # (prefill chunks); otherwise (decode: one row per request) the per-row kernel.
+    if (block_tables.shape[0] - 1) * ROW_BLOCK <= t:
+        return row_block(*args, ROW_BLOCK)
+    return per_row(*args)
 
 
 def _row_block_call(token_req, kv_lens, q, weights, block_tables, k_cache, *, block_t, n_blk, params, name, opts):

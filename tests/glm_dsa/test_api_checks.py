@@ -13,6 +13,7 @@ import glm_dsa
 import kernels
 from glm_dsa import ConfigError, configs
 from glm_dsa.cli import build_parser, main
+from glm_dsa import sampling
 from glm_dsa.sampling import GREEDY_BELOW, SamplingParams, sample
 
 CFG = configs.tiny  # the fixtures `ckpt` and `eng` (conftest.py) hold a random checkpoint of it
@@ -106,18 +107,26 @@ def test_sampler_is_traced_per_row_and_matches_the_distribution():
     base = np.asarray([2.0, 1.0, 0.5, 0.0, -1.0, 3.0], np.float32)
     logits = np.tile(base, (n, 1))
     keys = jax.random.split(jax.random.key(0), n)
-    before = sample._cache_size()
+    before = sampling._sample._cache_size()  # the jitted sampler behind `sample`
     for t, p in ((0.7, 1.0), (1.3, 0.8), (0.9, 0.95)):  # distinct values, one compiled sampler
         ids = np.asarray(sample(logits, keys, np.full(n, t, np.float32), np.full(n, p, np.float32)))
         freq = np.bincount(ids, minlength=v) / n
         want = _oracle_probs(base, t, p)
         assert np.all(freq[want == 0] == 0)
         np.testing.assert_allclose(freq, want, atol=4 * math.sqrt(0.25 / n))
-    assert sample._cache_size() - before <= 1  # was one compile per (temperature, top_p)
+    assert sampling._sample._cache_size() - before <= 1  # was one compile per (temperature, top_p)
     # rows of one batch with their own values: greedy rows take the argmax, the others sample
     temps = np.where(np.arange(n) % 2 == 0, 0.0, 5.0).astype(np.float32)
     ids = np.asarray(sample(logits, keys, temps, np.ones(n, np.float32)))
     assert np.all(ids[::2] == 5) and len(set(ids[1::2].tolist())) == v
+    # inside a trace (the serving step) the same rows, and no conditional: a GPU reads a cond's predicate back to
+    # the host, which stalled the dispatch of every serving step behind the previous one
+    traced = jax.jit(lambda lg, k, t, p: sample(lg, k, t, p))
+    np.testing.assert_array_equal(np.asarray(traced(logits, keys, temps, np.ones(n, np.float32))), ids)
+    for greedy in (None, True, False):
+        closed = jax.make_jaxpr(lambda lg, k, t, p: sample(lg, k, t, p, all_greedy=greedy))(
+            logits, keys, temps, np.ones(n, np.float32))
+        assert " cond[" not in str(closed) and ("sort" in str(closed)) == (greedy is not True)
 
 
 # ---- Engine arguments -----------------------------------------------------------------------------

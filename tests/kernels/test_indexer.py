@@ -220,18 +220,23 @@ def test_row_block_kernel(case, fp8, on_gpu, interpret):
     _compare_topk(pos, val, pos_ref, val_ref, n, topk, ref)
 
 
-@pytest.mark.parametrize("t", [63, 64])
-def test_row_block_chosen_by_rows(t):
-    """Default config: the per-row kernel alone for decode-sized T; from ROW_BLOCK_MIN_T rows both kernels,
-    picked at run time by a cond on how long the rows' requests run."""
-    assert indexer_triton.ROW_BLOCK_MIN_T == 64
+@pytest.mark.parametrize("t, requests, rows_kernel", [(63, 1, False), (64, 1, True), (64, 5, True), (64, 6, False),
+                                                    (256, 17, True), (256, 18, False)])
+def test_row_block_chosen_by_shapes(t, requests, rows_kernel):
+    """Default config: the per-row kernel alone for decode-sized T; from ROW_BLOCK_MIN_T rows the row-block kernel
+    when the step's R requests leave runs of ROW_BLOCK rows ((R - 1) * 16 <= T), else the per-row one. Decided
+    from the shapes: exactly one kernel is in the program and no conditional (a GPU reads a `cond`'s predicate
+    back to the host, which serialised the serving loop's steps)."""
+    assert indexer_triton.ROW_BLOCK_MIN_T == 64 and indexer_triton.ROW_BLOCK == 16
     assert indexer_triton.default_config(t, 96, jnp.bfloat16).block_t == (None if t >= 64 else 1)
     f = functools.partial(indexer_triton.indexer_scores_triton, block_size=16, interpret=True)
-    jaxpr = str(jax.make_jaxpr(f)(jnp.zeros((t, 16, 32), jnp.bfloat16), jnp.ones((t, 16)),
-                                  jnp.zeros((96, 32), jnp.bfloat16), jnp.zeros(t, jnp.int32), jnp.ones(t, jnp.int32),
-                                  jnp.zeros((1, 6), jnp.int32)))
-    assert ("indexer_scores_bf16_rows" in jaxpr) == (t >= 64)
-    assert jaxpr.count("name=indexer_scores_bf16") == (2 if t >= 64 else 1)  # with the per-row kernel beside it
+    closed = jax.make_jaxpr(f)(jnp.zeros((t, 16, 32), jnp.bfloat16), jnp.ones((t, 16)),
+                               jnp.zeros((96, 32), jnp.bfloat16), jnp.zeros(t, jnp.int32), jnp.ones(t, jnp.int32),
+                               jnp.zeros((requests, 6), jnp.int32))
+    jaxpr = str(closed)
+    assert ("indexer_scores_bf16_rows" in jaxpr) == rows_kernel
+    assert jaxpr.count("name=indexer_scores_bf16") == 1
+    assert "cond" not in {e.primitive.name for e in closed.jaxpr.eqns}  # (the interpreted kernel has its own)
 
 
 def test_float32_cache_takes_small_per_row_tiles():
@@ -301,14 +306,16 @@ def test_fp8_queries_reach_the_kernel_as_bits():
 def test_row_block_lowers_to_triton_at_prefill_dims(fp8):
     """An 8K-row chunk of a 32K context (H=32, Di=128, page 64, FP8 rows of 132 bytes): both kernels lower, the
     row-block one (16 rows x 128 keys, both branches unrolled) on grid (T / 16, S / 128), the per-row one on
-    (T, S / 128), for the run-time cond between them."""
+    (T, S / 128): the static choice takes the row-block kernel for 8 requests, the per-row one for 8192."""
     s = jax.ShapeDtypeStruct
     cache = s((8 * 32768, 132), jnp.uint8) if fp8 else s((8 * 32768, 128), jnp.bfloat16)
     f = functools.partial(indexer_triton.indexer_scores_triton, block_size=64)
-    calls = triton_calls(lower_for_gpu(f, s((8192, 32, 128), jnp.bfloat16), s((8192, 32), jnp.float32), cache,
-                                       s((8192,), jnp.int32), s((8192,), jnp.int32), s((8, 512), jnp.int32)))
     name = "indexer_scores_fp8" if fp8 else "indexer_scores_bf16"
-    assert sorted((c.name, c.grid) for c in calls) == [(name, (8192, 256, 1)), (name + "_rows", (512, 256, 1))]
+    for requests, want in ((8, (name + "_rows", (512, 256, 1))), (8192, (name, (8192, 256, 1)))):
+        calls = triton_calls(lower_for_gpu(f, s((8192, 32, 128), jnp.bfloat16), s((8192, 32), jnp.float32), cache,
+                                           s((8192,), jnp.int32), s((8192,), jnp.int32),
+                                           s((requests, 512), jnp.int32)))
+        assert [(c.name, c.grid) for c in calls] == [want]
 
 
 # ------------------------------------------------------------------------------ GPU (native Triton)
