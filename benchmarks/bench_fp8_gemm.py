@@ -7,13 +7,13 @@ dequantised to bf16; "xla_fp8" is the FP8 op's xla impl (the float32 reference).
 grouped-GEMM kernel vs the FP8 W8A16 one, the xla form beside them (FP8 xla only up to 128 rows: it
 dequantises every expert to float32).
 
-Rows T in --batches (decode 1, 32, 128; prefill 8192). Each row: time (median of --iters calls of one jitted op
-after a warm-up), TB/s over the weight bytes read (the experts actually used for the MoE; FP8: the e4m3 bytes plus
-scales) and % of the HBM peak, TFLOP/s, and the speed-up of each FP8 form over bf16. The Triton FP8 linear kernel
+Rows T in --batches (decode 1, 32, 128; prefill 8192). Each row: device time of one op (harness.op_device_time:
+the op looped in one executable, so dispatch costs cancel), TB/s over the weight bytes read (the experts actually
+used for the MoE; FP8: the e4m3 bytes plus scales) and % of the HBM peak, TFLOP/s, and the speed-up of each FP8 form over bf16. The Triton FP8 linear kernel
 runs its default config and a small budgeted config sweep (--budget_s per shape and form; 0: defaults only);
 the best is reported with its config. Prints one JSON line per measurement and writes the record to --out.
 
-    PYTHONPATH=. python benchmarks/bench_fp8_gemm.py --out bench_fp8_gemm.json        # ~5 min on one H200
+    PYTHONPATH=. python benchmarks/bench_fp8_gemm.py --out bench_fp8_gemm.json        # over 5 min on one H200
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/bench_fp8_gemm.py --impl triton_interpret --batches 1,16 \\
         --linear 256x384 --moe_dims 256,128,8 --iters 1 --budget_s 0                   # CPU smoke run
 """
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import budgeted_sweep, command_line, device_peaks, record, timeit, write_json
+from benchmarks.harness import budgeted_sweep, command_line, device_peaks, op_device_time, record, write_json
 from kernels import fp8_formats, fp8_linear, fp8_linear_triton, moe
 
 LINEAR = {"q_a": (2048, 6144), "q_b": (2048, 2048), "o_proj": (6144, 2048)}  # name: (N, K) at TP = 8
@@ -49,8 +49,8 @@ def linear_configs(t: int):
     """Launch configs of the FP8 linear kernel to try at T rows, beside the default."""
     if t <= 128:
         bm = max(16, 1 << (t - 1).bit_length())
-        for bn, ks, bk, st in itertools.product((32, 64, 128), (1, 2, 4, 8), (64, 128), (3, 4)):
-            yield dict(bm=bm, bn=bn, k_split=ks, bk=bk, num_warps=4, num_stages=st)
+        for bn, ks, bk, w, st in itertools.product((64, 128, 256), (1, 4, 8, 16), (64, 128), (4, 8), (3, 5)):
+            yield dict(bm=bm, bn=bn, k_split=ks, bk=bk, num_warps=w, num_stages=st)
     else:
         for bm, bn, bk, w, st in itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4)):
             yield dict(bm=bm, bn=bn, bk=bk, k_split=1, num_warps=w, num_stages=st)
@@ -62,21 +62,24 @@ def _rates(res, s, wbytes, flops, peaks):
 
 
 def bench_linear(args, peaks, rows):
-    """bf16 (XLA) vs FP8 W8A16 / W8A8 (Triton, xla reference) per linear shape and T."""
+    """bf16 (XLA) vs FP8 W8A16 / W8A8 (Triton, xla reference) per linear shape and T, the FP8 weight in the
+    model's [K, N] layout (w_layout "kn") unless --w-layout nk."""
     for name, (n, k) in args.linear.items():
         w_q, w_s = random_fp8(jax.random.key(n + k), (n, k))
         w_bf16 = fp8_formats.dequantize_weight_blocks(w_q, w_s, dtype=jnp.bfloat16).T  # [K, N], our bf16 layout
+        if args.w_layout == "kn":
+            w_q, w_s = w_q.T, w_s.T
         fp8_bytes = n * k + 4 * w_s.size
         for t in args.batches:
             x = jax.random.normal(jax.random.key(t), (t, k), jnp.bfloat16)
             flops = 2 * t * n * k
-            base = timeit(jax.jit(jnp.matmul), x, w_bf16, warmup=1, reps=args.iters)
+            base = op_device_time(jnp.matmul, x, w_bf16, iters=args.iters)
             res = {"op": "linear", "name": name, "N": n, "K": k, "T": t,
                    "bf16_xla": _rates({}, base, 2 * n * k, flops, peaks)}
             for form in fp8_linear.FORMS:
                 def run(impl, **opts):
-                    f = jax.jit(functools.partial(fp8_linear.fp8_linear, form=form, impl=impl, **opts))
-                    return timeit(f, x, w_q, w_s, warmup=1, reps=args.iters)
+                    f = functools.partial(fp8_linear.fp8_linear, form=form, impl=impl, w_layout=args.w_layout, **opts)
+                    return op_device_time(f, x, w_q, w_s, iters=args.iters)
 
                 best = {"config": "default", "s": run(args.impl)}
                 if args.budget_s > 0:
@@ -109,8 +112,8 @@ def bench_moe(args, peaks, rows):
         res = {"op": "moe", "T": t, "experts_used": used, "dims": [d, i, e]}
 
         def run(impl, ws, **kw):
-            f = jax.jit(functools.partial(moe.routed_experts, impl=impl, **kw))
-            return timeit(f, x, experts, w, *ws, warmup=1, reps=args.iters)
+            f = functools.partial(moe.routed_experts, impl=impl, **kw)
+            return op_device_time(lambda xx, e, ww, *a: f(xx, e, ww, *a), x, experts, w, *ws, iters=args.iters)
 
         base = run(args.impl, bf16)
         res["bf16"] = _rates({}, base, used * 3 * d * i * 2, flops, peaks)
@@ -131,7 +134,8 @@ def main(argv=None):
     ap.add_argument("--linear", default=",".join(f"{n}x{k}" for n, k in LINEAR.values()),
                     help="NxK shapes (default q_a, q_b, o_proj at TP = 8); '' for none")
     ap.add_argument("--moe_dims", default="6144,2048,256", help="hidden, expert width, experts; '' for none")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=5, help="timings of each looped executable (harness.device_time)")
+    ap.add_argument("--w-layout", default="kn", choices=["kn", "nk"], help="FP8 linear weight layout (model: kn)")
     ap.add_argument("--budget_s", type=float, default=4.0, help="config sweep budget per shape, T and form")
     ap.add_argument("--impl", default="triton", help="triton_interpret for a CPU smoke run")
     ap.add_argument("--out", default=None)

@@ -73,12 +73,17 @@ def check_scale_grid(what: str, scale, rows: int, cols: int, row_offset=0, col_o
                                  f"from a traced offset need between {lo} and {hi}")
 
 
-def fp8_linear_xla(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0):
+def fp8_linear_xla(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0, w_layout: str = "nk"):
     """The reference: x [T, K] and the weight dequantised to float32 (W8A8: x quantised first), one float32
     matmul at highest precision; x.dtype [T, N]."""
-    w = dequantize_weight_blocks(w_q, w_scale, n_offset, k_offset)
+    if w_layout == "kn":
+        w = dequantize_weight_blocks(w_q, w_scale, k_offset, n_offset).T
+        k_blocks = w_scale.shape[0]
+    else:
+        w = dequantize_weight_blocks(w_q, w_scale, n_offset, k_offset)
+        k_blocks = w_scale.shape[1]
     if form == "w8a8":
-        a_q, s_a = quantize_activation_blocks(x, k_offset, w_scale.shape[1])
+        a_q, s_a = quantize_activation_blocks(x, k_offset, k_blocks)
         a = e4m3_to_f32(a_q) * jnp.take(s_a, block_index(x.shape[1], k_offset), axis=1)
     else:
         a = x.astype(jnp.float32)
@@ -87,10 +92,11 @@ def fp8_linear_xla(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset
 
 
 def fp8_linear(x, w_q, w_scale, *, form: str = "w8a16", impl: str = "xla", n_offset=0, k_offset=0,
-               **kernel_options):
+               w_layout: str = "nk", **kernel_options):
     """x.dtype [..., N]: ``x @ W^T`` for x [..., K] (float) and the block-scaled e4m3 weight `w_q` [N, K] with
     `w_scale` float32 [ceil((n_offset + N) / 128), ceil((k_offset + K) / 128)] (see the module docstring for the
-    offsets of TP shards and the two forms).
+    offsets of TP shards and the two forms). `w_layout` "kn": `w_q` is [K, N] and `w_scale` [K-blocks, N-blocks]
+    (the model's [in, out] layout, so a loader never transposes), and the result is ``x @ W``.
 
     form: "w8a16" | "w8a8". impl (`kernels.registry`): "xla" (the float32 reference), "triton" (the Pallas
     kernel reading the e4m3 bytes), "triton_interpret" (that kernel interpreted: CPU tests). `kernel_options`
@@ -100,19 +106,27 @@ def fp8_linear(x, w_q, w_scale, *, form: str = "w8a16", impl: str = "xla", n_off
     if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype) == FP8 or x.ndim < 1:
         raise TypeError(f"fp8_linear: x must be a float16/bfloat16/float32 array [..., K], got {x.dtype} "
                         f"{tuple(x.shape)}")
+    if w_layout not in ("nk", "kn"):
+        raise ValueError(f"fp8_linear: unknown w_layout {w_layout!r} (available: nk, kn)")
+    kn = w_layout == "kn"
+    axes = "[K, N]" if kn else "[N, K]"
     if jnp.dtype(w_q.dtype) != FP8:
-        raise TypeError(f"fp8_linear: w_q must be float8_e4m3fn [N, K], got {w_q.dtype} {tuple(w_q.shape)}")
-    if w_q.ndim != 2 or w_q.shape[1] != x.shape[-1]:
-        raise ValueError(f"fp8_linear: w_q {tuple(w_q.shape)} must be [N, K] with K = x's last axis "
+        raise TypeError(f"fp8_linear: w_q must be float8_e4m3fn {axes}, got {w_q.dtype} {tuple(w_q.shape)}")
+    if w_q.ndim != 2 or w_q.shape[0 if kn else 1] != x.shape[-1]:
+        raise ValueError(f"fp8_linear: w_q {tuple(w_q.shape)} must be {axes} with K = x's last axis "
                          f"({tuple(x.shape)})")
     check_offset("n_offset", n_offset)
     check_offset("k_offset", k_offset)
-    n, k = w_q.shape
-    check_scale_grid("fp8_linear", w_scale, n, k, n_offset, k_offset)
+    if kn:
+        k, n = w_q.shape
+        check_scale_grid("fp8_linear", w_scale, k, n, k_offset, n_offset)
+    else:
+        n, k = w_q.shape
+        check_scale_grid("fp8_linear", w_scale, n, k, n_offset, k_offset)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     y = registry.dispatch("fp8_linear", impl, x2, w_q, w_scale, form=form, n_offset=n_offset, k_offset=k_offset,
-                          **kernel_options)
+                          w_layout=w_layout, **kernel_options)
     return y.reshape(*lead, n)
 
 

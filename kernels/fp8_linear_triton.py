@@ -1,5 +1,6 @@
 """Pallas Triton kernel of the FP8 block-scaled linear layer (kernels/fp8_linear.py): y = x @ (w_q * s)^T from the
-e4m3 bytes of w_q [N, K] (1 byte per weight from HBM).
+e4m3 bytes of w_q [N, K] (1 byte per weight from HBM), or y = x @ (w_q * s) for a [K, N] weight (`w_layout` "kn":
+the model's own layout; the same program with the tile and scale indices swapped).
 
 Grid (row block m, column block n, K split c), c fastest then n: the programs in flight share x's row block (a
 prefill chunk's rows are read from HBM about once, the weight from L2). A program walks its K range in steps of
@@ -98,9 +99,10 @@ def _tile(ref, r0, nr, c0, nc, n_rows, n_cols, mask_rows, mask_cols, interpret, 
 
 
 def _kernel(*refs, form, t, n, k, bm, bn, bk, steps, shift, static_off, n_scalar_scale, mask_m, mask_n, mask_k,
-            split, interpret):
+            split, kn, interpret):
     """One (m, n, c) program. `shift`: K columns before the first step's start (static, or None when the K offset
-    is traced); `static_off`: (n_offset, k_offset) ints or None (read from the offsets ref)."""
+    is traced); `static_off`: (n_offset, k_offset) ints or None (read from the offsets ref); `kn`: the weight and
+    its scale grid are [K, N] / [K-blocks, N-blocks] (the model's layout) instead of [N, K] / [N-blocks, K-blocks]."""
     refs = list(refs)
     off_ref = None if static_off is not None else refs.pop(0)
     if form == "w8a8":
@@ -116,7 +118,7 @@ def _kernel(*refs, form, t, n, k, bm, bn, bk, steps, shift, static_off, n_scalar
     else:
         n_off, k_off = off_ref[0], off_ref[1]
         r = k_off % bk
-    nbn, nbk = ws_ref.shape
+    nbk, nbn = ws_ref.shape if kn else ws_ref.shape[::-1]
     if n_scalar_scale:
         row_blocks = None
     else:
@@ -128,17 +130,21 @@ def _kernel(*refs, form, t, n, k, bm, bn, bk, steps, shift, static_off, n_scalar
         start = s * bk - r  # local K column of the step's first column (negative: before the shard)
         kb = jnp.minimum((k_off - r + s * bk) // WEIGHT_BLOCK, nbk - 1)
         if n_scalar_scale:
-            s_w = ws_ref[n0 // WEIGHT_BLOCK, kb]
+            s_w = ws_ref[kb, n0 // WEIGHT_BLOCK] if kn else ws_ref[n0 // WEIGHT_BLOCK, kb]
         else:
-            s_w = ws_ref[row_blocks, kb][None, :]
+            s_w = (ws_ref[kb, row_blocks] if kn else ws_ref[row_blocks, kb])[None, :]
+
+        def weight_tile(dtype=None):  # [bn, bk] of an [N, K] weight, [bk, bn] of a [K, N] one
+            if kn:
+                return _tile(w_ref, start, bk, n0, bn, k, n, mask_k, mask_n, interpret, dtype=dtype)
+            return _tile(w_ref, n0, bn, start, bk, n, k, mask_n, mask_k, interpret, dtype=dtype)
+
         if form == "w8a8":  # a_q is padded to whole row blocks and aligned steps: plain block loads
             at = x_ref[pl.ds(m0, bm), pl.ds(s * bk, bk)]
-            wt = _tile(w_ref, n0, bn, start, bk, n, k, mask_n, mask_k, interpret)  # zeros in a_q cancel K edges
-            part = dot(at, wt, trans_b=True)  # e4m3 x e4m3, float32 accumulation over this step only
+            part = dot(at, weight_tile(), trans_b=not kn)  # e4m3 x e4m3 (zeros in a_q cancel K edges), float32
             return acc + part * (sa_ref[pl.ds(m0, bm), kb][:, None] * s_w)
         xt = _tile(x_ref, m0, bm, start, bk, t, k, mask_m, mask_k, interpret)
-        wt = _tile(w_ref, n0, bn, start, bk, n, k, mask_n, mask_k, interpret, dtype=x_dot_dtype)
-        return acc + dot(xt, wt, trans_b=True) * s_w
+        return acc + dot(xt, weight_tile(x_dot_dtype), trans_b=not kn) * s_w
 
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
     y = acc.astype(o_ref.dtype)
@@ -153,13 +159,16 @@ def _kernel(*refs, form, t, n, k, bm, bn, bk, steps, shift, static_off, n_scalar
     plgpu.store(o_ref.at[(*lead, rows[:, None], cols[None, :])], y, mask=row_ok[:, None] & col_ok[None, :])
 
 
-def fp8_matmul(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0, config: Fp8LinearConfig | None = None,
-               interpret: bool = False, **overrides):
-    """x.dtype [T, N]: x [T, K] @ (w_q [N, K] * scales)^T by the Pallas kernel (arguments as
-    `fp8_linear.fp8_linear`, already validated there). `config` (default `default_config` for the shape);
-    `overrides` replace its fields by name (bm, bn, bk, k_split, num_warps, num_stages)."""
+def fp8_matmul(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0, w_layout: str = "nk",
+               config: Fp8LinearConfig | None = None, interpret: bool = False, **overrides):
+    """x.dtype [T, N]: x [T, K] @ W by the Pallas kernel, W = (w_q [N, K] * scales)^T, or w_q [K, N] * scales for
+    `w_layout` "kn" (arguments as `fp8_linear.fp8_linear`, already validated there). `config` (default
+    `default_config` for the shape); `overrides` replace its fields by name (bm, bn, bk, k_split, num_warps,
+    num_stages)."""
     t, k = x.shape
-    n = w_q.shape[0]
+    kn = w_layout == "kn"
+    n = w_q.shape[1] if kn else w_q.shape[0]
+    k_blocks = w_scale.shape[0] if kn else w_scale.shape[1]
     cfg = config or default_config(t, n, k, form, jnp.dtype(x.dtype).itemsize)
     cfg = with_options(cfg, overrides, "fp8_linear")
     bm, bn, bk, ks = cfg.bm, cfg.bn, cfg.bk, cfg.k_split
@@ -171,7 +180,7 @@ def fp8_matmul(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0, 
     mask_k = not (static and shift == 0 and k % bk == 0 and steps * ks == total)
     mask_m, mask_n = t % bm != 0, n % bn != 0
     n_scalar_scale = static and n_offset == 0 and bn <= WEIGHT_BLOCK
-    if static and block_count(k, k_offset) != w_scale.shape[1]:
+    if static and block_count(k, k_offset) != k_blocks:
         raise ValueError(f"fp8_linear triton: scale grid {tuple(w_scale.shape)} does not cover K {k} from offset "
                          f"{k_offset}")
 
@@ -181,7 +190,7 @@ def fp8_matmul(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0, 
         inputs.append(jnp.stack([jnp.asarray(n_offset, jnp.int32), jnp.asarray(k_offset, jnp.int32)]))
         specs.append(pl.BlockSpec((2,), lambda m, j, c: (0,)))
     if form == "w8a8":
-        a_q, s_a = quantize_activation_blocks(x, k_offset, w_scale.shape[1])
+        a_q, s_a = quantize_activation_blocks(x, k_offset, k_blocks)
         t_pad, k_pad = _cdiv(t, bm) * bm, steps * ks * bk
         if mask_k or t_pad != t:  # rows to whole blocks, columns at their aligned step positions, zeros around
             a_pad = jnp.zeros((t_pad, k_pad), a_q.dtype)
@@ -198,7 +207,7 @@ def fp8_matmul(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0, 
     kernel = functools.partial(
         _kernel, form=form, t=t, n=n, k=k, bm=bm, bn=bn, bk=bk, steps=steps, shift=shift,
         static_off=(n_offset, k_offset) if static else None, n_scalar_scale=n_scalar_scale, mask_m=mask_m,
-        mask_n=mask_n, mask_k=mask_k, split=split, interpret=interpret)
+        mask_n=mask_n, mask_k=mask_k, split=split, kn=kn, interpret=interpret)
     y = pl.pallas_call(
         kernel,
         grid=(_cdiv(t, bm), _cdiv(n, bn), ks),

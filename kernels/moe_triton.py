@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .moe_tiles import tile_plan, tile_rows
-from .fp8_formats import WEIGHT_BLOCK as FP8_BLOCK, load_e4m3
+from .fp8_formats import FP8, WEIGHT_BLOCK as FP8_BLOCK, load_e4m3
 from .triton_common import MASKED_ROW, col_range, dot, gather, with_options
 
 
@@ -79,11 +79,23 @@ def _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, *, tile, n0, bn, k0, steps,
             return (acc[0] + dot(xt, _weight_block(wg_ref, e, c0, bk, n0, bn, d, i, interpret)),
                     acc[1] + dot(xt, _weight_block(wu_ref, e, c0, bk, n0, bn, d, i, interpret)))
         kb = c0 // FP8_BLOCK  # bk divides 128: the step lies in one hidden-axis block
+        if fp8.packed:  # even and odd output columns from the two bytes of each word, accumulated apart
+            h = bn // 2
+            parts = []
+            for w_ref, s_ref, a_even, a_odd in ((wg_ref, fp8.refs[0], acc[0], acc[1]),
+                                                (wu_ref, fp8.refs[1], acc[2], acc[3])):
+                w_even, w_odd = _pair_block(w_ref, e, c0, bk, n0 // 2, h, xt.dtype)
+                parts += [a_even + dot(xt, w_even) * fp8.out_scales(s_ref, e, kb, n0, h, 2),
+                          a_odd + dot(xt, w_odd) * fp8.out_scales(s_ref, e, kb, n0 + 1, h, 2)]
+            return tuple(parts)
         wg = _weight_block_fp8(wg_ref, e, c0, bk, n0, bn, d, i, xt.dtype)  # e4m3 -> x.dtype: exact
         wu = _weight_block_fp8(wu_ref, e, c0, bk, n0, bn, d, i, xt.dtype)
         return (acc[0] + dot(xt, wg) * fp8.out_scales(fp8.refs[0], e, kb, n0, bn),
                 acc[1] + dot(xt, wu) * fp8.out_scales(fp8.refs[1], e, kb, n0, bn))
 
+    if fp8 is not None and fp8.packed:
+        z = jnp.zeros((tile, bn // 2), jnp.float32)
+        return jax.lax.fori_loop(0, steps, body, (z, z, z, z))
     z = jnp.zeros((tile, bn), jnp.float32)
     return jax.lax.fori_loop(0, steps, body, (z, z))
 
@@ -97,13 +109,14 @@ class _Fp8Scales:
     refs: tuple
     i_off: object
     scalar: bool  # one scale per step and column block (offset 0 and blocks within one 128-block)
+    packed: bool = False  # weights as uint16 words of two e4m3 columns (`_pair_block`): arrays of 2-4 GB
 
-    def out_scales(self, ref, e, kb, n0, bn):
-        """Scales of gate/up output columns [n0, n0 + bn) (the expert width) at hidden block kb: [1, bn] or a
-        scalar."""
+    def out_scales(self, ref, e, kb, n0, bn, stride: int = 1):
+        """Scales of gate/up output columns n0, n0 + stride, ... (bn of them; the expert width) at hidden block
+        kb: [1, bn] or a scalar."""
         if self.scalar:
             return ref[e, kb, n0 // FP8_BLOCK]
-        blocks = jnp.minimum((self.i_off + col_range(n0, bn)) // FP8_BLOCK, ref.shape[2] - 1)
+        blocks = jnp.minimum((self.i_off + col_range(n0, bn, stride)) // FP8_BLOCK, ref.shape[2] - 1)
         return ref[e, kb, blocks][None, :]
 
 
@@ -113,9 +126,15 @@ def _up_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, h_ref, *, k, bk, steps, i
 
     @pl.when(src_ref[0] >= 0)
     def _():
-        g, u = _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, tile=tile, n0=n0, bn=bn, k0=0,
-                        steps=steps, k=k, bk=bk, interpret=interpret, fp8=fp8)
-        h_ref[...] = (jax.nn.silu(g) * u).astype(h_ref.dtype)
+        acc = _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, tile=tile, n0=n0, bn=bn, k0=0,
+                       steps=steps, k=k, bk=bk, interpret=interpret, fp8=fp8)
+        if fp8 is not None and fp8.packed:  # even columns, then odd ones
+            g_even, g_odd, u_even, u_odd = acc
+            h_ref[:, pl.ds(0, bn // 2, stride=2)] = (jax.nn.silu(g_even) * u_even).astype(h_ref.dtype)
+            h_ref[:, pl.ds(1, bn // 2, stride=2)] = (jax.nn.silu(g_odd) * u_odd).astype(h_ref.dtype)
+        else:
+            g, u = acc
+            h_ref[...] = (jax.nn.silu(g) * u).astype(h_ref.dtype)
 
 
 def _up_partial_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, k, bk, steps, interpret, fp8=None):
@@ -127,8 +146,14 @@ def _up_partial_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, 
 
     @pl.when(src_ref[0] >= 0)
     def _():
-        g_ref[...], u_ref[...] = _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, tile=tile, n0=n0, bn=bn, k0=k0,
-                                          steps=steps, k=k, bk=bk, interpret=interpret, fp8=fp8)
+        acc = _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, tile=tile, n0=n0, bn=bn, k0=k0,
+                       steps=steps, k=k, bk=bk, interpret=interpret, fp8=fp8)
+        if fp8 is not None and fp8.packed:
+            half = bn // 2
+            g_ref[:, pl.ds(0, half, stride=2)], g_ref[:, pl.ds(1, half, stride=2)] = acc[0], acc[1]
+            u_ref[:, pl.ds(0, half, stride=2)], u_ref[:, pl.ds(1, half, stride=2)] = acc[2], acc[3]
+        else:
+            g_ref[...], u_ref[...] = acc
 
     @pl.when(src_ref[0] < 0)
     def _():  # defined values for the rows of empty tiles, which the sum outside reads
@@ -158,10 +183,18 @@ def _down_kernel(src_ref, te_ref, w_ref, h_ref, wd_ref, y_ref, *, bn, bk, steps,
             body = functools.partial(_down_step_fp8, fp8=fp8, e=e, m0=m0, n0=n0, tile=tile, bn=bn, bk=bk,
                                      shift=shift, h_ref=h_ref, wd_ref=wd_ref, interpret=interpret)
 
-        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((tile, bn), jnp.float32))
-        y = (acc * w_ref[...][:, None]).astype(y_ref.dtype)
         valid = src >= 0
         rows = jnp.where(valid, src, MASKED_ROW)  # out of range: the interpreter drops masked rows too
+        if fp8 is not None and fp8.packed:  # even and odd output columns apart (no ragged widths here)
+            z = jnp.zeros((tile, bn // 2), jnp.float32)
+            acc = jax.lax.fori_loop(0, steps, body, (z, z))
+            for j in range(2):
+                y = (acc[j] * w_ref[...][:, None]).astype(y_ref.dtype)
+                cols = col_range(n0 + j, bn // 2, 2)
+                plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y, mask=valid[:, None])
+            return
+        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((tile, bn), jnp.float32))
+        y = (acc * w_ref[...][:, None]).astype(y_ref.dtype)
         cols = col_range(n0, bn)
         if d % bn:
             col_ok = cols < d
@@ -190,12 +223,31 @@ def _weight_block_fp8(ref, e, r0, nr, c0, nc, n_rows, n_cols, dtype):
     return load_e4m3(ref, (e,), col_range(r0, nr), col_range(c0, nc), n_rows, n_cols, dtype)
 
 
+def _pair_block(ref, e, r0, nr, c0, nc, dtype):
+    """(even, odd) columns of an e4m3 weight block stored as uint16 words (two e4m3 values each, the first in the
+    low byte): words ref[e, r0:r0 + nr, c0:c0 + nc] -> two [nr, nc] blocks in `dtype` (exact). Such a view halves
+    the element count: Pallas Triton computes the offsets of an array under 4 GiB in int32, which overflows past
+    2**31 elements (a 256 x 6144 x 2048 e4m3 expert stack is 3.2 GB)."""
+    words = ref[e, pl.ds(r0, nr), pl.ds(c0, nc)]
+    lo = jax.lax.bitcast_convert_type((words & 0xFF).astype(jnp.uint8), FP8)
+    hi = jax.lax.bitcast_convert_type((words >> 8).astype(jnp.uint8), FP8)
+    return lo.astype(dtype), hi.astype(dtype)
+
+
 def _down_step_fp8(s, acc, *, fp8, e, m0, n0, tile, bn, bk, shift, h_ref, wd_ref, interpret):
     """One K step of the FP8 down projection: h [tile, bk] @ e4m3 down rows [bk, bn] (as h.dtype), the partial
     scaled by its (width block, hidden block) scale."""
     i, d = wd_ref.shape[1], wd_ref.shape[2]
     r = shift if shift is not None else fp8.i_off % bk
     kb = jnp.minimum((fp8.i_off - r + s * bk) // FP8_BLOCK, fp8.refs[0].shape[1] - 1)
+    if fp8.packed:  # shards on block boundaries (shift 0), words of two D columns
+        h = h_ref[pl.ds(m0, tile), pl.ds(s * bk, bk)]
+        half = bn // 2
+        w_even, w_odd = _pair_block(wd_ref, e, s * bk, bk, n0 // 2, half, h.dtype)
+        scales = [fp8.refs[0][e, kb, n0 // FP8_BLOCK]] * 2 if bn <= FP8_BLOCK else [
+            fp8.refs[0][e, kb, jnp.minimum(col_range(n0 + j, half, 2) // FP8_BLOCK, fp8.refs[0].shape[2] - 1)][None, :]
+            for j in range(2)]
+        return acc[0] + dot(h, w_even) * scales[0], acc[1] + dot(h, w_odd) * scales[1]
     if shift == 0:  # steps on block boundaries from column 0: the bf16 path's loads
         h = h_ref[pl.ds(m0, tile), pl.ds(s * bk, bk)]
         wd = _weight_block_fp8(wd_ref, e, s * bk, bk, n0, bn, i, d, h.dtype)
@@ -256,25 +308,25 @@ def default_config(t: int, k: int, n_exp: int, d: int, i: int, itemsize: int = 2
                      num_warps=8 if big else 4, num_stages=3 if big else 4)
 
 
-def _fp8_kernel(kernel, n_in, scalar, i_off, shift, *refs, **kw):
+def _fp8_kernel(kernel, n_in, scalar, i_off, shift, packed, *refs, **kw):
     """`kernel` with FP8 block scales: refs are [offset (when `i_off` is None: traced)], the `n_in` inputs of the
     bf16 kernel, its scale grids, then its outputs; the scale grids go to `kernel` as `fp8=_Fp8Scales(...)`."""
     refs = list(refs)
     off = refs.pop(0)[0] if i_off is None else i_off
     n_scales = len(refs) - n_in - (2 if kernel is _up_partial_kernel else 1)
-    fp8 = _Fp8Scales(tuple(refs[n_in:n_in + n_scales]), off, scalar)
+    fp8 = _Fp8Scales(tuple(refs[n_in:n_in + n_scales]), off, scalar, packed)
     if kernel is _down_kernel:
         kw["shift"] = shift
     return kernel(*refs[:n_in], *refs[n_in + n_scales:], fp8=fp8, **kw)
 
 
-def _fp8_launch(kernel, i_offset, scales, in_specs, inputs, *, scalar, shift):
+def _fp8_launch(kernel, i_offset, scales, in_specs, inputs, *, scalar, shift, packed=False):
     """(kernel, in_specs, inputs) with the FP8 scale grids (and a traced offset) added; unchanged without FP8."""
     if scales is None:
         return kernel, in_specs, inputs
     traced = not isinstance(i_offset, int)
     wrapped = functools.partial(_fp8_kernel, kernel.func, len(inputs), scalar, None if traced else i_offset, shift,
-                                **kernel.keywords)
+                                packed, **kernel.keywords)
     specs = list(in_specs) + [pl.BlockSpec(memory_space=pl.ANY)] * len(scales)
     args = list(inputs) + list(scales)
     if traced:
@@ -284,7 +336,7 @@ def _fp8_launch(kernel, i_offset, scales, in_specs, inputs, *, scalar, shift):
 
 
 def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None = None, interpret: bool = False,
-                   wg_scale=None, wu_scale=None, wd_scale=None, i_offset=0, **overrides):
+                   wg_scale=None, wu_scale=None, wd_scale=None, i_offset=0, packed: bool | None = None, **overrides):
     """float32 [T, D]: the routed experts by the two grouped-GEMM kernels. `config` (default `default_config`
     for the shape); `overrides` replace fields of it by name (tile, bn_up, bk_up, bn_down, bk_down, num_warps,
     num_stages, k_split). `interpret`: run under the Pallas interpreter.
@@ -293,7 +345,10 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     float32 block scales `wg_scale`, `wu_scale` [E, D-blocks, I-blocks] and `wd_scale` [E, I-blocks, D-blocks];
     `i_offset` (int or traced int32 scalar) is the expert-width slice's position in its first block (TP shards).
     W8A16: the e4m3 blocks become x.dtype in the kernels' registers (exact) and each K step's float32 partial is
-    scaled by its block's scale; K steps (bk_up, bk_down) must then be at most 128."""
+    scaled by its block's scale; K steps (bk_up, bk_down) must then be at most 128. `packed` (default: when an
+    expert stack has 2**31 elements or more, e.g. GLM-5.2's 256 x 6144 x 2048 on one device) reads the e4m3
+    weights as uint16 words of two columns (`_pair_block`: Pallas Triton's int32 offsets of arrays under 4 GiB
+    overflow past 2**31 elements); it needs widths the blocks divide and a shard on block boundaries."""
     t, k = experts.shape
     n_exp, d, i = wg.shape
     fp8 = wg_scale is not None
@@ -303,6 +358,18 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
         raise ValueError(f"moe triton: FP8 experts need bk_up and bk_down <= {FP8_BLOCK} (one scale block per K "
                          f"step), got {cfg.bk_up} and {cfg.bk_down}")
     static_off = isinstance(i_offset, int)
+    if packed is None:
+        packed = fp8 and max(wg.size, wd.size) >= 2 ** 31
+    if packed:
+        if not fp8:
+            raise ValueError("moe triton: packed weights are for FP8 experts (e4m3 pairs in uint16 words)")
+        if not (static_off and i_offset == 0 and i % max(cfg.bn_up, cfg.bk_down) == 0 and d % cfg.bn_down == 0
+                and d % cfg.bk_up == 0 and cfg.bn_up % 32 == 0 and cfg.bn_down % 32 == 0):
+            raise ValueError(f"moe triton: FP8 experts of {n_exp} x {d} x {i} ({max(wg.size, wd.size)} elements: "
+                             f"read as uint16 pairs) need the blocks to divide the widths and a shard on block "
+                             f"boundaries; got {cfg} and i_offset {i_offset}")
+        wg, wu = (jax.lax.bitcast_convert_type(w.reshape(n_exp, d, i // 2, 2), jnp.uint16) for w in (wg, wu))
+        wd = jax.lax.bitcast_convert_type(wd.reshape(n_exp, i, d // 2, 2), jnp.uint16)
     tile = cfg.tile
     src, tile_expert = tile_plan(experts, n_exp, tile)
     n_tiles = tile_expert.shape[0]
@@ -323,7 +390,8 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     if ks == 1:
         kernel, specs, args = _fp8_launch(
             functools.partial(_up_kernel, k=k, bk=cfg.bk_up, steps=up_steps, interpret=interpret), i_offset,
-            up_scales, tile_specs + [any_spec] * 3, (src, tile_expert, x, wg, wu), scalar=up_scalar, shift=0)
+            up_scales, tile_specs + [any_spec] * 3, (src, tile_expert, x, wg, wu), scalar=up_scalar, shift=0,
+            packed=packed)
         h = pl.pallas_call(
             kernel,
             grid=(i_h // bn, n_tiles),
@@ -338,7 +406,7 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
             functools.partial(_up_partial_kernel, k=k, bk=cfg.bk_up, steps=up_steps // ks, interpret=interpret),
             i_offset, up_scales,
             [pl.BlockSpec((tile,), lambda n, m, c: (m,)), pl.BlockSpec((1,), lambda n, m, c: (m,))]
-            + [any_spec] * 3, (src, tile_expert, x, wg, wu), scalar=up_scalar, shift=0)
+            + [any_spec] * 3, (src, tile_expert, x, wg, wu), scalar=up_scalar, shift=0, packed=packed)
         g, u = pl.pallas_call(
             kernel,
             grid=(i_h // bn, n_tiles, ks),
@@ -355,7 +423,7 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     kernel, specs, args = _fp8_launch(
         functools.partial(_down_kernel, bn=bn, bk=bk, steps=down_steps, interpret=interpret), i_offset,
         (wd_scale,) if fp8 else None, tile_specs + [pl.BlockSpec((tile,), lambda n, m: (m,)), any_spec, any_spec],
-        (src, tile_expert, pair_w, h, wd), scalar=False, shift=shift)
+        (src, tile_expert, pair_w, h, wd), scalar=False, shift=shift, packed=packed)
     y = pl.pallas_call(
         kernel,
         grid=(_cdiv(d, bn), n_tiles),

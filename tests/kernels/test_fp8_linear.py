@@ -72,6 +72,21 @@ def test_matches_float64_oracle(impl, form, t, n, k, n_off, k_off):
 
 
 @pytest.mark.parametrize("form", fp8_linear.FORMS)
+@pytest.mark.parametrize("t,n,k,n_off,k_off", CASES)
+def test_kn_layout_matches_float64_oracle(impl, form, t, n, k, n_off, k_off):
+    """The model's [K, N] layout (w_layout "kn": weight and grid transposed, nothing else): the same oracle."""
+    w_q, w_s = _shard(n, k, n_off, k_off, seed=n + k + 1)
+    x = jnp.asarray(np.random.default_rng(t + 1).normal(size=(t, k)), jnp.float32)
+    y = fp8_linear.fp8_linear(x, jnp.asarray(w_q).T, jnp.asarray(w_s).T, form=form, impl=impl, n_offset=n_off,
+                              k_offset=k_off, w_layout="kn")
+    assert y.shape == (t, n) and y.dtype == jnp.float32
+    assert _rel(y, _oracle(x, w_q, w_s, form, n_off, k_off)) < 2e-6
+    if n != k:  # an [N, K] weight given as "kn": named by its layout
+        with pytest.raises(ValueError, match=r"\[K, N\]"):
+            fp8_linear.fp8_linear(x, jnp.asarray(w_q), jnp.asarray(w_s).T, form=form, impl=impl, w_layout="kn")
+
+
+@pytest.mark.parametrize("form", fp8_linear.FORMS)
 def test_bf16_rows_and_kernel_options(kernel_impl, form):
     """bf16 rows (the model's dtype; output bf16) and a split-K launch with narrow blocks, leading axes kept."""
     w_q, w_s = _shard(192, 512, 0, 0, seed=3)
@@ -183,9 +198,11 @@ def _random_fp8(key, shape):
 @pytest.mark.parametrize("n,k", [(2048, 2048), (6144, 2048)])  # q_b and o_proj at TP = 8
 @pytest.mark.parametrize("t", [1, 32, 8192])
 @pytest.mark.parametrize("form", fp8_linear.FORMS)
-def test_gpu_glm52_shapes(kernel_impl, form, t, n, k):
+@pytest.mark.parametrize("w_layout", ["nk", "kn"])
+def test_gpu_glm52_shapes(kernel_impl, form, t, n, k, w_layout):
     w_q, w_s = _random_fp8(jax.random.key(t + n), (n, k))
     x = jax.random.normal(jax.random.key(1), (t, k), jnp.bfloat16)
-    y = jax.jit(functools.partial(fp8_linear.fp8_linear, form=form, impl=kernel_impl))(x, w_q, w_s)
+    run = jax.jit(functools.partial(fp8_linear.fp8_linear, form=form, impl=kernel_impl, w_layout=w_layout))
+    y = run(x, w_q.T, w_s.T) if w_layout == "kn" else run(x, w_q, w_s)
     rows = slice(0, min(t, 256))  # the float64 oracle on at most 256 rows
     assert _rel(y[rows], _oracle(x[rows], w_q, w_s, form)) < 5e-3

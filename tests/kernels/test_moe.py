@@ -256,6 +256,19 @@ def test_fp8_bf16_rows(kernel_impl):
     assert _rel(got, _oracle(args[0], args[1], args[2], *deq)) < 2e-2
 
 
+@pytest.mark.parametrize("t,options", [(24, {}), (5, {"k_split": 2}), (40, {"tile": 64, "bn_up": 64, "bn_down": 64})])
+def test_fp8_packed_words(kernel_impl, t, options):
+    """The uint16-word form of FP8 experts (two e4m3 columns a word: the form of expert stacks of 2**31+
+    elements, whose int32 offsets would overflow), forced on a small stack: the same oracle, split-K and
+    128-row tiles included."""
+    args, scales, deq = _fp8_inputs(t, 4, 8, 256, 128, 0, seed=11 + t, dtype=jnp.bfloat16)
+    got = moe.routed_experts(*args, impl=kernel_impl, packed=True, **scales, **options)
+    assert _rel(got, _oracle(args[0], args[1], args[2], *deq)) < 2e-2
+    with pytest.raises(ValueError, match="need the blocks to divide the widths"):
+        bad, bad_scales, _ = _fp8_inputs(3, 2, 4, 130, 40, 0, seed=0)
+        moe.routed_experts(*bad, impl=kernel_impl, packed=True, **bad_scales)
+
+
 def test_fp8_traced_offset(kernel_impl):
     """A traced i_offset (each shard_map rank's own) with scale grids of the worst case's block count."""
     args, scales, deq = _fp8_inputs(6, 2, 4, 130, 40, 100, seed=3)
@@ -281,6 +294,23 @@ def test_fp8_bad_inputs_are_named():
         moe.routed_experts(*args, **dict(scales, wu_scale=jnp.ones((2, 1), jnp.float32)))
     with pytest.raises(ValueError, match="bk_up and bk_down <= 128"):
         moe.routed_experts(*args, impl="triton_interpret", bk_up=256, **scales)
+
+
+@pytest.mark.parametrize("t", [1, 32, 4096])
+def test_fp8_full_width_stack_lowers_as_packed_words(t):
+    """GLM-5.2's whole expert stack on one device (256 x 6144 x 2048 e4m3, 3.2 GB: past 2**31 elements) takes the
+    uint16-word form by default and lowers, decode and prefill (split-K included)."""
+    s = jax.ShapeDtypeStruct
+    f8 = jnp.float8_e4m3fn
+    args = (s((t, 6144), jnp.bfloat16), s((t, 8), jnp.int32), s((t, 8), jnp.float32),
+            s((256, 6144, 2048), f8), s((256, 6144, 2048), f8), s((256, 2048, 6144), f8),
+            s((256, 48, 16), jnp.float32), s((256, 48, 16), jnp.float32), s((256, 16, 48), jnp.float32))
+
+    def fn(x, e, w, g, u, d, sg, su, sd):
+        return moe_triton.grouped_swiglu(x, e, w, g, u, d, wg_scale=sg, wu_scale=su, wd_scale=sd)
+    text = lower_for_gpu(fn, *args)
+    assert "ui16" in text or "u16" in text  # the words the kernels read
+    assert {c.name for c in triton_calls(text)} >= {"moe_down"}
 
 
 def test_fp8_lowers_at_glm52_shapes():
