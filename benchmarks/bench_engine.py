@@ -4,8 +4,11 @@ Reports prefill tokens/s and MFU, decode ms/step at several batch sizes (caches 
 no long prefill is needed to reach a context length), a per-stage breakdown of one decode step (each stage
 timed alone at the step's shapes, times the number of layers that run it), the attention bytes roofline
 and peak device memory. Every impl runs in the same process on the same weights. Token ids are drawn from
-the model's vocabulary. The step's collectives are not timed (the bench runs on one device, TP = 1): the
-breakdown lists them as not measured rather than as a number.
+the model's vocabulary. The step's collectives are not timed apart: the breakdown (each op alone on one
+device, at the shapes of one TP shard) lists them as not measured rather than as a number; `-tp` / `-dcp` run
+the end-to-end and decode steps on that mesh, and the distributed flags (`--coordinator-address HOST:PORT
+--num-processes N --process-id I`, one process per host) run them across processes: process 0 reports, and
+the per-stage breakdown is skipped there (it is one device's, the same as a one-process run's).
 
     python -m glm_dsa bench --help        # the command line
     PYTHONPATH=. python3 benchmarks/bench_engine.py --help      # the same flags
@@ -23,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import command_line, device_peaks, device_time, median_seconds, peak_bytes, record, write_json
+from benchmarks.harness import (command_line, device_peaks, device_time, median_seconds, nudge, peak_bytes, record,
+                                write_json)
 from glm_dsa.config import GlmDsaConfig
 from glm_dsa.engine import Engine
 from glm_dsa.init import init_params
@@ -71,24 +75,22 @@ def _random_caches(eng: Engine, key):
         return jax.random.normal(k, c.shape, jnp.float32).astype(c.dtype)
     leaves, tree = jax.tree.flatten(eng.caches)
     keys = jax.random.split(key, len(leaves))
-    return jax.tree.unflatten(tree, [jax.jit(fill, donate_argnums=0)(c, k) for c, k in zip(leaves, keys)])
+    return jax.tree.unflatten(tree, [jax.jit(fill, donate_argnums=0, out_shardings=c.sharding)(c, k)
+                                     for c, k in zip(leaves, keys)])
 
 
-def decode_batch(b: int, context: int, block_size: int, vocab_size: int, rng) -> StepBatch:
-    """One decode row per sequence at position `context - 1` (pages 1.. in order), token ids drawn uniformly
-    from the model's vocabulary [0, vocab_size)."""
-    pages = -(-context // block_size)
+def decode_batch(b: int, context: int, block_size: int, vocab_size: int, rng, dcp: int = 1) -> StepBatch:
+    """One decode row per sequence at position `context - 1` (pages 1.. in order; under DCP = `dcp` each rank's
+    share of the context, the slot on the owning rank), token ids drawn uniformly from the model's vocabulary
+    [0, vocab_size)."""
+    from glm_dsa.paged_cache import owner_slots, pages_needed
+    pages = pages_needed(context, block_size, dcp)
     tables = (1 + np.arange(b * pages, dtype=np.int32)).reshape(b, pages)
     pos = np.full(b, context - 1, np.int32)
-    slots = tables[np.arange(b), pos // block_size] * block_size + pos % block_size
+    slots = owner_slots(tables, np.arange(b), pos, block_size, dcp)
     ids = rng.integers(0, vocab_size, b).astype(np.int32)
     return StepBatch(*(jnp.asarray(x) for x in (ids, pos, slots, np.arange(b, dtype=np.int32), tables,
                                                 np.arange(b, dtype=np.int32))))
-
-
-def _nudge(x, y):
-    """x plus a tiny multiple of y: a data dependency between loop iterations that XLA cannot remove."""
-    return x + (jnp.sum(y.astype(jnp.float32)) * 1e-9).astype(x.dtype)
 
 
 def stage_times(eng: Engine, batch: StepBatch) -> dict[str, float]:
@@ -108,13 +110,13 @@ def stage_times(eng: Engine, batch: StepBatch) -> dict[str, float]:
     q_i, w_i = rnd(b, cfg.index_n_heads, cfg.index_head_dim), rnd(b, cfg.index_n_heads, d=jnp.float32)
     idx_args = (w_i, idx_cache, batch.token_req, kv_lens, batch.block_tables)
     top = jax.jit(topk)(q_i, *idx_args)
-    out["indexer"] = n_full * device_time(lambda q, *a: _nudge(q, topk(q, *a)), q_i, *idx_args)
+    out["indexer"] = n_full * device_time(lambda q, *a: nudge(q, topk(q, *a)), q_i, *idx_args)
     from glm_dsa.paged_cache import positions_to_slots
     slots = positions_to_slots(top, batch.token_req, batch.block_tables, eng.block_size)
     attend = functools.partial(sparse_mla.sparse_mla, scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank,
                                impl=impl)
     q = rnd(b, h_local, cfg.mla_row_dim)
-    out["sparse_mla"] = cfg.num_hidden_layers * device_time(lambda q, c, s: _nudge(q, attend(q, c, s)[1]), q, mla,
+    out["sparse_mla"] = cfg.num_hidden_layers * device_time(lambda q, c, s: nudge(q, attend(q, c, s)[1]), q, mla,
                                                             slots)
     norm = functools.partial(fused_norm_rope.fused_norm_rope_cache, rope_theta=cfg.rope, impl=impl)
     args = (rnd(b, cfg.q_lora_rank), rnd(b, cfg.mla_row_dim), batch.positions, batch.slot_mapping,
@@ -127,16 +129,16 @@ def stage_times(eng: Engine, batch: StepBatch) -> dict[str, float]:
         from jax.sharding import PartitionSpec as P
 
         from glm_dsa.options import StepOptions
-        from glm_dsa.step import model_graphdef
-        from sharding import param_partition_specs
-        gd = model_graphdef(cfg)
+        from glm_dsa.placement import partition_specs
+        from glm_dsa.step import fp8_paths, model_graphdef
+        gd = model_graphdef(cfg, fp8_paths(eng.params))
 
         def moe_step(x, params):  # weights as arguments: a closure would bake them in as constants
             y = jax.shard_map(lambda p, x: nnx.merge(gd, p).layers[moe_layer].moe(x, cfg, StepOptions(impl=impl)),
                               mesh=eng.mesh,
-                              in_specs=(param_partition_specs(params, eng.parallel.q_replicate), P()),
+                              in_specs=(partition_specs(params, cfg, eng.parallel), P()),
                               out_specs=P(), check_vma=False)(params, x)
-            return _nudge(x, y)
+            return nudge(x, y)
         out["moe"] = n_moe * device_time(moe_step, rnd(b, cfg.hidden_size), eng.params)
     return out
 
@@ -158,6 +160,9 @@ class BenchConfig:
     end_to_end: bool = True
     stages: bool = True
     seed: int = 0
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    quantization: str | None = None  # "fp8": the same random model with its linear weights quantised on device
 
 
 def run_bench(bc: BenchConfig, log=print) -> dict:
@@ -167,7 +172,11 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
     if bc.num_layers:
         cfg = cfg.replace(num_hidden_layers=bc.num_layers, indexer_types=cfg.indexer_types[: bc.num_layers]
                           if len(cfg.indexer_types) >= bc.num_layers else ())
-    params = init_params(cfg, seed=bc.seed, dtype=bc.dtype)
+    from sharding import ParallelConfig
+    parallel = ParallelConfig(tensor_parallel_size=bc.tensor_parallel_size,
+                              decode_context_parallel_size=bc.decode_context_parallel_size)
+    params = init_params(cfg, seed=bc.seed, dtype=bc.dtype, parallel=parallel, quantization=bc.quantization)
+    stages = bc.stages and jax.process_count() == 1  # one device's op times: a one-process run gives them
     ctx = bc.decode_context or bc.input_len
     rng = np.random.default_rng(bc.seed)
     device = jax.devices()[0]
@@ -177,7 +186,7 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
     for impl in bc.impls:
         r: dict = {}
         if bc.end_to_end:
-            eng = Engine(cfg, params, dtype=bc.dtype, max_model_len=bc.input_len + bc.output_len,
+            eng = Engine(cfg, params, parallel=parallel, dtype=bc.dtype, max_model_len=bc.input_len + bc.output_len,
                          max_num_seqs=bc.batch, max_num_batched_tokens=bc.max_num_batched_tokens, impl=impl)
             prompts = [rng.integers(0, cfg.vocab_size, bc.input_len).tolist() for _ in range(bc.batch)]
             eng.warmup(bc.batch, bc.input_len, bc.output_len)
@@ -196,10 +205,10 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
             del eng
         r["decode"] = {}
         for b in bc.decode_batches:
-            eng = Engine(cfg, params, dtype=bc.dtype, max_model_len=ctx + 1, max_num_seqs=b, impl=impl,
-                         block_size=64)
+            eng = Engine(cfg, params, parallel=parallel, dtype=bc.dtype, max_model_len=ctx + 1, max_num_seqs=b,
+                         impl=impl, block_size=64)
             eng.caches = _random_caches(eng, jax.random.key(b))
-            batch = decode_batch(b, ctx, eng.block_size, cfg.vocab_size, rng)
+            batch = decode_batch(b, ctx, eng.block_size, cfg.vocab_size, rng, dcp=eng.parallel.dcp)
             run = jax.jit(functools.partial(step, config=cfg, parallel=eng.parallel, impl=impl), donate_argnums=(1,))
 
             def decode_step(eng=eng):  # the caches are donated: each step feeds the next one's
@@ -211,7 +220,7 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
             attn_bytes = decode_attention_bytes(cfg, b, ctx, item)
             row = {"ms_per_step": ms, "attention_bytes": attn_bytes,
                    "attention_roofline_ms": 1e3 * attn_bytes / peaks.hbm_bytes_per_s}
-            if bc.stages:
+            if stages:
                 row["stages_ms"] = {k: 1e3 * v for k, v in stage_times(eng, batch).items()}
                 row["stages_not_measured"] = dict(NOT_MEASURED)
             row["peak_bytes"] = peak_bytes(device)
@@ -272,11 +281,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-context", type=int, default=None, help="context length of the decode runs")
     p.add_argument("--impls", default="xla", help="comma-separated op implementations, e.g. triton,xla")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--quantization", default=None, choices=["fp8", "none"],
+                   help="fp8: the random model's linear weights quantised on device to FP8 (128x128 block scales) "
+                        "and computed from; none / default: all in --dtype")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--no-end-to-end", action="store_true", help="skip the prefill + generate run")
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage breakdown")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None, help="write the results here as a JSON record (benchmarks.harness)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
+    from glm_dsa.distributed import add_flags
+    add_flags(p)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -286,13 +302,17 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        decode_batches=tuple(int(x) for x in args.decode_batches.split(",") if x),
                        decode_context=args.decode_context, impls=tuple(args.impls.split(",")), dtype=args.dtype,
                        max_num_batched_tokens=args.max_num_batched_tokens, end_to_end=not args.no_end_to_end,
-                       stages=not args.no_stages, seed=args.seed)
+                       stages=not args.no_stages, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                       decode_context_parallel_size=args.decode_context_parallel_size,
+                       quantization=args.quantization)
 
 
 def run_from_args(args: argparse.Namespace, command: str | None = None) -> int:
     """Run the benchmark of parsed `add_arguments` flags and write its record to --json-out; exit code 0."""
-    res = run_bench(config_from_args(args))
-    if args.json_out:
+    from glm_dsa import distributed
+    distributed.initialize_from_flags(args)  # a no-op in one process, or when the CLI has joined already
+    res = run_bench(config_from_args(args), log=print if jax.process_index() == 0 else lambda *a, **k: None)
+    if args.json_out and jax.process_index() == 0:
         write_json(args.json_out, to_record(res, command=command))
     return 0
 

@@ -15,33 +15,15 @@ import os
 import shutil
 from typing import Callable
 
-import ml_dtypes
 import numpy as np
 
-from .loader import FP8_BLOCK, HFCheckpoint, dequantize_blocks_np
+from .fp8_codec import E4M3, FP8_BLOCK, dequantize_blocks_np, quantize_blocks
+from .loader import HFCheckpoint
 from .safetensors_io import CheckpointError
 from .writer import write_hf_tensors
 
-E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
-E4M3_MAX = 448.0
 SCALE_SUFFIX = "_scale_inv"
 __all__ = ["E4M3", "dequantize_blocks_np", "is_fp8_weight_key", "quantize_blocks", "write_fp8_release"]
-
-
-def quantize_blocks(w: np.ndarray, block: int = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
-    """A 2-D weight -> (e4m3 values, float32 scale_inv per block) with `scale = amax(block) / 448`
-    (1.0 for an all-zero block), so that `dequantize_blocks_np(*quantize_blocks(w))` ~= w."""
-    w = np.asarray(w, np.float32)
-    if w.ndim != 2:
-        raise ValueError(f"quantize_blocks: a 2-D weight is needed, got shape {list(w.shape)}")
-    rows, cols = w.shape
-    rb, cb = -(-rows // block), -(-cols // block)
-    padded = np.zeros((rb * block, cb * block), np.float32)
-    padded[:rows, :cols] = np.abs(w)
-    amax = padded.reshape(rb, block, cb, block).max(axis=(1, 3))
-    scale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
-    full = np.repeat(np.repeat(scale, block, axis=0), block, axis=1)[:rows, :cols]
-    return (w / full).astype(E4M3), scale
 
 
 def is_fp8_weight_key(key: str) -> bool:

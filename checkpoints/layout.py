@@ -37,6 +37,11 @@ class ParamSpec:
     # With several hf_keys, our axis 0 stacks them (one per key) and the groups name our other axes.
     # E.g. q_b_proj, HF [H * (Dn + Dr), Rq] -> ours [Rq, H, Dn + Dr]: ((1, 2), (0,)). None: not described.
     hf_axes: tuple[tuple[int, ...], ...] | None = None
+    # A linear weight an FP8 release stores block-scaled: (lead, n_in, n_out) counts of our axes: `lead` stacked
+    # axes (experts), then the `n_in` axes that flatten to the HF input axis, then the `n_out` that flatten to its
+    # output axis. Kept in FP8, its scale grid is [*lead, ceil(in / 128), ceil(out / 128)] (`fp8_scale_shape`):
+    # the HF `weight_scale_inv` grids transposed (and stacked). None: never FP8 (norms, embeddings, router, ...).
+    fp8_grid: tuple[int, int, int] | None = None
 
 
 #: The LM head's columns are padded to a multiple of this: every power-of-two TP size up to 128 divides the padded
@@ -122,8 +127,10 @@ def param_specs(cfg) -> dict[str, ParamSpec]:
     Is = Im * cfg.n_shared_experts
     specs: dict[str, ParamSpec] = {}
 
-    def add(path, shape, hf_keys, conv, fp32=False):
-        specs[path] = ParamSpec(path, tuple(shape), tuple(hf_keys), fp32=fp32, **conv)
+    def add(path, shape, hf_keys, conv, fp32=False, fp8=None):
+        specs[path] = ParamSpec(path, tuple(shape), tuple(hf_keys), fp32=fp32, fp8_grid=fp8, **conv)
+
+    col, heads_out, heads_in, experts = (0, 1, 1), (0, 1, 2), (0, 2, 1), (1, 1, 1)  # fp8_grid of each kind
 
     add("embed", (V, D), ["model.embed_tokens.weight"], _identity((V, D)))
     for i in range(cfg.num_hidden_layers):
@@ -131,44 +138,55 @@ def param_specs(cfg) -> dict[str, ParamSpec]:
         add(p + "input_norm", (D,), [h + "input_layernorm.weight"], _identity((D,)), fp32=True)
         add(p + "post_norm", (D,), [h + "post_attention_layernorm.weight"], _identity((D,)), fp32=True)
         a, ha = p + "attn.", h + "self_attn."
-        add(a + "q_a_proj", (D, Rq), [ha + "q_a_proj.weight"], _linear(D, Rq))
+        add(a + "q_a_proj", (D, Rq), [ha + "q_a_proj.weight"], _linear(D, Rq), fp8=col)
         add(a + "q_a_norm", (Rq,), [ha + "q_a_layernorm.weight"], _identity((Rq,)), fp32=True)
-        add(a + "q_b_proj", (Rq, H, Dn + Dr), [ha + "q_b_proj.weight"], _linear(Rq, H * (Dn + Dr), (H, Dn + Dr)))
-        add(a + "kv_a_proj", (D, Rkv + Dr), [ha + "kv_a_proj_with_mqa.weight"], _linear(D, Rkv + Dr))
+        add(a + "q_b_proj", (Rq, H, Dn + Dr), [ha + "q_b_proj.weight"], _linear(Rq, H * (Dn + Dr), (H, Dn + Dr)),
+            fp8=heads_out)
+        add(a + "kv_a_proj", (D, Rkv + Dr), [ha + "kv_a_proj_with_mqa.weight"], _linear(D, Rkv + Dr), fp8=col)
         add(a + "kv_a_norm", (Rkv,), [ha + "kv_a_layernorm.weight"], _identity((Rkv,)), fp32=True)
         add(a + "kv_b_proj", (Rkv, H, Dn + Dv), [ha + "kv_b_proj.weight"],
-            _linear(Rkv, H * (Dn + Dv), (H, Dn + Dv)))
-        add(a + "o_proj", (H, Dv, D), [ha + "o_proj.weight"], _linear_heads_in(H, Dv, D))
+            _linear(Rkv, H * (Dn + Dv), (H, Dn + Dv)), fp8=heads_out)
+        add(a + "o_proj", (H, Dv, D), [ha + "o_proj.weight"], _linear_heads_in(H, Dv, D), fp8=heads_in)
         if cfg.indexer_types[i] == "full":
             x, hx = a + "indexer.", ha + "indexer."
-            add(x + "wq_b", (Rq, Hi, Di), [hx + "wq_b.weight"], _linear(Rq, Hi * Di, (Hi, Di)))
-            add(x + "wk", (D, Di), [hx + "wk.weight"], _linear(D, Di))
+            add(x + "wq_b", (Rq, Hi, Di), [hx + "wq_b.weight"], _linear(Rq, Hi * Di, (Hi, Di)), fp8=heads_out)
+            add(x + "wk", (D, Di), [hx + "wk.weight"], _linear(D, Di), fp8=col)
             add(x + "k_norm_w", (Di,), [hx + "k_norm.weight"], _identity((Di,)), fp32=True)
             add(x + "k_norm_b", (Di,), [hx + "k_norm.bias"], _identity((Di,)), fp32=True)
             add(x + "weights_proj", (D, Hi), [hx + "weights_proj.weight"], _linear(D, Hi), fp32=True)
         if cfg.mlp_layer_types[i] == "dense":
             m, hm, inter = p + "mlp.", h + "mlp.", cfg.intermediate_size
-            add(m + "gate", (D, inter), [hm + "gate_proj.weight"], _linear(D, inter))
-            add(m + "up", (D, inter), [hm + "up_proj.weight"], _linear(D, inter))
-            add(m + "down", (inter, D), [hm + "down_proj.weight"], _linear(inter, D))
+            add(m + "gate", (D, inter), [hm + "gate_proj.weight"], _linear(D, inter), fp8=col)
+            add(m + "up", (D, inter), [hm + "up_proj.weight"], _linear(D, inter), fp8=col)
+            add(m + "down", (inter, D), [hm + "down_proj.weight"], _linear(inter, D), fp8=col)
         else:
             m, hm = p + "moe.", h + "mlp."
             add(m + "router", (D, E), [hm + "gate.weight"], _linear(D, E), fp32=True)
             add(m + "router_bias", (E,), [hm + "gate.e_score_correction_bias"], _identity((E,)), fp32=True)
             for name in ("gate", "up"):
                 add(m + f"experts_{name}", (E, D, Im), [hm + f"experts.{e}.{name}_proj.weight" for e in range(E)],
-                    _stacked_experts(E, D, Im))
+                    _stacked_experts(E, D, Im), fp8=experts)
             add(m + "experts_down", (E, Im, D), [hm + f"experts.{e}.down_proj.weight" for e in range(E)],
-                _stacked_experts(E, Im, D))
+                _stacked_experts(E, Im, D), fp8=experts)
             if Is:
-                add(m + "shared_gate", (D, Is), [hm + "shared_experts.gate_proj.weight"], _linear(D, Is))
-                add(m + "shared_up", (D, Is), [hm + "shared_experts.up_proj.weight"], _linear(D, Is))
-                add(m + "shared_down", (Is, D), [hm + "shared_experts.down_proj.weight"], _linear(Is, D))
+                add(m + "shared_gate", (D, Is), [hm + "shared_experts.gate_proj.weight"], _linear(D, Is), fp8=col)
+                add(m + "shared_up", (D, Is), [hm + "shared_experts.up_proj.weight"], _linear(D, Is), fp8=col)
+                add(m + "shared_down", (Is, D), [hm + "shared_experts.down_proj.weight"], _linear(Is, D), fp8=col)
     add("final_norm", (D,), ["model.norm.weight"], _identity((D,)), fp32=True)
     lm_key = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     Vp = padded_vocab_size(V)
     add("lm_head", (D, Vp), [lm_key], _lm_head(D, V, Vp))
     return specs
+
+
+def fp8_scale_shape(spec: ParamSpec, block: int = 128) -> tuple[int, ...]:
+    """The scale grid of `spec` kept in FP8: [*lead, ceil(in / block), ceil(out / block)] over its flattened
+    input and output axes (see `ParamSpec.fp8_grid`)."""
+    if spec.fp8_grid is None:
+        raise ValueError(f"parameter '{spec.path}' is not a linear weight: it has no FP8 form")
+    lead, n_in, _ = spec.fp8_grid
+    ins, outs = spec.shape[lead:lead + n_in], spec.shape[lead + n_in:]
+    return (*spec.shape[:lead], -(-math.prod(ins) // block), -(-math.prod(outs) // block))
 
 
 def is_mtp_key(key: str, cfg) -> bool:

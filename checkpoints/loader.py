@@ -29,10 +29,13 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from .layout import ParamSpec, assemble_shard, hf_index, is_mtp_key, ours_from_hf_blocks, param_specs
+from .fp8_codec import FP8_BLOCK, dequantize_blocks_np, quantize_blocks
+from .layout import (ParamSpec, assemble_shard, fp8_scale_shape, hf_index, is_mtp_key, ours_from_hf_blocks,
+                     param_specs)
+from .mtp_layout import mtp_layer_index, mtp_param_specs
+from .quantization import fp8_plan, scale_path
 from .safetensors_io import INDEX, SINGLE, CheckpointError, SafetensorsFile, as_dtype
 
-FP8_BLOCK = 128  # FP8 releases: one `weight_scale_inv` per 128 x 128 block of a weight
 _SCALE = "_scale_inv"
 
 
@@ -121,6 +124,10 @@ class HFCheckpoint:
         as uint8) only with their block scales.
         """
         owner = {k: p for p, s in specs.items() for k in s.hf_keys}
+        orphan = [k for k in self.keys() if k.endswith(_SCALE) and k[: -len(_SCALE)] not in self]
+        if orphan:
+            raise CheckpointError(f"checkpoint {self.path} has block scale '{orphan[0]}' in {self.file_of[orphan[0]]} "
+                                  f"but no weight '{orphan[0][: -len(_SCALE)]}' for it (a scale without its weight)")
         missing = [k for k in owner if k not in self]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -151,9 +158,16 @@ class HFCheckpoint:
                         raise CheckpointError(f"tensor '{scale}' in {self.file_of[scale]} has shape "
                                               f"{list(self.shape(scale))}, expected {list(blocks)} (one scale per "
                                               f"{FP8_BLOCK}x{FP8_BLOCK} block of '{key}' {list(want)})")
-                    if self.dtype(scale).kind != "f" or self.dtype(scale).itemsize < 2:
+                    if not _is_float(self.dtype(scale)) or self.dtype(scale).itemsize < 2:
                         raise CheckpointError(f"tensor '{scale}' in {self.file_of[scale]} has dtype "
                                               f"{self.dtype(scale)}; block scales must be float32 (or bf16/f16)")
+                    grid = self.scale_inv(key)
+                    bad = ~(np.isfinite(grid) & (grid > 0))
+                    if bad.any():
+                        at = tuple(int(i) for i in np.argwhere(bad)[0])
+                        raise CheckpointError(f"tensor '{scale}' in {self.file_of[scale]} has {int(bad.sum())} block "
+                                              f"scale(s) that are not finite and positive (first: {grid[at]} at "
+                                              f"block {list(at)}): the weight '{key}' cannot be dequantised")
                 elif self.dtype(key) in _FP8:
                     raise CheckpointError(f"tensor '{key}' in {where} is {self.dtype(key)} but has no '{scale}' "
                                           f"companion: only block-scaled FP8 (one float32 scale per "
@@ -162,8 +176,9 @@ class HFCheckpoint:
 
 def load_hf_params(path: str | os.PathLike, cfg, *, dtype,
                    sharding_for: Callable[[str, tuple[int, ...]], jax.sharding.Sharding | None] | None = None,
-                   progress: bool = True) -> dict[str, jax.Array]:
-    """Load the HF checkpoint directory `path` as our flat parameters {path: jax.Array}.
+                   progress: bool = True, mtp: bool = False, quantization=None) -> dict[str, jax.Array]:
+    """Load the HF checkpoint directory `path` as our flat parameters {path: jax.Array}; with `mtp`, the nextn
+    layer's too (`mtp.*`, `checkpoints.mtp_layout`; a checkpoint without one is a CheckpointError).
 
     dtype: the compute dtype ("bfloat16", jnp.bfloat16, ...) every parameter is cast to, except those the
         layout marks fp32, which stay float32. None keeps each tensor's stored dtype (FP8 block-scaled
@@ -171,19 +186,33 @@ def load_hf_params(path: str | os.PathLike, cfg, *, dtype,
     sharding_for(path, global_shape): the `jax.sharding.Sharding` to place a parameter with (each device
         receives only its own shard), or None for the default device.
     progress: show a tqdm bar over parameters.
+    quantization: None | "fp8" | "none" (`checkpoints.quantization`): the weights of its plan (`hf_fp8_plan`) are
+        kept FP8: `path` float8_e4m3fn in our layout, each device sent only its slice of the e4m3 bytes, and
+        `path + "_scale"` float32 (the HF grids transposed), placed by `sharding_for(path + "_scale", shape)`.
+        Stored bf16/fp32 weights in the plan ("fp8") are quantised on the host, one parameter at a time.
 
     Raises `CheckpointError` (before anything is placed on a device) for a missing or unreadable checkpoint,
     a missing shard, a truncated or corrupt file, a missing or unexpected tensor or a wrong shape.
     """
     ckpt = HFCheckpoint(path)
     specs = param_specs(cfg)
+    if mtp:
+        specs = {**specs, **mtp_specs(ckpt, cfg)}
     ckpt.check(specs, cfg)
+    # the nextn (MTP) layer is dequantised: one layer of 79, and its module is built from the plain layout
+    plan = frozenset(p for p in hf_fp8_plan(ckpt, specs, quantization) if not p.startswith("mtp."))
     dtype = None if dtype is None else as_dtype(dtype)
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     params: dict[str, jax.Array] = {}
     for name, spec in tqdm(specs.items(), desc="loading", unit="param", disable=not progress):
         target = np.dtype(np.float32) if spec.fp32 else dtype
         sharding = (sharding_for(name, spec.shape) if sharding_for else None) or default
+        if name in plan:
+            scales = scale_path(name)
+            scale_sharding = (sharding_for(scales, fp8_scale_shape(spec)) if sharding_for else None) or default
+            src = ckpt if all(ckpt.is_block_scaled(k) for k in spec.hf_keys) else _QuantizedView(ckpt)
+            params[name], params[scales] = _load_fp8_kept(src, spec, sharding, scale_sharding)
+            continue
         # A layout without hf_axes (the padded LM head of an odd vocabulary) cannot be read shard by shard: an FP8
         # one is dequantised on the host by `ckpt.read` below, like any whole tensor.
         if spec.hf_axes is not None and any(ckpt.is_block_scaled(k) for k in spec.hf_keys):
@@ -203,24 +232,86 @@ def load_hf_params(path: str | os.PathLike, cfg, *, dtype,
     return params
 
 
-def _load_local_shards(ckpt: HFCheckpoint, spec: ParamSpec, dtype: np.dtype | None, sharding) -> jax.Array:
-    """One parameter (not block-scaled) placed with a `sharding` that spans other processes' devices too: for each
-    of this process's devices, only the HF slices of its shard are read from the memory maps, laid out in our
-    layout on the host, cast and sent to that device; replicas of one slice are read once."""
+def hf_fp8_plan(ckpt: HFCheckpoint, specs: dict[str, ParamSpec], quantization) -> frozenset[str]:
+    """The parameters of `specs` kept FP8 when loading `ckpt` under `quantization` (`quantization.fp8_plan`):
+    with None, those whose every HF tensor is stored block-scaled."""
+    return fp8_plan(specs, quantization, lambda spec: all(ckpt.is_block_scaled(k) for k in spec.hf_keys))
+
+
+class _QuantizedView:
+    """`ckpt` with its linear weights read as block-quantised e4m3 (quantization "fp8" of a bf16 / fp32 checkpoint):
+    each HF tensor quantised on the host when first asked for (`fp8_codec.quantize_blocks`, 128 x 128 blocks) and
+    kept for the parameter being loaded (one view per parameter)."""
+
+    def __init__(self, ckpt: HFCheckpoint):
+        self.ckpt, self._done = ckpt, {}
+
+    def _get(self, key: str):
+        if key not in self._done:
+            self._done[key] = quantize_blocks(self.ckpt.read(key))
+        return self._done[key]
+
+    def raw(self, key: str) -> np.ndarray:
+        return self._get(key)[0]
+
+    def scale_inv(self, key: str) -> np.ndarray:
+        return self._get(key)[1]
+
+
+def _load_fp8_kept(ckpt, spec: ParamSpec, sharding, scale_sharding) -> tuple[jax.Array, jax.Array]:
+    """(e4m3 weight in our layout, float32 scale grid) of a parameter kept FP8. Each of this process's devices is
+    sent only the e4m3 bytes of its own shard (read from the memory maps, laid out in our layout on the host:
+    1-byte moves), replicas of one slice read once; the scale grid (1/16384 of the weight) is the HF grids
+    transposed ([in-blocks, out-blocks], stacked for experts), each device given its `scale_sharding` part."""
+    weight = _place_local_slices(lambda key: _fp8_view(ckpt.raw(key)), spec, sharding)  # uint8 bytes read as e4m3
+    grids = [np.asarray(ckpt.scale_inv(k), np.float32).T for k in spec.hf_keys]
+    grid = np.ascontiguousarray(np.stack(grids) if spec.fp8_grid[0] else grids[0])
+    if grid.shape != fp8_scale_shape(spec):
+        raise CheckpointError(f"parameter '{spec.path}': scale grid {list(grid.shape)} from "
+                              f"'{spec.hf_keys[0]}{_SCALE}', expected {list(fp8_scale_shape(spec))}")
+    scale = jax.make_array_from_callback(grid.shape, scale_sharding, lambda idx: grid[idx])
+    return weight, scale
+
+
+def mtp_specs(ckpt: HFCheckpoint, cfg) -> dict[str, ParamSpec]:
+    """The specs of `ckpt`'s nextn layer (without `mtp.head` when it has no shared_head.head); CheckpointError
+    when the config declares no nextn layer or the checkpoint holds none."""
+    n = mtp_layer_index(cfg)
+    if not int(getattr(cfg, "num_nextn_predict_layers", 0) or 0):
+        raise CheckpointError(f"checkpoint {ckpt.path}: config.json declares no MTP (nextn) layer "
+                              "(num_nextn_predict_layers is 0); speculative decoding with MTP needs one")
+    probe = f"model.layers.{n}.eh_proj.weight"
+    if probe not in ckpt:
+        raise CheckpointError(f"checkpoint {ckpt.path} has no MTP (nextn) layer: no tensor '{probe}' (the layer "
+                              f"model.layers.{n}.* is absent, as in releases without MTP weights); load it with "
+                              "num_speculative_tokens=0")
+    return mtp_param_specs(cfg, shared_head=f"model.layers.{n}.shared_head.head.weight" in ckpt)
+
+
+def _place_local_slices(raw, spec: ParamSpec, sharding, convert=lambda host: host) -> jax.Array:
+    """One parameter placed with `sharding` from the HF slices its shards need: for each of this process's devices,
+    only the rows and columns of its own shard are read (`raw(key)`: a tensor as stored, e.g. a memory map), laid
+    out in our layout on the host, passed through `convert` and sent to that device; replicas of one slice are read
+    once. Works when the sharding spans other processes' devices too."""
     shards, read = [], {}
     for device, index in sharding.addressable_devices_indices_map(spec.shape).items():
         index = tuple(slice(*s.indices(d)) for s, d in zip(index, spec.shape))
         at = tuple((s.start, s.stop, s.step) for s in index)
         if at not in read:
             keys, axes = hf_index(spec, index)
-            shapes = spec.hf_shapes[0]
             cut = axes if all(isinstance(a, slice) for a in axes) else np.ix_(
-                *(_positions(a, n) for a, n in zip(axes, shapes)))
-            blocks = [np.ascontiguousarray(ckpt.raw(spec.hf_keys[i])[cut]) for i in keys]
-            host = ours_from_hf_blocks(spec, index, blocks)
-            read[at] = host if dtype is None else host.astype(dtype, copy=False)
+                *(_positions(a, n) for a, n in zip(axes, spec.hf_shapes[0])))
+            blocks = [np.ascontiguousarray(raw(spec.hf_keys[i])[cut]) for i in keys]
+            read[at] = np.ascontiguousarray(convert(ours_from_hf_blocks(spec, index, blocks)))
         shards.append(jax.device_put(read[at], device))
     return jax.make_array_from_single_device_arrays(spec.shape, sharding, shards)
+
+
+def _load_local_shards(ckpt: HFCheckpoint, spec: ParamSpec, dtype: np.dtype | None, sharding) -> jax.Array:
+    """One parameter (not block-scaled) placed with a `sharding` that spans other processes' devices too, each device
+    sent only its shard's slices (`_place_local_slices`), cast to `dtype` on the host (None: as stored)."""
+    return _place_local_slices(ckpt.raw, spec, sharding,
+                               (lambda host: host) if dtype is None else (lambda host: host.astype(dtype, copy=False)))
 
 
 # ---- FP8 block-scaled weights ------------------------------------------------------------------------------
@@ -238,12 +329,6 @@ def _is_float(dtype: np.dtype) -> bool:
 def _fp8_view(t: np.ndarray) -> np.ndarray:
     """FP8 bytes stored as uint8 (with their block scales) are e4m3 values: a view, no copy."""
     return t.view(_E4M3) if t.dtype == np.uint8 else t
-
-
-def dequantize_blocks_np(w: np.ndarray, scale_inv: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray:
-    """Host reference: `w * scale_inv` per block of a 2-D weight, in float32 (edge blocks ragged)."""
-    full = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), block, axis=0), block, axis=1)
-    return np.asarray(w).astype(np.float32) * full[: w.shape[0], : w.shape[1]]
 
 
 def _positions(p: np.ndarray | slice, n: int) -> np.ndarray:

@@ -7,8 +7,9 @@ Directory layout of an orbax checkpoint directory ROOT:
     ROOT/checkpoint-000003/          the newest committed save:
         params/                        orbax (OCDBT) tree {parameter path: array}, one entry per parameter
         config.json                    the model config
-        glm_dsa.json                   metadata: format, version, dtype, every parameter's shape and dtype
-    ROOT/.checkpoint-000004.tmp-PID/  a save in progress (or one that was killed): never read
+        glm_dsa.json                   metadata: format, version, dtype, every leaf's shape and dtype
+    ROOT/.checkpoint-000004.tmp-PID/  a save in progress (or one that was killed): never read (PID: the saving
+                                      process's, process 0's in a multi-process save)
 
 A save stages the whole new version in a hidden sibling directory (orbax itself writes `params` to its own
 `*.orbax-checkpoint-tmp-*` directory and renames it when complete), writes `glm_dsa.json` last, then commits
@@ -16,6 +17,11 @@ by renaming the stage to `checkpoint-N`: one atomic rename on a POSIX filesystem
 versions and stale stages removed. So a save killed at any point leaves the previous version readable, and
 `load_orbax_params` reads only committed versions: a directory holding nothing but an interrupted save, or a
 committed version with files missing, raises `CheckpointError` naming the directory, never a partial model.
+
+FP8 weights (float8_e4m3fn leaves in our layout, `checkpoints.quantization`) are saved as they are, each with its
+float32 '<path>_scale' grid as a leaf of its own; the metadata's per-leaf dtype says which weights are FP8.
+`load_orbax_params(quantization=)` restores them as FP8, dequantises them, or quantises bf16 / fp32 weights, on
+the devices (`fp8_device`).
 
 Restore builds the target of every parameter from its path (its global shape from the layout, the dtype
 asked for, the sharding `sharding_for` gives), so orbax reads each device's slice only: a checkpoint saved
@@ -27,6 +33,7 @@ accepts absolute paths only; the directories it returns are absolute.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -37,7 +44,10 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from .layout import param_specs
+from .fp8_codec import E4M3
+from .fp8_device import dequantize_fp8, quantize_fp8
+from .layout import fp8_scale_shape, param_specs
+from .quantization import check_quantization, fp8_plan, scale_path, stored_leaves
 from .safetensors_io import CheckpointError, as_dtype, fsync_dir, pid_alive, write_json_atomic
 
 FORMAT = "glm_dsa.orbax"
@@ -49,7 +59,7 @@ _VERSION = re.compile(r"checkpoint-(\d{6,})")
 _STAGE = re.compile(r"\.checkpoint-(\d{6,})\.tmp-(\d+)")
 
 __all__ = ["FORMAT", "check_save_target", "committed_checkpoint", "flatten_params", "is_orbax_checkpoint",
-           "load_orbax_params", "read_orbax_metadata", "save_orbax_params"]
+           "load_orbax_params", "read_orbax_metadata", "save_orbax_params", "stored_fp8_plan"]
 
 
 def _absolute(path: str | os.PathLike) -> str:
@@ -140,9 +150,20 @@ def read_orbax_metadata(path: str | os.PathLike) -> dict:
     return meta
 
 
-def _dtype_summary(flat: dict, specs) -> str:
-    names = {str(np.dtype(a.dtype)) for p, a in flat.items() if not specs[p].fp32}
+def _dtype_summary(flat: dict, leaves: dict) -> str:
+    """The one dtype of the compute-dtype leaves ("mixed" if several): FP8 weights, their scales and the layout's
+    float32 parameters do not count."""
+    names = {str(np.dtype(flat[p].dtype)) for p, (_, kind) in leaves.items() if kind == "weight"}
     return names.pop() if len(names) == 1 else "mixed"
+
+
+def _leaves(specs: dict, fp8: frozenset, where: str) -> dict:
+    """`stored_leaves(specs, fp8)`; a weight in `fp8` that has no FP8 form is a CheckpointError naming it."""
+    for p in sorted(fp8):
+        if specs[p].fp8_grid is None:
+            raise CheckpointError(f"{where}: parameter '{p}' is float8_e4m3fn but is not a linear weight: it has no "
+                                  f"FP8 form (block scales) in this layout")
+    return stored_leaves(specs, fp8)
 
 
 def _remove_quietly(path: str) -> None:
@@ -164,56 +185,79 @@ def save_orbax_params(params, cfg, path: str | os.PathLike, *, extra_files: Iter
     """Save parameters (flat {path: array} or the nested pytree; jax arrays on any mesh, or numpy) and `cfg`
     as a new committed version of the orbax checkpoint directory `path`; returns the version directory.
 
-    Every parameter the layout of `cfg` names must be present with its shape (checked before writing).
+    Every parameter the layout of `cfg` names must be present with its shape (checked before writing). A weight
+    given as float8_e4m3fn is saved as it is, and its float32 block scales '<path>_scale' must be given too
+    (`checkpoints.quantization.stored_leaves`); the metadata records every leaf's dtype.
     `extra_files` (e.g. tokenizer.json) are copied into `path` after the commit. An interrupted save leaves
     the previous version as it was (see the module doc).
+
+    Several processes (JAX's multi-controller runtime, arrays on a mesh over all of them): every process calls
+    this with the same `path` on a filesystem they share; each writes its own devices' shards, process 0
+    numbers the version, makes the stage (named with its PID), writes the metadata and commits. Every process
+    returns once the version is committed.
     """
     import orbax.checkpoint as ocp
 
     root = _absolute(path)  # orbax refuses relative paths
     specs = param_specs(cfg)
     flat = flatten_params(params)
-    missing = [p for p in specs if p not in flat]
-    extra = [p for p in flat if p not in specs]
+    fp8 = frozenset(p for p in specs if p in flat and np.dtype(flat[p].dtype) == E4M3)
+    leaves = _leaves(specs, fp8, f"cannot save to {root}")
+    missing = [p for p in leaves if p not in flat]
+    extra = [p for p in flat if p not in leaves]
     if missing or extra:
         raise CheckpointError(f"cannot save to {root}: missing parameters {missing[:5]}, unknown parameters "
                               f"{extra[:5]}")
-    for p, spec in specs.items():
-        if tuple(flat[p].shape) != spec.shape:
+    for p, (shape, kind) in leaves.items():
+        if tuple(flat[p].shape) != shape:
             raise CheckpointError(f"cannot save parameter '{p}' to {root}: shape {list(flat[p].shape)}, "
-                                  f"expected {list(spec.shape)}")
+                                  f"expected {list(shape)}")
+        if kind == "scale" and np.dtype(flat[p].dtype) != np.float32:
+            raise CheckpointError(f"cannot save parameter '{p}' to {root}: FP8 scales are float32, got "
+                                  f"{np.dtype(flat[p].dtype)}")
     check_save_target(root)
-    os.makedirs(root, exist_ok=True)
-    versions = _versions(root)
-    number = (versions[-1][0] + 1) if versions else 1
-    stage = os.path.join(root, f".checkpoint-{number:06d}.tmp-{os.getpid()}")
+    lead = jax.process_index() == 0  # the one that numbers, stages, commits and cleans up
+    if lead:
+        os.makedirs(root, exist_ok=True)
+    versions = _versions(root) if lead else []
+    number, owner = (versions[-1][0] + 1) if versions else 1, os.getpid()
+    if jax.process_count() > 1:  # one stage for every process: process 0's number and PID
+        number, owner = (int(x) for x in ocp.multihost.broadcast_one_to_all(np.asarray([number, owner], np.int32)))
+    stage = os.path.join(root, f".checkpoint-{number:06d}.tmp-{owner}")
     final = os.path.join(root, f"checkpoint-{number:06d}")
-    steps = tqdm(total=4, desc=f"saving {os.path.basename(final)}", unit="step", disable=not progress)
+    steps = tqdm(total=4, desc=f"saving {os.path.basename(final)}", unit="step", disable=not (progress and lead))
     try:
-        _remove_quietly(stage)
-        os.makedirs(stage)
+        if lead:
+            _remove_quietly(stage)
+            os.makedirs(stage)
+        _sync_processes(f"glm_dsa_stage_{number}_{owner}")  # the stage exists before anyone writes into it
         ckptr = ocp.StandardCheckpointer()
-        ckptr.save(os.path.join(stage, PARAMS), {p: flat[p] for p in specs})
-        ckptr.wait_until_finished()
+        ckptr.save(os.path.join(stage, PARAMS), {p: flat[p] for p in leaves})
+        ckptr.wait_until_finished()  # every process's shards are written (orbax syncs the processes)
         ckptr.close()
         steps.update()
-        cfg.save_pretrained(stage)
-        steps.update()
-        _write_metadata(stage, {
-            "format": FORMAT, "version": FORMAT_VERSION, "layout": "flat",
-            "dtype": _dtype_summary(flat, specs), "source": source,
-            "params": {p: {"shape": list(spec.shape), "dtype": str(np.dtype(flat[p].dtype))}
-                       for p, spec in specs.items()},
-        })
-        steps.update()
-        fsync_dir(stage)
-        os.rename(stage, final)  # the commit
-        fsync_dir(root)
+        if lead:
+            cfg.save_pretrained(stage)
+            steps.update()
+            _write_metadata(stage, {
+                "format": FORMAT, "version": FORMAT_VERSION, "layout": "flat",
+                "dtype": _dtype_summary(flat, leaves), "source": source,
+                "params": {p: {"shape": list(shape), "dtype": str(np.dtype(flat[p].dtype))}
+                           for p, (shape, _) in leaves.items()},
+            })
+            steps.update()
+            fsync_dir(stage)
+            os.rename(stage, final)  # the commit
+            fsync_dir(root)
     except BaseException:
-        _remove_quietly(stage)
+        if lead:
+            _remove_quietly(stage)
         raise
     finally:
         steps.close()
+    if not lead:  # process 0 commits and tidies up; return once it has
+        _sync_processes(f"glm_dsa_commit_{number}_{owner}")
+        return final
     for _, old in versions:
         _remove_quietly(os.path.join(root, old))
     for name in _stages(root):
@@ -224,7 +268,15 @@ def save_orbax_params(params, cfg, path: str | os.PathLike, *, extra_files: Iter
     for f in extra_files:
         _copy_atomic(os.fspath(f), os.path.join(root, os.path.basename(os.fspath(f))))
     steps.update()
+    _sync_processes(f"glm_dsa_commit_{number}_{owner}")
     return final
+
+
+def _sync_processes(name: str) -> None:
+    """Wait for every process of a multi-process run at the barrier `name` (nothing to wait for in one)."""
+    if jax.process_count() > 1:
+        import orbax.checkpoint as ocp
+        ocp.multihost.sync_global_processes(name)
 
 
 def _write_metadata(directory: str, meta: dict) -> None:
@@ -243,42 +295,96 @@ def _short(e: BaseException, limit: int = 400) -> str:
     return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
+def stored_fp8_plan(path: str | os.PathLike, quantization, cfg=None) -> frozenset[str]:
+    """The weights kept FP8 when loading the newest committed version under `path` with `quantization`
+    (`checkpoints.quantization`): None, the FP8 weights it stores (its metadata's float8_e4m3fn leaves);
+    "none", nothing; "fp8", every `fp8_eligible` weight of `cfg` (the config the checkpoint holds; needed for
+    "fp8"). With `cfg`, a stored FP8 weight that is not eligible (kv_b_proj) is left out: it is dequantised."""
+    check_quantization(quantization)
+    if quantization == "none":
+        return frozenset()
+    if quantization == "fp8" and cfg is None:
+        raise ValueError("stored_fp8_plan: quantization 'fp8' needs the model config (cfg=) to name its weights")
+    stored = _stored_fp8(read_orbax_metadata(path)["params"])
+    if cfg is None:
+        return stored
+    return fp8_plan(param_specs(cfg), quantization, lambda spec: spec.path in stored)
+
+
+def _stored_fp8(stored: dict) -> frozenset[str]:
+    """The paths of the metadata `params` whose dtype is float8_e4m3fn."""
+    return frozenset(p for p, m in stored.items() if isinstance(m, dict) and m.get("dtype") == E4M3.name)
+
+
+@functools.lru_cache(maxsize=None)
+def _quantizer(grid: tuple, weight_sharding, scale_sharding):
+    """quantize_fp8 for `grid`, jitted onto the shardings of the weight and its scale grid (one compile for the
+    weights of one shape and placement: the layers share it)."""
+    return jax.jit(functools.partial(quantize_fp8, grid=grid), out_shardings=(weight_sharding, scale_sharding))
+
+
+@functools.lru_cache(maxsize=None)
+def _dequantizer(grid: tuple, dtype: np.dtype, sharding):
+    """dequantize_fp8 for `grid` and `dtype`, jitted onto the weight's sharding."""
+    return jax.jit(functools.partial(dequantize_fp8, grid=grid, dtype=dtype), out_shardings=sharding)
+
+
 def load_orbax_params(path: str | os.PathLike, cfg, *, dtype,
                       sharding_for: Callable[[str, tuple[int, ...]], jax.sharding.Sharding | None] | None = None,
-                      progress: bool = True) -> dict[str, jax.Array]:
+                      progress: bool = True, quantization=None) -> dict[str, jax.Array]:
     """Restore the newest committed version under `path` as flat parameters {path: jax.Array}.
 
-    dtype: compute dtype for every parameter except those the layout keeps in float32 (None: as stored).
-    sharding_for(path, global_shape): each parameter's target sharding (None: the default device); orbax
-    reads only each device's slice, so the saving mesh does not matter.
+    dtype: compute dtype for every parameter except those the layout keeps in float32 and FP8 weights kept FP8
+    (None: as stored; dequantised FP8 weights: float32).
+    sharding_for(path, global_shape): each leaf's target sharding (None: the default device), FP8 scale grids
+    ('<path>_scale') included; orbax reads only each device's slice, so the saving mesh does not matter.
+    quantization (`checkpoints.quantization`): None keeps the checkpoint's form (its FP8 weights restored as
+    float8_e4m3fn plus float32 '<path>_scale' grids); "none" dequantises FP8 weights to `dtype` on the devices;
+    "fp8" also quantises its bf16 / fp32 linear weights on the devices (128 x 128 blocks, `fp8_device`). The
+    FP8 weights of the result are `stored_fp8_plan(path, quantization, cfg)`.
     Raises `CheckpointError` for no committed version, a corrupt or incomplete version, or parameters that do
-    not match `cfg` (missing, unexpected, wrong shape), before or instead of returning anything.
+    not match `cfg` (missing, unexpected, wrong shape or scale dtype), before or instead of returning anything.
     """
     import orbax.checkpoint as ocp
 
+    check_quantization(quantization)
     meta = read_orbax_metadata(path)
     version = meta["directory"]
     specs = param_specs(cfg)
     stored = meta["params"]
-    missing = [p for p in specs if p not in stored]
+    stored_fp8 = frozenset(p for p in _stored_fp8(stored) if p in specs)
+    leaves = _leaves(specs, stored_fp8, f"orbax checkpoint {version}")
+    missing = [p for p in leaves if p not in stored]
     if missing:
         raise CheckpointError(f"orbax checkpoint {version} is missing parameter '{missing[0]}'"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    unexpected = [p for p in stored if p not in specs]
+    unexpected = [p for p in stored if p not in leaves]
     if unexpected:
         raise CheckpointError(f"orbax checkpoint {version} has unexpected parameter '{unexpected[0]}'"
                               + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
-    for p, spec in specs.items():
-        if tuple(stored[p].get("shape", ())) != spec.shape:
+    for p, (shape, kind) in leaves.items():
+        if tuple(stored[p].get("shape", ())) != shape:
             raise CheckpointError(f"orbax checkpoint {version}: parameter '{p}' has shape {stored[p].get('shape')}, "
-                                  f"the config needs {list(spec.shape)}")
+                                  f"the config needs {list(shape)}")
+        if kind == "scale" and stored[p].get("dtype") != "float32":
+            raise CheckpointError(f"orbax checkpoint {version}: FP8 scale grid '{p}' is {stored[p].get('dtype')}, "
+                                  f"expected float32")
+    plan = fp8_plan(specs, quantization, lambda spec: spec.path in stored_fp8)
     dtype = None if dtype is None else as_dtype(dtype)
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def placed(p: str, shape: tuple):
+        return (sharding_for(p, shape) if sharding_for else None) or default
+
     target = {}
-    for p, spec in specs.items():
-        dt = np.dtype(np.float32) if spec.fp32 else (dtype or as_dtype(stored[p]["dtype"]))
-        sharding = (sharding_for(p, spec.shape) if sharding_for else None) or default
-        target[p] = jax.ShapeDtypeStruct(spec.shape, dt, sharding=sharding)
+    for p, (shape, kind) in leaves.items():
+        if kind in ("fp8", "scale", "fp32"):
+            dt = E4M3 if kind == "fp8" else np.dtype(np.float32)
+        elif p in plan:  # quantised below from the stored values, not from a cast of them
+            dt = as_dtype(stored[p]["dtype"])
+        else:
+            dt = dtype or as_dtype(stored[p]["dtype"])
+        target[p] = jax.ShapeDtypeStruct(shape, dt, sharding=placed(p, shape))
     with tqdm(total=len(target), desc="restoring", unit="param", disable=not progress) as bar:
         ckptr = ocp.StandardCheckpointer()
         try:
@@ -288,4 +394,18 @@ def load_orbax_params(path: str | os.PathLike, cfg, *, dtype,
         finally:
             ckptr.close()
         bar.update(len(target))
-    return {p: restored[p] for p in specs}
+    out = {}
+    for p, spec in specs.items():
+        s = scale_path(p)
+        if p in plan and p in stored_fp8:  # kept as stored
+            out[p], out[s] = restored.pop(p), restored.pop(s)
+        elif p in stored_fp8:  # dequantised: quantization "none", or a stored FP8 weight no plan keeps (kv_b_proj)
+            to = dtype or np.dtype(np.float32)
+            out[p] = _dequantizer(spec.fp8_grid, to, placed(p, spec.shape))(restored.pop(p), restored.pop(s))
+        elif p in plan:  # quantised: quantization "fp8" of a bf16 / fp32 weight
+            q, scale = _quantizer(spec.fp8_grid, placed(p, spec.shape),
+                                  placed(s, fp8_scale_shape(spec)))(restored.pop(p))
+            out[p], out[s] = q, scale
+        else:
+            out[p] = restored.pop(p)
+    return out

@@ -16,6 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .layout import param_specs
+from .mtp_layout import mtp_param_specs
 from .safetensors_io import as_dtype
 from .writer import write_hf_tensors
 
@@ -62,18 +63,24 @@ def random_tensor(key: str, shape: tuple[int, ...], mean: float, std: float, dty
 
 
 def write_random_checkpoint(cfg, path: str | os.PathLike, *, seed: int = 0, dtype="bfloat16",
-                            max_shard_bytes: int | None = None, progress: bool = True) -> list[str]:
+                            max_shard_bytes: int | None = None, progress: bool = True, with_mtp: bool = False,
+                            mtp_shared_head: bool = True) -> list[str]:
     """Write a random HF checkpoint (safetensors + `config.json`) for `cfg` to the directory `path`.
 
     Weights are stored in `dtype`, except the parameters the layout keeps in float32, stored as float32.
     Memory holds one HF tensor at a time whatever the file layout. `max_shard_bytes` None writes one
     `model.safetensors`; a limit writes shards plus an index. Returns the safetensors file names written.
     Over an existing checkpoint the write is staged and committed (`checkpoints.writer`): interrupted, it leaves
-    the old checkpoint readable. Raises `CheckpointError` if `path` is a file.
+    the old checkpoint readable. Raises `CheckpointError` if `path` is a file. `with_mtp` adds the nextn layer
+    `model.layers.{L}.*` (`checkpoints.mtp_layout`; `mtp_shared_head` False leaves out its shared_head.head, as
+    some releases do).
     """
     dtype = as_dtype(dtype)
     todo: dict[str, tuple[tuple[int, ...], np.dtype, tuple[float, float]]] = {}
-    for p, spec in param_specs(cfg).items():
+    specs = dict(param_specs(cfg))
+    if with_mtp:
+        specs.update(mtp_param_specs(cfg, shared_head=mtp_shared_head))
+    for p, spec in specs.items():
         for key, shape in zip(spec.hf_keys, spec.hf_shapes):
             todo.setdefault(key, (tuple(shape), np.dtype(np.float32) if spec.fp32 else dtype, init_stats(p)))
 

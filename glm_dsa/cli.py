@@ -32,14 +32,8 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_distributed_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("several hosts (JAX's multi-controller runtime: one process per host; the JAX_* "
-                             "environment variables work too)")
-    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
-                   help="process 0's address, the same for every process (JAX_COORDINATOR_ADDRESS)")
-    g.add_argument("--num-processes", type=int, default=None, help="processes in all (JAX_NUM_PROCESSES)")
-    g.add_argument("--process-id", type=int, default=None, help="this process, 0..N-1 (JAX_PROCESS_ID)")
-    g.add_argument("--distributed-timeout", type=int, default=300, metavar="S",
-                   help="seconds to wait for every process to join before giving up with an error")
+    from .distributed import add_flags
+    add_flags(p)
 
 
 def _start_distributed(args) -> None:
@@ -47,8 +41,7 @@ def _start_distributed(args) -> None:
     if not hasattr(args, "coordinator_address"):
         return
     from . import distributed
-    if distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
-                              init_timeout_s=args.distributed_timeout) and not distributed.is_primary():
+    if distributed.initialize_from_flags(args) and not distributed.is_primary():
         # every process computes the same results; process 0 reports them. At the descriptor level: the
         # collectives' C++ libraries (gloo) print to fd 1 themselves
         sys.stdout.flush()
@@ -64,11 +57,19 @@ def _parallel(args):
                           cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size)
 
 
+def _add_quantization_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantization", default=None, choices=["fp8", "none"],
+                   help="fp8: keep linear weights FP8 on the devices (128x128 block scales; a bf16/fp32 checkpoint "
+                        "is quantised at load); none: dequantise FP8 weights to --dtype (default: the checkpoint's "
+                        "own form, an FP8 release stays FP8)")
+
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     from kernels import IMPLS
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "fp8_ds_mla"])
     p.add_argument("--max-model-len", type=int, default=None)
+    _add_quantization_flag(p)
     p.add_argument("--impl", default=None, choices=IMPLS,
                    help="op implementation (default: the platform's, kernels.default_impl(): the Pallas Triton "
                         "kernels on an NVIDIA GPU, the xla references elsewhere)")
@@ -93,6 +94,11 @@ def _generate_and_report(eng, prompts, args, out=None, tokenizer=None) -> list[l
         if tokenizer is not None:
             print(f"  text: {tokenizer.decode(toks)!r}", file=out)
     print(f"{n} tokens in {dt:.3f} s: {n / dt:.1f} tokens/s (prefill included, after warm-up)", file=out)
+    t = eng.last_timings
+    if "spec_mean_accepted_length" in t:
+        per_pos = ", ".join(f"{x:.2f}" for x in t["spec_acceptance_per_position"])
+        print(f"MTP: {t['spec_num_speculative_tokens']} drafts per step, mean accepted length "
+              f"{t['spec_mean_accepted_length']:.2f}, acceptance per position [{per_pos}]", file=out)
     return new
 
 
@@ -103,7 +109,8 @@ def cmd_generate(args) -> int:
         raise SystemExit("generate: give at least one --prompt TEXT or --prompt-ids IDS")
     tokenizer = text.load_tokenizer(args.checkpoint, required=bool(args.prompt))
     eng = glm_dsa.load(args.checkpoint, parallel=_parallel(args), dtype=args.dtype,
-                       kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, impl=args.impl)
+                       kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, impl=args.impl,
+                       num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization)
     if tokenizer is not None:
         tokenizer.vocab_size = eng.config.vocab_size
     prompts = [tokenizer.encode(t) for t in args.prompt] + list(args.prompt_ids)
@@ -111,16 +118,11 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _single_process(command: str) -> None:
-    import jax
-    if jax.process_count() > 1:
-        raise NotImplementedError(f"{command} runs in one process so far (a mesh of one host's devices, any TP / "
-                                  "DCP); generate and trace run across several processes")
-
-
 def cmd_serve(args) -> int:
-    """Load a checkpoint and serve it over an OpenAI-compatible HTTP API (see glm_dsa.server)."""
-    _single_process("serve")
+    """Load a checkpoint and serve it over an OpenAI-compatible HTTP API (see glm_dsa.server). Across processes,
+    process 0 answers HTTP and the others run its steps in lockstep (see glm_dsa.lockstep)."""
+    import jax
+
     import glm_dsa
     from glm_dsa import text
     from glm_dsa.server import chat_template, serve
@@ -128,31 +130,41 @@ def cmd_serve(args) -> int:
     engine_kw = {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens", "num_pages", "block_size")
                  if getattr(args, k) is not None}
     eng = glm_dsa.load(args.checkpoint, parallel=_parallel(args), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                       max_model_len=args.max_model_len, impl=args.impl, progress=False, **engine_kw)
+                       max_model_len=args.max_model_len, impl=args.impl, progress=False,
+                       num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization, **engine_kw)
     if tokenizer is not None:
         tokenizer.vocab_size = eng.config.vocab_size
     name = args.served_model_name or os.path.basename(os.path.normpath(args.checkpoint))
-    serve(eng, model_name=name, host=args.host, port=args.port, api_key=args.api_key, tokenizer=tokenizer,
-          template=chat_template(args.checkpoint))
+
+    def run(loop=None):
+        serve(eng, model_name=name, host=args.host, port=args.port, api_key=args.api_key, tokenizer=tokenizer,
+              template=chat_template(args.checkpoint), loop=loop)
+    if jax.process_count() > 1:  # process 0 serves, the others follow its steps
+        from glm_dsa.lockstep import serve_in_lockstep
+        return serve_in_lockstep(eng, run, timeout_s=args.distributed_timeout)
+    run()
     return 0
 
 
 def cmd_convert(args) -> int:
-    """HF safetensors (bf16 / fp32 / FP8 block-scaled) or orbax -> a new committed orbax version at --to."""
+    """HF safetensors (bf16 / fp32 / FP8 block-scaled) or orbax -> a new committed orbax version at --to. Across
+    processes each reads and writes only its own devices' shards (--to on a filesystem they share)."""
     import checkpoints
     from glm_dsa.params import load_params
     from glm_dsa.text import TEXT_FILES
 
-    _single_process("convert")
     src, dst = args.src, args.dst
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError(f"convert: --from and --to are the same directory ({src})")
     checkpoints.check_save_target(dst)  # before loading anything
-    cfg, _, flat = load_params(src, parallel=_parallel(args), dtype=args.dtype, progress=not args.no_progress)
+    cfg, _, flat = load_params(src, parallel=_parallel(args), dtype=args.dtype, progress=not args.no_progress,
+                               quantization=args.quantization)
     extra = [os.path.join(src, f) for f in TEXT_FILES if os.path.isfile(os.path.join(src, f))]
     version = checkpoints.save_orbax_params(flat, cfg, dst, extra_files=extra, source=os.path.abspath(src),
                                             progress=not args.no_progress)
-    print(f"converted {src} -> {version}: {len(flat)} parameters in {args.dtype}"
+    fp8 = sum(1 for p in flat if checkpoints.scale_path(p) in flat)
+    print(f"converted {src} -> {version}: {len(flat) - fp8} parameters in {args.dtype}"
+          + (f" ({fp8} linear weights FP8 with their block scales)" if fp8 else "")
           + (f", with {', '.join(os.path.basename(f) for f in extra)}" if extra else ""))
     return 0
 
@@ -165,26 +177,42 @@ def _human(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
-def param_bytes_per_device(cfg, parallel, q_replicate: bool, dtype) -> tuple[int, int]:
-    """(all parameter bytes, the bytes one device holds) for `cfg` on the mesh of `parallel`."""
+def param_bytes_per_device(cfg, parallel, q_replicate: bool, dtype, plan=frozenset()) -> tuple[int, int]:
+    """(all parameter bytes, the bytes one device holds) for `cfg` on the mesh of a resolved `parallel` with QREP
+    on or off, the weights in `plan` kept FP8 (1 byte each plus float32 block scales): `glm_dsa.placement`."""
+    import dataclasses
+
     import jax.numpy as jnp
     import numpy as np
 
-    from checkpoints.layout import param_specs
-    from sharding import param_spec
+    import checkpoints
+    from glm_dsa.placement import param_bytes_per_device as on_device
 
-    sizes = parallel.mesh_shape
-    item = jnp.dtype(dtype).itemsize
-    total = per_device = 0
-    for path, spec in param_specs(cfg).items():
-        nbytes = int(np.prod(spec.shape)) * (4 if spec.fp32 else item)
-        split = 1
-        for axes in param_spec(path, q_replicate):
-            for a in (axes if isinstance(axes, tuple) else (axes,)):
-                split *= sizes.get(a, 1) if a else 1
-        total += nbytes
-        per_device += nbytes // split
+    itemsize = {"fp8": 1, "scale": 4, "fp32": 4, "weight": jnp.dtype(dtype).itemsize}
+    leaves = checkpoints.stored_leaves(checkpoints.param_specs(cfg), frozenset(plan))
+    total = sum(int(np.prod(shape)) * itemsize[kind] for shape, kind in leaves.values())
+    per_device = on_device(cfg, dataclasses.replace(parallel, dcp_q_replicate=q_replicate), dtype=jnp.dtype(dtype),
+                           plan=frozenset(plan))
     return total, per_device
+
+
+def _info_plan(args, cfg) -> frozenset[str]:
+    """The weights `info` counts as FP8: a preset's under --quantization (none by default); a checkpoint's own
+    (`--quantization` as `glm_dsa.load` takes it)."""
+    import checkpoints
+    from glm_dsa.params import checkpoint_source
+
+    specs = checkpoints.param_specs(cfg)
+    if not args.checkpoint:
+        return checkpoints.fp8_plan(specs, args.quantization or "none", lambda spec: False)
+    source, orbax = checkpoint_source(args.checkpoint)
+    if orbax:
+        return checkpoints.stored_fp8_plan(source, args.quantization, cfg)
+    return checkpoints.loader.hf_fp8_plan(checkpoints.HFCheckpoint(source), specs, args.quantization)
+
+
+#: the sequence length `info` counts KV cache room in
+INFO_SEQUENCE = 32768
 
 
 def cmd_info(args) -> int:
@@ -193,13 +221,23 @@ def cmd_info(args) -> int:
     from checkpoints.layout import param_specs
     from glm_dsa import configs
     from glm_dsa.config import GlmDsaConfig
-    from glm_dsa.paged_cache import cache_bytes_per_token
+    from glm_dsa.paged_cache import cache_bytes_per_token, pages_needed
     from glm_dsa.step import resolve_parallel
 
     cfg = configs.get(args.preset) if args.preset else GlmDsaConfig.from_pretrained(args.checkpoint)
     parallel = resolve_parallel(_parallel(args), cfg)
-    total, without = param_bytes_per_device(cfg, parallel, False, args.dtype)
-    _, with_qrep = param_bytes_per_device(cfg, parallel, True, args.dtype) if parallel.dcp > 1 else (0, without)
+    plan = _info_plan(args, cfg)
+    total, without = param_bytes_per_device(cfg, parallel, False, args.dtype, plan)
+    _, with_qrep = param_bytes_per_device(cfg, parallel, True, args.dtype, plan) if parallel.dcp > 1 else (0, without)
+    hosts = args.num_hosts
+    if hosts < 1 or parallel.tp % hosts:
+        raise ValueError(f"--num-hosts {hosts} must divide the {parallel.tp} devices of -tp {parallel.tp}")
+    from sharding.mesh import axes_across_hosts
+    per_device = with_qrep if parallel.q_replicate else without
+    # KV room: what a device holds of one 32K sequence (its DCP rank's pages) in what its weights leave free
+    device_bytes = int(args.device_memory * 2**30)
+    seq_bytes = (pages_needed(INFO_SEQUENCE, 16, parallel.dcp, parallel.interleave) * 16
+                 * cache_bytes_per_token(cfg, args.dtype, args.kv_cache_dtype))
     info = {
         "source": args.checkpoint or f"preset {args.preset}",
         "model_type": cfg.model_type,
@@ -219,8 +257,17 @@ def cmd_info(args) -> int:
         "dcp_comm_backend": parallel.dcp_comm_backend,
         "param_bytes_per_device_without_qrep": _human(without),
         "param_bytes_per_device_with_qrep": _human(with_qrep),
-        "param_bytes_per_device": _human(with_qrep if parallel.q_replicate else without),
-        "kv_cache_bytes_per_token_per_dcp_group": cache_bytes_per_token(cfg, args.dtype),
+        "param_bytes_per_device": _human(per_device),
+        "quantization": args.quantization or ("the checkpoint's own" if args.checkpoint else "none"),
+        "fp8_weights": len(plan),
+        "device_memory": _human(device_bytes),
+        f"kv_bytes_per_{INFO_SEQUENCE // 1024}k_sequence_per_device": _human(seq_bytes),
+        f"kv_{INFO_SEQUENCE // 1024}k_sequences_fit": max(0, (device_bytes - per_device) // seq_bytes),
+        "hosts": hosts,
+        "devices_per_host": parallel.tp // hosts,
+        "param_bytes_per_host": _human(per_device * (parallel.tp // hosts)),
+        "mesh_axes_across_hosts": axes_across_hosts(parallel, parallel.tp // hosts),
+        "kv_cache_bytes_per_token_per_dcp_group": cache_bytes_per_token(cfg, args.dtype, args.kv_cache_dtype),
         "rope_theta": cfg.rope_theta,
         "rope_scaling": None if cfg.rope_scaling is None else cfg.rope_scaling.to_hf(cfg.rope_theta),
         "softmax_scale": cfg.softmax_scale,
@@ -243,7 +290,8 @@ def cmd_random_checkpoint(args) -> int:
     if args.num_layers is not None:
         cfg = cfg.with_depth(args.num_layers)
     write_random_checkpoint(cfg, args.out, seed=args.seed, dtype=args.dtype,
-                            max_shard_bytes=int(args.max_shard_mb * 2**20) if args.max_shard_mb else None)
+                            max_shard_bytes=int(args.max_shard_mb * 2**20) if args.max_shard_mb else None,
+                            with_mtp=args.with_mtp)
     print(f"wrote a random {args.preset} checkpoint ({cfg.num_hidden_layers} layers) to {args.out}")
     return 0
 
@@ -266,15 +314,23 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.num_speculative_tokens:  # MTP: draft + verify against plain decode (benchmarks/bench_mtp.py)
+        from benchmarks import bench_mtp
+        return bench_mtp.run_from_args(args)
     from benchmarks.bench_engine import run_from_args
     return run_from_args(args)
+
+
+def _add_spec_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                   help="MTP speculative decoding: K drafts per step from the checkpoint's nextn layer (0: off)")
 
 
 def cmd_trace(args) -> int:
     import glm_dsa
     from glm_dsa.trace import save_trace
     eng = glm_dsa.load(args.checkpoint, parallel=_parallel(args), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                       max_model_len=args.max_model_len, impl=args.impl)
+                       max_model_len=args.max_model_len, impl=args.impl, quantization=args.quantization)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     taps = eng.trace(args.prompt_ids, layers=layers)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -306,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS ids")
+    _add_spec_flag(g)
     _add_model_flags(g)
     g.set_defaults(fn=cmd_generate)
 
@@ -315,6 +372,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--preset", choices=PRESET_NAMES)
     i.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     i.add_argument("--json", action="store_true")
+    _add_quantization_flag(i)
+    i.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "fp8_ds_mla"])
+    i.add_argument("--device-memory", type=float, default=141.0, metavar="GiB",
+                   help="memory of one device, for the KV cache room left after the weights (default 141: H200)")
+    i.add_argument("--num-hosts", type=int, default=1,
+                   help="hosts the -tp devices are spread over (one process each): devices and bytes per host, and "
+                        "the mesh axes whose collectives cross hosts")
     _add_parallel_flags(i)
     i.set_defaults(fn=cmd_info)
 
@@ -325,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     r.add_argument("--num-layers", type=int, default=None)
     r.add_argument("--max-shard-mb", type=float, default=None)
+    r.add_argument("--with-mtp", action="store_true", help="add the MTP (nextn) layer model.layers.{L}.*")
     r.set_defaults(fn=cmd_random_checkpoint)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the extra 'serve')")
@@ -338,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--num-pages", type=int, default=None,
                     help="KV cache pages per DCP rank (default: from the free device memory)")
     sv.add_argument("--block-size", type=int, default=None, help="tokens per KV cache page (default 16)")
+    _add_spec_flag(sv)
     _add_model_flags(sv)
     sv.set_defaults(fn=cmd_serve)
 
@@ -346,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--to", dest="dst", required=True, help="orbax checkpoint directory (a new version is committed)")
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                    help="stored dtype (router, norms and indexer weights_proj stay float32)")
+    _add_quantization_flag(c)
     c.add_argument("--no-progress", action="store_true")
     _add_parallel_flags(c)  # the mesh the parameters are staged on while converting (memory per device)
     _add_distributed_flags(c)
@@ -354,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="prefill/decode speed of a reduced-depth model with random weights")
     from benchmarks.bench_engine import add_arguments as add_bench_arguments  # the flags live with the benchmark
     add_bench_arguments(b)
+    b.add_argument("--num-speculative-tokens", default="", metavar="K[,K...]",
+                   help="benchmark MTP instead: draft + verify step cost against plain decode for these draft "
+                        "counts at --decode-batches, and B=1 tokens/s (benchmarks/bench_mtp.py)")
     b.set_defaults(fn=cmd_bench)
 
     t = sub.add_parser("trace", help="dump per-layer activations of one prompt to a .safetensors file")

@@ -9,6 +9,7 @@ is a deterministic function of them (no clocks, no randomness outside the seeded
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
@@ -113,3 +114,23 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 def is_primary() -> bool:
     """Whether this is process 0: the one that prints the CLI's output and answers HTTP."""
     return jax.process_index() == 0
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """The command line's flags of a multi-process run (`generate`, `serve`, `convert`, `bench`, `trace`)."""
+    g = p.add_argument_group("several hosts (JAX's multi-controller runtime: one process per host; the JAX_* "
+                             "environment variables work too)")
+    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="process 0's address, the same for every process (JAX_COORDINATOR_ADDRESS)")
+    g.add_argument("--num-processes", type=int, default=None, help="processes in all (JAX_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=int, default=None, help="this process, 0..N-1 (JAX_PROCESS_ID)")
+    g.add_argument("--distributed-timeout", type=int, default=300, metavar="S",
+                   help="seconds to wait for every process to join before giving up with an error")
+    g.add_argument("--distributed-heartbeat-timeout", type=int, default=60, metavar="S",
+                   help="seconds after which a process that stopped answering (died) ends the others")
+
+
+def initialize_from_flags(args: argparse.Namespace) -> bool:
+    """`initialize` with the `add_flags` flags of parsed `args`; True if this is a multi-process run."""
+    return initialize(args.coordinator_address, args.num_processes, args.process_id,
+                      init_timeout_s=args.distributed_timeout, heartbeat_timeout_s=args.distributed_heartbeat_timeout)

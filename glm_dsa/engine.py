@@ -24,11 +24,13 @@ from sharding.dcp import local_position
 
 from .config import GlmDsaConfig
 from .model import StepBatch
+from .mtp import mtp_cache_bytes_per_token
 from .params import load_params, resolve_dtype
 from .paged_cache import (PageAllocator, allocate_caches, block_table_array, cache_bytes_per_token, cache_dtype,
                           free_device_bytes, max_addressable_pages, owner_slots, pages_needed, plan_pages)
-from .sampling import SamplingParams, check_token_ids, sample
+from .sampling import GREEDY_BELOW, SamplingParams, check_token_ids, sample
 from .scheduler import Request, Scheduler, StepPlan
+from .spec_engine import SpecDecoder
 from .streaming import RequestStream
 from .pytree import nest_params
 from .step import resolve_parallel, step
@@ -44,7 +46,7 @@ def _positive_int(name: str, value, minimum: int = 1) -> int:
 
 
 def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32,
-                prev_ids, *, config, parallel, impl, n_out: int, block_size: int, width: int):
+                prev_ids, *, config, parallel, impl, n_out: int, block_size: int, width: int, greedy: bool):
     """One serving step: update the device block table, run the model step, sample each logits row; returns the
     sampled ids padded to `n_out`, the caches and the table.
 
@@ -58,7 +60,7 @@ def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_re
     low words, token index, prompt index; samp_f32 float32 [2, L]: temperature, top_p. Logits row i samples with
     the key fold_in(fold_in(key(seed), token_index), prompt_index): a request's draws depend on its own seed,
     prompt index and token index only, never on the batch it shares a step with. `width` (static): block-table
-    columns the step reads."""
+    columns the step reads; `greedy` (static): every sampled row is greedy (argmax only)."""
     tables = jnp.where(table_resets[:, None] > 0, 0, tables)
     tables = tables.at[table_updates[0], table_updates[1]].set(table_updates[2], mode="drop")
     block_tables = tables[plan_rows, :width]
@@ -74,8 +76,31 @@ def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_re
     def key(words, token_index, prompt_index):
         return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(words), token_index), prompt_index)
     keys = jax.vmap(key)(samp_u32[1:3].T, samp_u32[3], samp_u32[4])
-    ids = sample(logits, keys, samp_f32[0], samp_f32[1])
+    ids = sample(logits, keys, samp_f32[0], samp_f32[1], all_greedy=greedy)
     return jnp.zeros(n_out, jnp.int32).at[: ids.shape[0]].set(ids), caches, tables
+
+
+def _serve_step_packed(params, caches, tables, ints, floats, prev_ids, *, sizes: tuple[int, int, int, int], **kw):
+    """`_serve_step` with its host inputs in two buffers, so a step makes two host-to-device transfers instead of
+    six (each costs tens of microseconds of the loop's host time): `ints` uint32, the int32 `rows` [4, T],
+    `plan_rows` [R], `table_updates` [3, T] and `table_resets` [S + 1] (bit patterns) then `samp_u32` [5, L];
+    `floats` float32 [2, L] (`samp_f32`). `sizes` (static): (T, R, S + 1, L)."""
+    t, r, s, n = sizes
+    cuts = np.cumsum([4 * t, r, 3 * t, s, 5 * n])[:-1]
+    parts = jnp.split(ints, cuts)
+    as_i32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+    rows, plan_rows = as_i32(parts[0]).reshape(4, t), as_i32(parts[1])
+    updates, resets = as_i32(parts[2]).reshape(3, t), as_i32(parts[3])
+    return _serve_step(params, caches, tables, rows, plan_rows, updates, resets, parts[4].reshape(5, n), floats,
+                       prev_ids, **kw)
+
+
+def pack_step_inputs(rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32):
+    """The host inputs of one serving step (see `_serve_step`) as the two buffers the compiled step takes, and its
+    static `sizes` (see `_serve_step_packed`)."""
+    ints = np.concatenate([rows.ravel(), plan_rows, table_updates.ravel(), table_resets]).astype(np.int32)
+    buffers = (np.concatenate([ints.view(np.uint32), samp_u32.ravel().astype(np.uint32)]), samp_f32)
+    return buffers, (rows.shape[1], len(plan_rows), len(table_resets), samp_u32.shape[1])
 
 
 def _bucket(n: int, minimum: int, factor: int = 2) -> int:
@@ -125,7 +150,7 @@ class Engine:
                  dtype="bfloat16", kv_cache_dtype: str = "auto", max_model_len: int | None = None,
                  block_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 2048, impl: str | None = None,
-                 cache_memory_fraction: float = 0.8):
+                 cache_memory_fraction: float = 0.8, num_speculative_tokens: int = 0, mtp_params=None):
         self.config = config
         self.parallel = resolve_parallel(parallel, config)
         self.dtype = resolve_dtype(dtype)
@@ -143,6 +168,11 @@ class Engine:
         self.max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
         if isinstance(cache_memory_fraction, bool) or not 0 < cache_memory_fraction <= 1:
             raise ValueError(f"cache_memory_fraction must be in (0, 1], got {cache_memory_fraction!r}")
+        # MTP speculative decoding (glm_dsa.spec_engine): k drafts per step from the nextn layer `mtp_params`
+        self.num_speculative_tokens = _positive_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
+        if self.num_speculative_tokens and mtp_params is None:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} needs the MTP (nextn) layer's "
+                             "parameters (mtp_params; glm_dsa.load reads them from the checkpoint)")
         n, inter = self.parallel.dcp, self.parallel.interleave
         self.pages_per_seq = pages_needed(self.max_model_len, block_size, n, inter)
         self.mesh = mesh_for(self.parallel)
@@ -156,6 +186,8 @@ class Engine:
                                  f"(block_size {block_size}) stays under the 2 GiB the Triton kernels address")
         else:  # enough for max_num_seqs full sequences, within cache_memory_fraction of the free device memory
             page_bytes = block_size * cache_bytes_per_token(config, self.dtype, kv_cache_dtype)
+            if self.num_speculative_tokens:  # the nextn layer's cache rows share the pages
+                page_bytes += block_size * mtp_cache_bytes_per_token(config, self.dtype, kv_cache_dtype)
             self.num_pages, self.max_num_seqs = plan_pages(
                 max_num_seqs=max_num_seqs, pages_per_seq=self.pages_per_seq, page_bytes=page_bytes,
                 free_bytes=free_device_bytes(self.mesh.local_devices[0]), memory_fraction=cache_memory_fraction,
@@ -171,7 +203,7 @@ class Engine:
         # serving: the host scheduler, the fused step + sampler, and the loop's state (see `step`)
         self.scheduler = Scheduler(self.allocator, block_size=self.block_size, dcp=n, interleave=inter,
                                    max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len, lookahead=self.num_speculative_tokens)
         self._n_out = _bucket(self.max_num_seqs, 8)  # a step samples at most one row per running request
         # the block table of the running requests (scheduler table rows 0..max_num_seqs-1; the last row stays
         # page 0 for padding), on the device: steps send only its changes (see `_serve_step`)
@@ -180,9 +212,10 @@ class Engine:
         # outputs placed exactly as the inputs they replace: a step fed the caches (or ids) of the previous one
         # hits the compiled step the first call made, instead of compiling again for an equal-but-new sharding
         out_shardings = (replicated, jax.tree.map(lambda c: c.sharding, self.caches), replicated)
-        self._serve_step = jax.jit(functools.partial(_serve_step, config=config, parallel=self.parallel,
+        self._serve_step = jax.jit(functools.partial(_serve_step_packed, config=config, parallel=self.parallel,
                                                      impl=self.impl, n_out=self._n_out, block_size=self.block_size),
-                                   static_argnames=("width",), donate_argnums=(1, 2), out_shardings=out_shardings)
+                                   static_argnames=("width", "greedy", "sizes"), donate_argnums=(1, 2),
+                                   out_shardings=out_shardings)
         self._prev_ids = None  # device ids sampled by the last dispatched step
         self._pending = None  # (plan, device ids) of the dispatched step whose ids are not processed yet
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submits and aborts from other threads
@@ -193,6 +226,10 @@ class Engine:
         self._dry: set | None = None  # warmup: shapes already compiled (their steps are skipped)
         self._launch_s = 0.0  # seconds the last step's jitted call took (see `_LoopStats.launch_s`)
         self.stats = _LoopStats()
+        # serving across processes (glm_dsa.lockstep): called by each step with the submits and aborts this
+        # process received, returns those every process applies at this step (process 0's), so all plan alike
+        self.step_sync = None
+        self.spec = SpecDecoder(self, mtp_params, self.num_speculative_tokens) if self.num_speculative_tokens else None
 
     # ---- input checks ----------------------------------------------------------------------
     def _check_tokens(self, seqs, what: str) -> list[list[int]]:
@@ -424,7 +461,7 @@ class Engine:
                 "preemptions": sch.preemptions, "requests_finished": sum(sch.finished.values()),
                 "requests_aborted": sch.finished["abort"], "steps": st.steps, "generated_tokens": st.generated,
                 "tokens_per_s": rate, "host_ms_per_step": 1e3 * st.host_s / max(st.steps, 1),
-                "step_ms": 1e3 * st.wall_s / max(st.steps, 1)}
+                "step_ms": 1e3 * st.wall_s / max(st.steps, 1), **(self.spec.metrics() if self.spec else {})}
 
     # ---- the serving loop ------------------------------------------------------------------
     def _check_idle(self, what: str) -> None:
@@ -445,6 +482,7 @@ class Engine:
         steps0, decode0, host0, wall0 = st.steps, st.decode_steps, st.host_s, st.wall_s
         dhost0, dwall0 = st.decode_host_s, st.decode_wall_s
         pre0 = self.scheduler.preemptions
+        spec0 = self.spec.snapshot() if self.spec else None
         t0 = time.perf_counter()
         for r in reqs:
             self.scheduler.add(r)
@@ -459,14 +497,19 @@ class Engine:
                 "step_ms": 1e3 * (st.wall_s - wall0) / max(steps, 1),
                 "decode_host_ms_per_step": 1e3 * (st.decode_host_s - dhost0) / max(st.decode_steps - decode0, 1),
                 "decode_step_ms": 1e3 * (st.decode_wall_s - dwall0) / max(st.decode_steps - decode0, 1),
-                "preemptions": self.scheduler.preemptions - pre0}
+                "preemptions": self.scheduler.preemptions - pre0,
+                **(self.spec.summary(spec0) if self.spec else {})}
 
     def _drain_inbox(self) -> None:
+        events = []
         while True:
             try:
-                kind, x = self._inbox.get_nowait()
+                events.append(self._inbox.get_nowait())
             except queue.Empty:
-                return
+                break
+        if self.step_sync is not None:
+            events = self.step_sync(events)
+        for kind, x in events:
             if kind == "add":
                 self._requests[x.request_id] = x
                 finish = x.on_finish
@@ -491,6 +534,8 @@ class Engine:
         self._drain_inbox()
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        if self.spec is not None:  # speculative decoding: one synchronous turn (glm_dsa.spec_engine)
+            return self.spec.turn(plan, t0)
         new = None
         self._launch_s = 0.0
         if plan is not None:
@@ -562,7 +607,7 @@ class Engine:
         for j, r in enumerate(plan.sample_reqs):
             su[1, j], su[2, j], su[4, j] = r.params.seed >> 32, r.params.seed & 0xFFFFFFFF, r.prompt_index
             sf[0, j], sf[1, j] = r.params.temperature, r.params.top_p
-        arrays = (row_arr, plan_rows, upd, resets, su, sf)
+        arrays, sizes = pack_step_inputs(row_arr, plan_rows, upd, resets, su, sf)
         nbytes = sum(a.nbytes for a in arrays)
         self.stats.h2d_bytes += nbytes
         self.stats.last_h2d_bytes = nbytes
@@ -575,23 +620,36 @@ class Engine:
         if prev is None:
             prev = jax.device_put(np.zeros(self._n_out, np.int32), NamedSharding(self.mesh, P()))
         t_launch = time.perf_counter()
+        greedy = bool(np.all(sf[0, :k] < GREEDY_BELOW))  # static: no device-side branch (see sampling.sample)
         out, self.caches, self._tables = self._serve_step(self.params, self.caches, self._tables, *arrays, prev,
-                                                          width=width)
+                                                          width=width, greedy=greedy, sizes=sizes)
         self._launch_s = time.perf_counter() - t_launch
         self._prev_ids = out
         return out
 
 
 def load(path: str | os.PathLike, *, parallel: ParallelConfig | None = None, dtype="bfloat16",
-         kv_cache_dtype: str = "auto", max_model_len: int | None = None, progress: bool = True, **engine_kw) -> Engine:
+         kv_cache_dtype: str = "auto", max_model_len: int | None = None, progress: bool = True,
+         num_speculative_tokens: int = 0, quantization=None, device_memory: int | None = None,
+         **engine_kw) -> Engine:
     """Load a checkpoint directory onto the mesh of `parallel` and return an `Engine`.
 
-    `path` is an HF safetensors directory (bf16/fp32, or an FP8 block-scaled release, dequantised on the device)
-    or an orbax directory written by `python -m glm_dsa convert` / `checkpoints.save_orbax_params` (its newest
-    committed version; an interrupted save is never read). Parameters go onto the devices with their target
+    `path` is an HF safetensors directory (bf16/fp32, or an FP8 block-scaled release) or an orbax directory
+    written by `python -m glm_dsa convert` / `checkpoints.save_orbax_params` (its newest committed version; an
+    interrupted save is never read). Parameters go onto the devices with their target
     sharding, whatever mesh they were saved from. Extra keyword arguments (block_size, num_pages, max_num_seqs,
-    max_num_batched_tokens, impl) go to `Engine`.
+    max_num_batched_tokens, impl) go to `Engine`. `num_speculative_tokens` k > 0: MTP speculative decoding, k drafts
+    per step from the checkpoint's nextn layer (loaded only then; a checkpoint without one is a CheckpointError).
+    `quantization`: None keeps the checkpoint's form (an FP8 release's block-scaled weights stay float8_e4m3fn on
+    the devices, with their scales, and the model computes from them), "fp8" quantises a bf16/fp32 checkpoint's
+    linear weights at load (128 x 128 blocks), "none" dequantises everything to `dtype` (reference runs); see
+    `checkpoints.quantization`. A layout whose weights cannot fit a device (`device_memory` bytes, default the
+    device's free memory where it reports it) is refused before anything is allocated.
     """
-    config, parallel, flat = load_params(path, parallel=parallel, dtype=dtype, progress=progress)
-    return Engine(config, nest_params(flat), parallel=parallel, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                  max_model_len=max_model_len, **engine_kw)
+    k = _positive_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
+    config, parallel, flat = load_params(path, parallel=parallel, dtype=dtype, progress=progress, mtp=k > 0,
+                                         quantization=quantization, device_memory=device_memory)
+    params = nest_params(flat)
+    mtp = params.pop("mtp", None)
+    return Engine(config, params, parallel=parallel, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                  max_model_len=max_model_len, num_speculative_tokens=k, mtp_params=mtp, **engine_kw)

@@ -7,7 +7,9 @@ import zlib
 import jax
 import jax.numpy as jnp
 
-from checkpoints.layout import param_specs
+from checkpoints.fp8_device import quantize_fp8
+from checkpoints.layout import fp8_scale_shape, param_specs
+from checkpoints.quantization import fp8_plan, scale_path
 from checkpoints.random import init_stats
 
 from .config import GlmDsaConfig
@@ -16,19 +18,35 @@ from .pytree import nest_params
 from .step import resolve_parallel
 
 
-def init_params(config: GlmDsaConfig, *, seed: int = 0, dtype="bfloat16", parallel=None) -> dict:
+def init_params(config: GlmDsaConfig, *, seed: int = 0, dtype="bfloat16", parallel=None,
+                quantization=None) -> dict:
     """A params pytree of `config` drawn as `checkpoints.random` draws its checkpoints (same statistics),
-    each parameter created sharded on the mesh of `parallel` by its own jitted generator."""
+    each parameter created sharded on the mesh of `parallel` by its own jitted generator.
+
+    quantization "fp8": every linear weight the FP8 releases quantise (`checkpoints.quantization.fp8_plan`) is
+    the same draw in `dtype`, quantised on the devices in 128 x 128 blocks (`checkpoints.fp8_device`, as an
+    orbax restore with quantization "fp8" does): a float8_e4m3fn leaf plus its float32 '<path>_scale' grid, so
+    the FP8 model is the bf16 one of the same seed quantised. None / "none": no FP8 leaves."""
     parallel = resolve_parallel(parallel, config)
-    sharding_for, dt = param_sharding(parallel), resolve_dtype(dtype)
+    sharding_for, dt = param_sharding(parallel, config), resolve_dtype(dtype)
+    specs = param_specs(config)
+    plan = fp8_plan(specs, quantization or "none", lambda spec: False)  # a random model stores no FP8 itself
     key = jax.random.key(seed)
     flat = {}
-    for path, spec in param_specs(config).items():
+    for path, spec in specs.items():
         mean, std = init_stats(path)
         out_dtype = jnp.float32 if spec.fp32 else dt
         sharding = sharding_for(path, spec.shape)
         k = jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
-        make = jax.jit(lambda k, shape=spec.shape, m=mean, s=std, d=out_dtype:
-                       (m + s * jax.random.normal(k, shape, jnp.float32)).astype(d), out_shardings=sharding)
-        flat[path] = make(k)
+
+        def draw(k, shape=spec.shape, m=mean, s=std, d=out_dtype):
+            return (m + s * jax.random.normal(k, shape, jnp.float32)).astype(d)
+
+        if path in plan:  # drawn and quantised in one program: the wide draw never leaves the devices
+            scales = scale_path(path)
+            make = jax.jit(lambda k, draw=draw, grid=spec.fp8_grid: quantize_fp8(draw(k), grid),
+                           out_shardings=(sharding, sharding_for(scales, fp8_scale_shape(spec))))
+            flat[path], flat[scales] = make(k)
+        else:
+            flat[path] = jax.jit(draw, out_shardings=sharding)(k)
     return nest_params(flat)

@@ -15,12 +15,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from checkpoints.layout import param_specs
+from checkpoints.layout import fp8_scale_shape, param_specs
 from kernels import fused_norm_rope, indexer, moe, rope, sparse_mla
 from kernels.chunking import map_row_chunks
 from kernels.norms import rms_norm
-from sharding import DCP, TP_AXES, ParallelConfig, dcp
+from sharding import DCP, TP, TP_AXES, ParallelConfig, dcp
 
+from . import linear
 from .config import GlmDsaConfig
 from .options import StepOptions
 from .paged_cache import positions_to_slots
@@ -68,15 +69,36 @@ class StepContext:
         return rows if self.n == 1 or self.tracer.active else self.options.dcp_row_chunk
 
 
-def _declare(module: nnx.Module, prefix: str, names, specs, dtype) -> None:
-    """Give `module` a zero Param per name, shaped and typed from the layout (`fp32` params stay float32)."""
+@dataclasses.dataclass(frozen=True)
+class ModelSpecs:
+    """The layout's parameter specs and the weights kept FP8 (`checkpoints.quantization`): what `_declare` makes."""
+
+    specs: dict
+    fp8: frozenset = frozenset()
+
+    def __getitem__(self, path):
+        return self.specs[path]
+
+
+def _declare(module: nnx.Module, prefix: str, names, specs: ModelSpecs, dtype) -> None:
+    """Give `module` a zero Param per name, shaped and typed from the layout (`fp32` params stay float32); a weight
+    kept FP8 is float8_e4m3fn with its float32 scale grid `<name>_scale` beside it (glm_dsa.linear)."""
     for name in names:
         spec = specs[prefix + name]
+        if prefix + name in getattr(specs, "fp8", ()):
+            setattr(module, name, nnx.Param(jnp.zeros(spec.shape, jnp.float8_e4m3fn)))
+            setattr(module, name + "_scale", nnx.Param(jnp.zeros(fp8_scale_shape(spec), jnp.float32)))
+            continue
         setattr(module, name, nnx.Param(jnp.zeros(spec.shape, jnp.float32 if spec.fp32 else dtype)))
 
 
-def _swiglu(x, gate, up, down):
-    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+def _swiglu(module, x, names, impl: str):
+    """down(silu(gate(x)) * up(x)) from `module`'s three weights (bf16 or FP8; gate/up split on their output, down
+    on its input over every TP device)."""
+    gate, up, down = names
+    g = linear.apply(module, gate, x, split=("out", TP_AXES), impl=impl)
+    u = linear.apply(module, up, x, split=("out", TP_AXES), impl=impl)
+    return linear.apply(module, down, jax.nn.silu(g) * u, split=("in", TP_AXES), impl=impl)
 
 
 class Indexer(nnx.Module):
@@ -95,7 +117,7 @@ class Indexer(nnx.Module):
         """Top-k local positions [T, K] (-1 = none) of the tokens each row attends to on this rank;
         `cos`, `sin` are the layer's rope angles of the rows' positions."""
         cfg, n, inter = ctx.cfg, ctx.n, ctx.parallel.interleave
-        qi = jnp.einsum("tr,rhd->thd", q_n, self.wq_b[...])
+        qi = linear.apply(self, "wq_b", q_n, impl=ctx.options.impl)
         rot = rope.apply_rope(qi[..., : cfg.qk_rope_head_dim], cos[:, None], sin[:, None],
                               interleave=cfg.indexer_rope_interleave)
         qi = jnp.concatenate([rot, qi[..., cfg.qk_rope_head_dim:]], axis=-1)
@@ -134,7 +156,7 @@ class MLA(nnx.Module):
         tr.record("attn.q_norm", q_n)
         tr.cache_latents(mla_cache, own_slots, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         # q_b -> rope -> absorb W_UK: query rows [T, h, R + Dr] against cache rows [kv | k_pe]
-        q_row, q_pe = self.absorbed_query(q_n, cos, sin, cfg)
+        q_row, q_pe = self.absorbed_query(q_n, cos, sin, ctx)
         tr.heads("attn.q_pe", q_pe, par.q_replicate)
         # indexer top-k (IndexShare: a shared layer reuses the nearest full layer's selection)
         topk = topk_prev if self.indexer is None else self.indexer(h, q_n, index_cache, cos, sin, batch, ctx)
@@ -147,29 +169,33 @@ class MLA(nnx.Module):
         w_uv = self.value_up(rank, ctx)
         o_v = jnp.einsum("thr,rhd->thd", o.astype(w_uv.dtype), w_uv)
         tr.heads("attn.out", o_v)
-        out = jax.lax.psum(jnp.einsum("thd,hdo->to", o_v, self.o_proj[...]), TP_AXES)
+        out = jax.lax.psum(linear.apply(self, "o_proj", o_v, n_in=2, split=("in", TP_AXES), impl=ctx.options.impl),
+                           TP_AXES)
         return out, mla_cache, index_cache, topk
 
     def norm_rope_cache(self, h, mla_cache, index_cache, positions, slots, ctx: StepContext):
         """(q latent after q_a_layernorm [T, q_lora_rank], mla_cache, index_cache) with the kv latents (normed
         | roped) and the indexer keys written at `slots` (-1: none): one fused op (docs/math.md §4)."""
-        cfg, idx = ctx.cfg, self.indexer
+        cfg, idx, impl = ctx.cfg, self.indexer, ctx.options.impl
         q_n, mla_cache, index_cache, _ = fused_norm_rope.fused_norm_rope_cache(
-            h @ self.q_a_proj[...], h @ self.kv_a_proj[...], positions, slots,
+            linear.apply(self, "q_a_proj", h, impl=impl), linear.apply(self, "kv_a_proj", h, impl=impl), positions,
+            slots,
             self.q_a_norm[...], self.kv_a_norm[...], mla_cache.reshape(-1, mla_cache.shape[-1]),
             rope_theta=cfg.rope, rope_interleave=cfg.rope_interleave,
-            index_k=None if idx is None else h @ idx.wk[...],
+            index_k=None if idx is None else linear.apply(idx, "wk", h, impl=impl),
             index_norm_w=None if idx is None else idx.k_norm_w[...],
             index_norm_b=None if idx is None else idx.k_norm_b[...],
             index_cache=None if index_cache is None else index_cache.reshape(-1, index_cache.shape[-1]),
             index_rope_interleave=cfg.indexer_rope_interleave, impl=ctx.options.impl)
         return q_n, mla_cache, index_cache
 
-    def absorbed_query(self, q_n, cos, sin, cfg: GlmDsaConfig):
+    def absorbed_query(self, q_n, cos, sin, ctx: StepContext):
         """(query rows [T, h, R + Dr] = [q_nope @ W_UK | rope(q_pe)] per head, the roped q_pe [T, h, Dr]).
         With QREP the projections hold the whole DCP group's heads, so no query gather is needed later."""
+        cfg = ctx.cfg
         dn = cfg.qk_nope_head_dim
-        q = jnp.einsum("tr,rhd->thd", q_n, self.q_b_proj[...])
+        heads = TP if ctx.parallel.q_replicate else TP_AXES  # QREP: the DCP group's heads, split over 'tp' only
+        q = linear.apply(self, "q_b_proj", q_n, split=("out", heads), impl=ctx.options.impl)
         q_pe = rope.apply_rope(q[..., dn:], cos[:, None], sin[:, None], interleave=cfg.rope_interleave)
         q_lat = jnp.einsum("thd,rhd->thr", q[..., :dn], self.kv_b_proj[:, :, :dn])
         return jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1), q_pe
@@ -203,8 +229,9 @@ class DenseMLP(nnx.Module):
     def __init__(self, specs, prefix, dtype):
         _declare(self, prefix, ("gate", "up", "down"), specs, dtype)
 
-    def __call__(self, x):
-        return jax.lax.psum(_swiglu(x, self.gate[...], self.up[...], self.down[...]), TP_AXES)
+    def __call__(self, x, options: StepOptions | None = None):
+        impl = (options or StepOptions()).impl
+        return jax.lax.psum(_swiglu(self, x, ("gate", "up", "down"), impl), TP_AXES)
 
 
 class MoE(nnx.Module):
@@ -234,15 +261,27 @@ class MoE(nnx.Module):
             w = w / (jnp.sum(w, axis=1, keepdims=True) + 1e-20)
         return experts, w * cfg.routed_scaling_factor
 
+    def expert_scales(self) -> dict:
+        """The FP8 experts' scale grids for `moe.routed_experts` (this device's blocks of the expert width and the
+        width slice's offset in its first block: glm_dsa.linear.local_grid), or {} for bf16 experts."""
+        if linear.scale_of(self, "experts_gate") is None:
+            return {}
+        width = self.experts_gate.shape[2]
+        wg, off = linear.local_grid(self.experts_gate_scale[...], width, 2, TP_AXES)
+        wu, _ = linear.local_grid(self.experts_up_scale[...], width, 2, TP_AXES)
+        wd, _ = linear.local_grid(self.experts_down_scale[...], width, 1, TP_AXES)
+        return dict(wg_scale=wg, wu_scale=wu, wd_scale=wd, i_offset=off)
+
     def __call__(self, x, cfg: GlmDsaConfig, options: StepOptions | None = None, tracer: Tracer = NO_TRACE):
         """The MoE output [T, hidden] summed over the TP devices; `options` picks the experts' impl and form."""
         options = options or StepOptions()
         experts, weights = self.route(x, cfg)
         tracer.experts(experts, weights)
         out = moe.routed_experts(x, experts, weights, self.experts_gate[...], self.experts_up[...],
-                                 self.experts_down[...], impl=options.impl, mode=options.moe_mode)
+                                 self.experts_down[...], impl=options.impl, mode=options.moe_mode,
+                                 **self.expert_scales())
         if self.has_shared:
-            out = out + _swiglu(x, self.shared_gate[...], self.shared_up[...], self.shared_down[...])
+            out = out + _swiglu(self, x, ("shared_gate", "shared_up", "shared_down"), options.impl)
         return jax.lax.psum(out.astype(x.dtype), TP_AXES)
 
 
@@ -263,7 +302,7 @@ class DecoderLayer(nnx.Module):
                                                     topk_prev, batch, ctx)
         x = x + a
         h = rms_norm(x, self.post_norm[...], eps)
-        x = x + (self.moe(h, ctx.cfg, ctx.options, tr) if self.moe is not None else self.mlp(h))
+        x = x + (self.moe(h, ctx.cfg, ctx.options, tr) if self.moe is not None else self.mlp(h, ctx.options))
         tr.record("residual", x)
         return x, mla_cache, index_cache, topk
 
@@ -271,15 +310,17 @@ class DecoderLayer(nnx.Module):
 class GlmDsaModel(nnx.Module):
     """Embedding, decoder layers, final norm and the (vocab-sharded, padded: docs/math.md §14) LM head."""
 
-    def __init__(self, cfg: GlmDsaConfig, dtype=jnp.bfloat16):
-        specs = param_specs(cfg)
+    def __init__(self, cfg: GlmDsaConfig, dtype=jnp.bfloat16, fp8: frozenset = frozenset()):
+        """`fp8`: the weight paths kept FP8 (float8_e4m3fn with a `<name>_scale` grid: checkpoints.quantization)."""
+        specs = ModelSpecs(param_specs(cfg), frozenset(fp8))
         _declare(self, "", ("embed", "final_norm", "lm_head"), specs, dtype)
         self.layers = nnx.List([DecoderLayer(cfg, i, specs, dtype) for i in range(cfg.num_hidden_layers)])
 
-    def __call__(self, caches, batch: StepBatch, ctx: StepContext):
+    def __call__(self, caches, batch: StepBatch, ctx: StepContext, return_hidden: bool = False):
         """Per-shard step: returns (float32 logits [L, vocab_size] of the logits rows, updated caches); an active
         `ctx.tracer` records every layer's intermediate tensors (glm_dsa.trace). The LM head's padding columns
-        (past vocab_size) are cut off here, so no caller (logits, sampling, trace) ever sees a pad id."""
+        (past vocab_size) are cut off here, so no caller (logits, sampling, trace) ever sees a pad id.
+        `return_hidden` adds every row's final-normed hidden state [T, hidden] (the MTP layer's input, glm_dsa.mtp)."""
         cfg = ctx.cfg
         x = self.embed[...][batch.token_ids]
         mla, index = list(caches["mla"]), list(caches["indexer"])
@@ -290,7 +331,10 @@ class GlmDsaModel(nnx.Module):
             if j is not None:
                 index[j] = new_index.reshape(index[j].shape)
             mla[i] = mla[i].reshape(caches["mla"][i].shape)
-        x = rms_norm(x[batch.logits_indices], self.final_norm[...], cfg.rms_norm_eps)
+        hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps) if return_hidden else None
+        x = hidden[batch.logits_indices] if return_hidden else rms_norm(x[batch.logits_indices], self.final_norm[...],
+                                                                          cfg.rms_norm_eps)
         logits = jnp.einsum("td,dv->tv", x, self.lm_head[...], preferred_element_type=jnp.float32)
         logits = jax.lax.all_gather(logits, TP_AXES, axis=1, tiled=True)[:, : cfg.vocab_size]
-        return logits, {"mla": tuple(mla), "indexer": tuple(index)}
+        out = logits, {"mla": tuple(mla), "indexer": tuple(index)}
+        return out + (hidden,) if return_hidden else out

@@ -13,6 +13,7 @@ import checkpoints
 from sharding import ParallelConfig, mesh_for, param_spec
 
 from .config import GlmDsaConfig
+from .placement import leaf_spec, param_bytes_per_device
 from .step import resolve_parallel
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
@@ -33,11 +34,14 @@ def resolve_dtype(dtype) -> jnp.dtype:
     return d
 
 
-def param_sharding(parallel: ParallelConfig) -> Callable[[str, tuple], NamedSharding]:
+def param_sharding(parallel: ParallelConfig, config: GlmDsaConfig | None = None
+                   ) -> Callable[[str, tuple], NamedSharding]:
     """`sharding_for(path, shape)`: each parameter's sharding on the mesh of a resolved `parallel`, from the one
-    partition table (`sharding.param_spec`)."""
+    partition table (`sharding.param_spec`); with `config`, FP8 scale grids too (`leaf_spec`)."""
     mesh = mesh_for(parallel)
-    return lambda path, shape: NamedSharding(mesh, param_spec(path, parallel.q_replicate))
+    if config is None:
+        return lambda path, shape: NamedSharding(mesh, param_spec(path, parallel.q_replicate))
+    return lambda path, shape: NamedSharding(mesh, leaf_spec(path, shape, config, parallel))
 
 
 def checkpoint_source(path: str | os.PathLike) -> tuple[str, bool]:
@@ -55,14 +59,59 @@ def checkpoint_source(path: str | os.PathLike) -> tuple[str, bool]:
 
 
 def load_params(path: str | os.PathLike, *, parallel: ParallelConfig | None = None, dtype="bfloat16",
-                progress: bool = True) -> tuple[GlmDsaConfig, ParallelConfig, dict]:
+                progress: bool = True, mtp: bool = False, quantization=None,
+                device_memory: int | None = None) -> tuple[GlmDsaConfig, ParallelConfig, dict]:
     """(config, resolved parallel, flat params) of the checkpoint directory `path` (see `checkpoint_source`), each
     parameter placed on the devices with its target sharding (each device reads only its slice), in `dtype`
-    (the layout's float32 parameters stay float32)."""
+    (the layout's float32 parameters stay float32); `mtp`: with the nextn layer's `mtp.*` parameters.
+
+    quantization: None (the checkpoint's own form: FP8 weights stay FP8), "fp8" (quantise every linear weight at
+    load), "none" (dequantise to `dtype`); see `checkpoints.quantization`. Before anything is allocated, the
+    weights one device would hold are compared with `device_memory` bytes (default: what the first device reports
+    free, when it reports it): a layout that cannot fit is a ValueError naming the need and the free bytes."""
+    checkpoints.check_quantization(quantization)
     source, orbax = checkpoint_source(path)
     config = GlmDsaConfig.from_pretrained(source)
     parallel = resolve_parallel(parallel, config)
+    dtype = resolve_dtype(dtype)
+    plan = checkpoints.orbax_io.stored_fp8_plan(source, quantization, config) if orbax else \
+        checkpoints.loader.hf_fp8_plan(checkpoints.HFCheckpoint(source), checkpoints.param_specs(config),
+                                       quantization)
+    check_fits(config, parallel, dtype=dtype, plan=plan, mtp=mtp, device_memory=device_memory, what=source)
     read = checkpoints.load_orbax_params if orbax else checkpoints.load_hf_params
-    flat = read(source, config, dtype=resolve_dtype(dtype), progress=progress,
-                sharding_for=param_sharding(parallel))
+    extra = {}
+    if mtp:  # the nextn layer's `mtp.*` parameters too (glm_dsa.mtp)
+        if orbax:
+            raise NotImplementedError(f"{path}: the MTP (nextn) layer loads from HF safetensors checkpoints only so "
+                                      "far (convert does not carry it); load the HF directory")
+        extra["mtp"] = True
+    flat = read(source, config, dtype=dtype, progress=progress, sharding_for=param_sharding(parallel, config),
+                quantization=quantization, **extra)
     return config, parallel, flat
+
+
+def device_free_bytes() -> int | None:
+    """Free bytes on the first local device as it reports them (None where it does not: CPU)."""
+    import jax
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # a backend without memory stats
+        return None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def check_fits(config: GlmDsaConfig, parallel: ParallelConfig, *, dtype, plan, mtp: bool = False,
+               device_memory: int | None = None, what: str = "the model") -> int:
+    """The weight bytes per device of loading `config` on `parallel` with `plan` kept FP8; a ValueError naming
+    the need and the free bytes when they exceed `device_memory` (default `device_free_bytes()`; None: no check)."""
+    need = param_bytes_per_device(config, parallel, dtype=dtype, plan=plan, mtp=mtp)
+    free = device_free_bytes() if device_memory is None else int(device_memory)
+    if free is not None and need > free:
+        gib = 2 ** 30
+        raise ValueError(f"{what}: the weights need {need / gib:.2f} GiB per device at TP={parallel.tp} "
+                         f"DCP={parallel.dcp} ({'FP8 for ' + str(len(plan)) + ' weights' if plan else 'no FP8'}, "
+                         f"{jnp.dtype(dtype).name} for the rest) but a device has {free / gib:.2f} GiB free: use "
+                         f"more devices (-tp), quantization='fp8', or a smaller dtype")
+    return need

@@ -85,16 +85,18 @@ class _Detokenizer:
         return new
 
 
-def create_app(engine, *, model_name: str, tokenizer=None, template: str | None = None, api_key: str | None = None):
-    """The FastAPI app serving `engine` as `model_name`. The engine runs on a `BackgroundLoop` started with the app
-    (and stopped with it). `tokenizer`: a `glm_dsa.text.TextTokenizer` or None (token ids only); `template`: a
+def create_app(engine, *, model_name: str, tokenizer=None, template: str | None = None, api_key: str | None = None,
+               loop=None):
+    """The FastAPI app serving `engine` as `model_name`. The engine runs on `loop` (anything with `start()` and
+    `stop()`; default a `BackgroundLoop`, across processes a `glm_dsa.lockstep.LeaderLoop`), started with the app
+    and stopped with it. `tokenizer`: a `glm_dsa.text.TextTokenizer` or None (token ids only); `template`: a
     Jinja chat template (None: chat completions are refused with 400)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    loop = BackgroundLoop(engine)
+    loop = BackgroundLoop(engine) if loop is None else loop
     started = time.time()
 
     @contextlib.asynccontextmanager
@@ -346,12 +348,13 @@ def render_chat(template: str, messages: list[dict]) -> str:
 
 
 def serve(engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          tokenizer=None, template: str | None = None, log=print) -> None:
-    """Run the server until interrupted (uvicorn on `host`:`port`)."""
+          tokenizer=None, template: str | None = None, log=print, loop=None) -> None:
+    """Run the server until interrupted (uvicorn on `host`:`port`); `loop`: see `create_app`."""
     try:
         import uvicorn
     except ImportError:
         raise ImportError("serve needs FastAPI and uvicorn: pip install 'glm-dsa[serve]'") from None
-    app = create_app(engine, model_name=model_name, tokenizer=tokenizer, template=template, api_key=api_key)
+    app = create_app(engine, model_name=model_name, tokenizer=tokenizer, template=template, api_key=api_key,
+                     loop=loop)
     log(f"serving {model_name} on http://{host}:{port} (OpenAI API at /v1)", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")

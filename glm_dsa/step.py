@@ -11,19 +11,27 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from sharding import ParallelConfig, cache_spec, mesh_for, param_partition_specs
+from sharding import ParallelConfig, cache_spec, mesh_for, param_partition_specs, path_str
 
 from .config import GlmDsaConfig
 from .model import GlmDsaModel, StepBatch, StepContext
 from .options import StepOptions, resolve_options
+from .placement import partition_specs
 from .paged_cache import allocate_caches, cache_dtype, owner_slots, pages_needed
 
 
 @functools.lru_cache(maxsize=None)
-def model_graphdef(config: GlmDsaConfig):
-    """The NNX graph of the model (structure only; built abstractly, no arrays allocated)."""
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: GlmDsaModel(config)))
+def model_graphdef(config: GlmDsaConfig, fp8: frozenset = frozenset()):
+    """The NNX graph of the model with the weights `fp8` kept FP8 (structure only; built abstractly, no arrays
+    allocated)."""
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: GlmDsaModel(config, fp8=fp8)))
     return graphdef
+
+
+def fp8_paths(params) -> frozenset:
+    """The flat paths of the weights `params` holds in FP8 (float8_e4m3fn leaves)."""
+    return frozenset(path_str(p) for p, leaf in jax.tree_util.tree_leaves_with_path(params)
+                     if jnp.dtype(leaf.dtype) == jnp.float8_e4m3fn)
 
 
 def resolve_parallel(parallel: ParallelConfig | None, config: GlmDsaConfig) -> ParallelConfig:
@@ -34,8 +42,8 @@ def resolve_parallel(parallel: ParallelConfig | None, config: GlmDsaConfig) -> P
 
 
 def params_dtype(params) -> jnp.dtype:
-    """The model's weight dtype (that of the first layer's kv_a_proj; norms and the router stay float32)."""
-    return params["layers"][0]["attn"]["kv_a_proj"].dtype
+    """The model's compute dtype: the embedding's (never FP8; norms and the router stay float32)."""
+    return params["embed"].dtype
 
 
 def matmul_precision(params):
@@ -47,12 +55,16 @@ def matmul_precision(params):
     return contextlib.nullcontext()
 
 
-def run_sharded(body, params, caches, batch: StepBatch, parallel: ParallelConfig, out_specs):
+def run_sharded(body, params, caches, batch: StepBatch, parallel: ParallelConfig, out_specs,
+                config: GlmDsaConfig | None = None):
     """`body(params, caches, batch)` per shard on the mesh of a resolved `parallel`: parameters split by the
-    partition table, caches by token over the DCP axis, the batch replicated."""
+    partition table (FP8 scale grids by `placement.partition_specs`, which needs `config`), caches by token over
+    the DCP axis, the batch replicated."""
     cspecs = jax.tree.map(lambda _: cache_spec(), caches)
+    pspecs = (partition_specs(params, config, parallel) if config is not None
+              else param_partition_specs(params, parallel.q_replicate))
     f = jax.shard_map(body, mesh=mesh_for(parallel),
-                      in_specs=(param_partition_specs(params, parallel.q_replicate), cspecs, P()),
+                      in_specs=(pspecs, cspecs, P()),
                       out_specs=out_specs(cspecs) if callable(out_specs) else out_specs, check_vma=False)
     with matmul_precision(params):
         return f(params, caches, batch)
@@ -66,12 +78,12 @@ def step(params, caches, batch: StepBatch, *, config: GlmDsaConfig, parallel: Pa
     options = resolve_options(impl, options)
     parallel = resolve_parallel(parallel, config)
     ctx = StepContext(config, block_size=caches["mla"][0].shape[1], parallel=parallel, options=options)
-    graphdef = model_graphdef(config)
+    graphdef = model_graphdef(config, fp8_paths(params))
 
     def body(params, caches, batch):
         return nnx.merge(graphdef, params)(caches, batch, ctx)
 
-    return run_sharded(body, params, caches, batch, parallel, lambda cspecs: (P(), cspecs))
+    return run_sharded(body, params, caches, batch, parallel, lambda cspecs: (P(), cspecs), config)
 
 
 def prefill_inputs(params, token_ids, *, config: GlmDsaConfig, parallel: ParallelConfig, block_size: int = 16,

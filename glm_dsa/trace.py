@@ -36,7 +36,7 @@ from sharding import ParallelConfig
 from .config import GlmDsaConfig
 from .model import StepBatch, StepContext
 from .options import StepOptions, resolve_options
-from .step import model_graphdef, prefill_inputs, resolve_parallel, run_sharded
+from .step import fp8_paths, model_graphdef, prefill_inputs, resolve_parallel, run_sharded
 from .tracer import Tracer
 
 ORDER = ["attn.q_norm", "attn.kv_norm", "attn.k_pe", "attn.q_pe", "attn.topk", "dcp.partial_o", "dcp.partial_lse",
@@ -52,7 +52,7 @@ def traced_step(params, caches, batch: StepBatch, *, config: GlmDsaConfig, paral
     rows fit in one `StepOptions.dcp_row_chunk`."""
     options = resolve_options(impl, options)
     par = resolve_parallel(parallel, config)
-    graphdef = model_graphdef(config)
+    graphdef = model_graphdef(config, fp8_paths(params))
 
     def body(params, caches, batch):
         records: dict = {}
@@ -62,7 +62,7 @@ def traced_step(params, caches, batch: StepBatch, *, config: GlmDsaConfig, paral
         return logits, caches, records
 
     # every record is gathered to full width inside, so all of them leave replicated
-    return run_sharded(body, params, caches, batch, par, lambda cspecs: (P(), cspecs, P()))
+    return run_sharded(body, params, caches, batch, par, lambda cspecs: (P(), cspecs, P()), config)
 
 
 def trace(params, token_ids, *, config: GlmDsaConfig, parallel: ParallelConfig | None = None, impl: str | None = None,

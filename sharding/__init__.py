@@ -4,7 +4,7 @@ from . import axes, dcp
 from .axes import DCP, TP, TP_AXES
 from .mesh import make_mesh, mesh_for
 from .parallel import ParallelConfig
-from .specs import cache_spec, param_partition_specs, param_spec, path_str
+from .specs import cache_spec, fp8_scale_spec, param_partition_specs, param_spec, path_str
 
 __all__ = ["DCP", "TP", "TP_AXES", "ParallelConfig", "axes", "cache_spec", "dcp", "make_mesh", "mesh_for",
-           "param_partition_specs", "param_spec", "path_str"]
+           "fp8_scale_spec", "param_partition_specs", "param_spec", "path_str"]

@@ -25,10 +25,14 @@ _TABLE: list[tuple[str, P]] = [
     (r"layers\.\d+\.moe\.experts_down", P(None, TP_AXES, None)),
     (r"layers\.\d+\.moe\.shared_(gate|up)", P(None, TP_AXES)),
     (r"layers\.\d+\.moe\.shared_down", P(TP_AXES, None)),
+    # the MTP (nextn) layer (checkpoints.mtp_layout); its decoder block `mtp.block.*` follows the rows above
+    (r"mtp\.(enorm|hnorm|eh_proj|head_norm)", P()),
+    (r"mtp\.head", P(None, TP_AXES)),
 ]
 _COMPILED = [(re.compile(pat + r"$"), spec) for pat, spec in _TABLE]
 
 
+_MTP_BLOCK = "mtp.block."
 _QREP = re.compile(r"layers\.\d+\.attn\.(q_b_proj|kv_b_proj)$")
 
 
@@ -37,6 +41,8 @@ def param_spec(path: str, q_replicate: bool = False) -> P:
 
     With query replication each DCP rank holds q_b_proj and kv_b_proj (W_UK, W_UV) for all heads of its DCP
     group: split over 'tp' only."""
+    if path.startswith(_MTP_BLOCK):  # the nextn layer's decoder block: partitioned as every decoder layer
+        path = "layers.0." + path[len(_MTP_BLOCK):]
     if q_replicate and _QREP.match(path):
         return P(None, TP, None)
     for pat, spec in _COMPILED:
@@ -55,6 +61,47 @@ def path_str(path) -> str:
     return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-def param_partition_specs(params, q_replicate: bool = False):
-    """PartitionSpecs for a params pytree (nested dicts keyed as `checkpoints.layout` names), from the table."""
-    return jax.tree_util.tree_map_with_path(lambda p, _: param_spec(path_str(p), q_replicate), params)
+SCALE_SUFFIX = "_scale"  # an FP8 weight's block-scale grid: '<weight path>_scale' (checkpoints.quantization)
+
+
+def fp8_scale_spec(weight_spec: P, weight_shape, fp8_grid: tuple[int, int, int], axis_sizes: dict[str, int]) -> P:
+    """The PartitionSpec of an FP8 weight's scale grid [*lead, in-blocks, out-blocks] (`fp8_grid` = (lead, n_in,
+    n_out) counts of the weight's axes, `checkpoints.layout.ParamSpec.fp8_grid`): a block axis is split like the
+    weight axes it covers when each device's slice of them is a whole number of 128-blocks (every GLM-5.2 shard
+    at TP <= 8); otherwise the grid is replicated there and each device slices its blocks by its rank (a shard
+    that starts mid-block: glm_dsa.linear)."""
+    lead, n_in, n_out = fp8_grid
+    spec = tuple(weight_spec) + (None,) * (len(weight_shape) - len(weight_spec))
+    out = list(spec[:lead])
+    for axes in (range(lead, lead + n_in), range(lead + n_in, lead + n_in + n_out)):
+        split = [a for a in axes if spec[a] is not None]
+        mesh_axes = spec[split[0]] if split else None
+        if mesh_axes is not None:
+            names = mesh_axes if isinstance(mesh_axes, tuple) else (mesh_axes,)
+            parts = 1
+            for name in names:
+                parts *= axis_sizes[name]
+            width = 1
+            for a in axes:
+                width *= weight_shape[a]
+            if width % parts or (width // parts) % 128:
+                mesh_axes = None
+        out.append(mesh_axes)
+    return P(*out)
+
+
+def param_partition_specs(params, q_replicate: bool = False, *, axis_sizes: dict[str, int] | None = None,
+                          fp8_grids: dict[str, tuple[int, int, int]] | None = None):
+    """PartitionSpecs for a params pytree (nested dicts keyed as `checkpoints.layout` names), from the table. FP8
+    scale leaves ('<weight>_scale') take `fp8_scale_spec` of their weight, from `fp8_grids` (weight path ->
+    fp8_grid) and the mesh's `axis_sizes`."""
+    flat = {path_str(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
+
+    def spec_of(p, _):
+        path = path_str(p)
+        weight = path[: -len(SCALE_SUFFIX)]
+        if path.endswith(SCALE_SUFFIX) and weight in flat and fp8_grids and weight in fp8_grids:
+            return fp8_scale_spec(param_spec(weight, q_replicate), flat[weight].shape, fp8_grids[weight],
+                                  axis_sizes or {})
+        return param_spec(path, q_replicate)
+    return jax.tree_util.tree_map_with_path(spec_of, params)

@@ -145,7 +145,7 @@ def test_fp8_block_scaled_weights_are_dequantized(tmp_path, cfg2, make_params):
     with SafetensorsWriter(tmp_path / "model.safetensors", entries) as w:
         for k, _, _ in entries:
             w.write(k, tensors[k])
-    loaded = load_hf_params(tmp_path, cfg2, dtype=np.float32, progress=False)
+    loaded = load_hf_params(tmp_path, cfg2, dtype=np.float32, progress=False, quantization="none")
     spec = param_specs(cfg2)["layers.0.attn.indexer.wq_b"]
     want = spec.from_hf(w8.astype(np.float32) * np.repeat(scale, 128, axis=0))
     np.testing.assert_array_equal(np.asarray(loaded["layers.0.attn.indexer.wq_b"]), want)

@@ -65,7 +65,7 @@ def test_matches_numpy_dequantisation_on_a_mesh(fp8_dir, dtype):
     """Device dequantisation + layout == numpy dequantisation + layout, bit for bit, placed by the partition table."""
     par = ParallelConfig(4, 2, dcp_q_replicate=True)
     mesh = make_mesh(par)
-    got = load_hf_params(fp8_dir, CFG, dtype=dtype, progress=False,
+    got = load_hf_params(fp8_dir, CFG, dtype=dtype, progress=False, quantization="none",
                          sharding_for=lambda p, s: NamedSharding(mesh, param_spec(p, par.q_replicate)))
     want = _numpy_reference(fp8_dir, CFG)
     specs = param_specs(CFG)
@@ -78,8 +78,10 @@ def test_matches_numpy_dequantisation_on_a_mesh(fp8_dir, dtype):
 
 
 def test_glm_dsa_load_takes_an_fp8_release(fp8_dir):
-    """glm_dsa.load on the FP8 directory holds the numpy-dequantised parameters (so the logits of that model)."""
-    eng = glm_dsa.load(fp8_dir, parallel=ParallelConfig(2, 2), dtype="float32", max_model_len=32, progress=False)
+    """glm_dsa.load(quantization="none") on the FP8 directory holds the numpy-dequantised parameters (so the logits
+    of that model)."""
+    eng = glm_dsa.load(fp8_dir, parallel=ParallelConfig(2, 2), dtype="float32", max_model_len=32, progress=False,
+                       quantization="none")
     want = _numpy_reference(fp8_dir, CFG)
     for p, a in want.items():
         node = eng.params
@@ -172,7 +174,7 @@ def test_each_device_is_sent_only_its_shard(fp8_dir, monkeypatch, dtype):
         return NamedSharding(mesh, placement(p))
 
     monkeypatch.setattr(jax, "device_put", spy)
-    got = load_hf_params(fp8_dir, CFG, dtype=dtype, progress=False, sharding_for=sharding_for)
+    got = load_hf_params(fp8_dir, CFG, dtype=dtype, progress=False, sharding_for=sharding_for, quantization="none")
     monkeypatch.undo()
 
     ck = HFCheckpoint(fp8_dir)
@@ -209,7 +211,7 @@ def test_uint8_fp8_bytes_with_scales_load_as_e4m3(tmp_path):
 
     _rewrite(tmp_path / "fp8", tmp_path / "u8", as_bytes)
     assert HFCheckpoint(tmp_path / "u8").dtype(key) == np.uint8
-    got = load_hf_params(tmp_path / "u8", cfg, dtype=np.float32, progress=False)
+    got = load_hf_params(tmp_path / "u8", cfg, dtype=np.float32, progress=False, quantization="none")
     want = _float64_reference(tmp_path / "fp8", cfg, param_specs(cfg), np.float32)
     np.testing.assert_array_equal(np.asarray(got["layers.0.attn.kv_b_proj"]), want["layers.0.attn.kv_b_proj"])
     np.testing.assert_array_equal(HFCheckpoint(tmp_path / "u8").read(key), HFCheckpoint(tmp_path / "fp8").read(key))

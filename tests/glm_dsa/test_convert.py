@@ -29,7 +29,9 @@ def fp8_release(tmp_path_factory):
 
 def test_convert_fp8_release_then_load_on_another_mesh(fp8_release, tmp_path, capsys):
     out = tmp_path / "orbax"
-    assert main(["convert", "--from", str(fp8_release), "--to", str(out), "--dtype", "float32", "-tp", "2"]) == 0
+    # --quantization none: dequantised (by default an FP8 release stays FP8: tests/glm_dsa/test_info_fp8.py)
+    assert main(["convert", "--from", str(fp8_release), "--to", str(out), "--dtype", "float32", "-tp", "2",
+                 "--quantization", "none"]) == 0
     captured = capsys.readouterr()
     assert "converted" in captured.out and "tokenizer.json" in captured.out
     assert "loading" in captured.err and "saving checkpoint-000001" in captured.err  # the progress bars
@@ -39,7 +41,7 @@ def test_convert_fp8_release_then_load_on_another_mesh(fp8_release, tmp_path, ca
 
     # the converted parameters are the device-dequantised ones, bit for bit, restored onto another mesh
     # (engine logits from orbax on DCP meshes: tests/checkpoints/test_orbax_io.py)
-    want = load_hf_params(fp8_release, CFG, dtype="float32", progress=False)
+    want = load_hf_params(fp8_release, CFG, dtype="float32", progress=False, quantization="none")
     par = ParallelConfig(4, 2, dcp_q_replicate=True)
     mesh = make_mesh(par)
     got = load_orbax_params(out, CFG, dtype="float32", progress=False,

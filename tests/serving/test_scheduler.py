@@ -145,3 +145,28 @@ def test_abort_frees_pages_at_the_next_step():
     assert a.finish_reason == "abort" and a.pages == [] and s.running == [b]
     s.process(p, np.array([1, 2]))  # a's in-flight sample is dropped
     assert a.output == [] and b.output == [2]
+
+
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_long_prompts_are_admitted_whole_so_their_chunks_never_preempt(dcp):
+    """Prompts of two chunks under a page budget that holds 2.5 of them per DCP rank (the H200 run's shape: DCP=2
+    thrashed with 78 preemptions): a request waits until its whole prompt fits beside the running prefills, so no
+    chunk ever preempts, everything finishes, two at a time."""
+    per_seq = 8 // dcp  # a 32-token prompt is 8 pages of 4 tokens, split over the DCP ranks
+    s = _sched(num_pages=1 + (5 * per_seq) // 2 + 1, dcp=dcp, max_num_batched_tokens=16, max_num_seqs=8,
+               max_model_len=40)
+    reqs = [_req(f"r{i}", 32, max_tokens=2) for i in range(5)]
+    for r in reqs:
+        s.add(r)
+    peak = 0
+    pending = None
+    for _ in range(400):
+        plan = s.schedule()
+        peak = max(peak, len(s.running))
+        if pending is not None:
+            s.process(pending, np.full(len(pending.sample_rows), 9))
+        pending = plan
+        if not s.has_work and pending is None:
+            break
+    assert all(r.status == Status.FINISHED for r in reqs) and s.preemptions == 0
+    assert peak == 2
