@@ -24,3 +24,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def rewrite_checkpoint():
+    """`rewrite(src, dst, edit)`: copy the single-file safetensors checkpoint directory `src` to `dst` with its
+    tensors passed through `edit({key: array}) -> {key: array}` (config.json copied): hostile checkpoints."""
+    import numpy as np
+
+    from checkpoints.safetensors_io import SafetensorsFile, SafetensorsWriter
+
+    def rewrite(src, dst, edit):
+        f = SafetensorsFile(src / "model.safetensors")
+        tensors = edit({k: np.array(f.get(k)) for k in f.keys()})
+        dst.mkdir()
+        with SafetensorsWriter(dst / "model.safetensors", [(k, a.dtype, a.shape) for k, a in tensors.items()]) as w:
+            for k, a in tensors.items():
+                w.write(k, a)
+        (dst / "config.json").write_text((src / "config.json").read_text())
+    return rewrite

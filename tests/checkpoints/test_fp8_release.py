@@ -12,7 +12,6 @@ from checkpoints.fp8_blocks import E4M3, is_fp8_weight_key, quantize_blocks, wri
 from checkpoints.layout import param_specs
 from checkpoints.loader import HFCheckpoint, dequantize_blocks_np
 from checkpoints.random import write_random_checkpoint
-from checkpoints.safetensors_io import SafetensorsFile, SafetensorsWriter
 from sharding import ParallelConfig, make_mesh, param_spec
 
 # widths 200, 136, 160 are not multiples of 128: every weight has ragged edge blocks, some in both axes
@@ -90,18 +89,7 @@ def test_glm_dsa_load_takes_an_fp8_release(fp8_dir):
         np.testing.assert_array_equal(np.asarray(node), a, err_msg=p)
 
 
-def _rewrite(src, dst, edit):
-    """Copy the single-file checkpoint `src` to `dst`, passing {key: array} through `edit`."""
-    f = SafetensorsFile(src / "model.safetensors")
-    tensors = edit({k: np.array(f.get(k)) for k in f.keys()})
-    dst.mkdir()
-    with SafetensorsWriter(dst / "model.safetensors", [(k, a.dtype, a.shape) for k, a in tensors.items()]) as w:
-        for k, a in tensors.items():
-            w.write(k, a)
-    (dst / "config.json").write_text((src / "config.json").read_text())
-
-
-def test_errors_name_the_tensor(tmp_path):
+def test_errors_name_the_tensor(tmp_path, rewrite_checkpoint):
     cfg = CFG.replace(num_hidden_layers=1, indexer_types=("full",))
     write_random_checkpoint(cfg, tmp_path / "hf", dtype="float32", progress=False)
     write_fp8_release(tmp_path / "hf", tmp_path / "fp8")
@@ -111,7 +99,7 @@ def test_errors_name_the_tensor(tmp_path):
         del t[key + "_scale_inv"]
         return t
 
-    _rewrite(tmp_path / "fp8", tmp_path / "noscale", drop_scale)
+    rewrite_checkpoint(tmp_path / "fp8", tmp_path / "noscale", drop_scale)
     with pytest.raises(CheckpointError, match=rf"'{key}'.*float8_e4m3fn.*no '{key}_scale_inv'"):
         load_hf_params(tmp_path / "noscale", cfg, dtype=np.float32, progress=False)
 
@@ -119,7 +107,7 @@ def test_errors_name_the_tensor(tmp_path):
         t[key + "_scale_inv"] = np.ones((1, 2), np.float32)
         return t
 
-    _rewrite(tmp_path / "fp8", tmp_path / "badgrid", bad_grid)
+    rewrite_checkpoint(tmp_path / "fp8", tmp_path / "badgrid", bad_grid)
     with pytest.raises(CheckpointError, match=rf"'{key}_scale_inv'.*\[1, 2\], expected \[2, 2\]"):
         load_hf_params(tmp_path / "badgrid", cfg, dtype=np.float32, progress=False)
 
@@ -198,7 +186,7 @@ def test_each_device_is_sent_only_its_shard(fp8_dir, monkeypatch, dtype):
             np.testing.assert_array_equal(np.asarray(shard.data), want[p][shard.index], err_msg=p)
 
 
-def test_uint8_fp8_bytes_with_scales_load_as_e4m3(tmp_path):
+def test_uint8_fp8_bytes_with_scales_load_as_e4m3(tmp_path, rewrite_checkpoint):
     """e4m3 bytes stored as uint8 (with their scales) load as the e4m3 weights; without scales they are refused."""
     cfg = CFG.replace(num_hidden_layers=1, indexer_types=("full",))
     write_random_checkpoint(cfg, tmp_path / "hf", dtype="float32", progress=False)
@@ -209,7 +197,7 @@ def test_uint8_fp8_bytes_with_scales_load_as_e4m3(tmp_path):
         t[key] = t[key].view(np.uint8)
         return t
 
-    _rewrite(tmp_path / "fp8", tmp_path / "u8", as_bytes)
+    rewrite_checkpoint(tmp_path / "fp8", tmp_path / "u8", as_bytes)
     assert HFCheckpoint(tmp_path / "u8").dtype(key) == np.uint8
     got = load_hf_params(tmp_path / "u8", cfg, dtype=np.float32, progress=False, quantization="none")
     want = _float64_reference(tmp_path / "fp8", cfg, param_specs(cfg), np.float32)
@@ -220,6 +208,6 @@ def test_uint8_fp8_bytes_with_scales_load_as_e4m3(tmp_path):
         del t[key + "_scale_inv"]
         return t
 
-    _rewrite(tmp_path / "u8", tmp_path / "u8noscale", drop_scale)
+    rewrite_checkpoint(tmp_path / "u8", tmp_path / "u8noscale", drop_scale)
     with pytest.raises(CheckpointError, match=rf"'{key}'.*has dtype uint8.*floating point"):
         load_hf_params(tmp_path / "u8noscale", cfg, dtype=np.float32, progress=False)

@@ -17,7 +17,6 @@ from checkpoints.fp8_blocks import write_fp8_release
 from checkpoints.fp8_codec import quantize_blocks
 from checkpoints.loader import HFCheckpoint
 from checkpoints.random import write_random_checkpoint
-from checkpoints.safetensors_io import SafetensorsFile, SafetensorsWriter
 from sharding import TP, TP_AXES, ParallelConfig, fp8_scale_spec
 
 # hidden 200, q_lora 136, dense 136, experts 40: every weight has ragged 128-blocks, and no TP shard of them falls on
@@ -93,33 +92,22 @@ def test_bad_quantization_and_a_layout_that_does_not_fit(dirs, monkeypatch):
         glm_dsa.load(dirs / "fp8", dtype="float32", device_memory=1000, progress=False)
 
 
-def _rewrite(src, dst, edit):
-    """Copy the (single-file) checkpoint `src` to `dst`, passing {key: array} through `edit`."""
-    f = SafetensorsFile(src / "model.safetensors")
-    tensors = edit({k: np.array(f.get(k)) for k in f.keys()})
-    dst.mkdir()
-    with SafetensorsWriter(dst / "model.safetensors", [(k, a.dtype, a.shape) for k, a in tensors.items()]) as w:
-        for k, a in tensors.items():
-            w.write(k, a)
-    (dst / "config.json").write_text((src / "config.json").read_text())
-
-
 @pytest.mark.parametrize("bad", [np.nan, 0.0, -1.0, np.inf])
-def test_a_bad_block_scale_is_named(dirs, tmp_path, bad):
+def test_a_bad_block_scale_is_named(dirs, tmp_path, bad, rewrite_checkpoint):
     key = "model.layers.0.self_attn.q_a_proj.weight_scale_inv"
 
     def edit(t):
         s = t[key].copy()
         s[1, 0] = bad
         return {**t, key: s}
-    _rewrite(dirs / "fp8", tmp_path / "bad", edit)
+    rewrite_checkpoint(dirs / "fp8", tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=rf"'{key}'.*not finite and positive.*block \[1, 0\]"):
         glm_dsa.load(tmp_path / "bad", progress=False)
 
 
-def test_a_scale_without_its_weight_is_named(dirs, tmp_path):
+def test_a_scale_without_its_weight_is_named(dirs, tmp_path, rewrite_checkpoint):
     key = "model.layers.0.self_attn.q_a_proj.weight"
-    _rewrite(dirs / "fp8", tmp_path / "orphan", lambda t: {k: v for k, v in t.items() if k != key})
+    rewrite_checkpoint(dirs / "fp8", tmp_path / "orphan", lambda t: {k: v for k, v in t.items() if k != key})
     with pytest.raises(CheckpointError, match=rf"'{key}_scale_inv'.*no weight '{key}'"):
         glm_dsa.load(tmp_path / "orphan", progress=False)
 
