@@ -571,32 +571,44 @@ class Engine:
             st.recent.append((t1, len(plan.sample_reqs)))
         return self.scheduler.has_work or self._pending is not None
 
-    def _dispatch(self, plan: StepPlan):
-        """Build the plan's step inputs on the host and launch the fused step; returns the device ids. What is
-        built does not depend on the requests' lengths: rows, logits rows and block-table changes only."""
-        rows = plan.num_rows
-        t = _bucket(rows, 16)
+    def step_shapes(self, plan: StepPlan) -> tuple[int, int, int]:
+        """The bucketed static shapes of a plan's step: (rows T, block-table columns read, requests R)."""
+        t = _bucket(plan.num_rows, 16)
         # capped at a full sequence's pages: a power-of-two bucket past it would double the indexer's top-k width;
         # a bucket over half of it takes the cap at once (at most twice the pages, as any bucket): one shape less
         width = _bucket(max(len(r.pages) for r in plan.requests), 8)
         width = self.pages_per_seq if 2 * width > self.pages_per_seq else width
         # requests (and logits rows, at most one each) in buckets growing 4x, capped at max_num_seqs' bucket
         nr = min(_bucket(len(plan.requests), 8, 4), self._n_out)
-        row_arr = np.zeros((4, t), np.int32)
-        row_arr[1:, rows:] = -1  # padding rows: position -1 (write nothing), src -1; request 0
-        row_arr[2, rows:] = 0
-        row_arr[0, :rows], row_arr[1, :rows], row_arr[2, :rows], row_arr[3, :rows] = (plan.token, plan.pos, plan.req,
-                                                                                       plan.src)
+        return t, width, nr
+
+    def table_inputs(self, plan: StepPlan, t: int, nr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The block-table inputs of a plan's step (see `_serve_step`): the requests' table rows int32 [nr], the
+        entries it changes int32 [3, t] and the rows it clears int32 [max_num_seqs + 1]."""
         plan_rows = np.full(nr, self.max_num_seqs, np.int32)  # padding requests read the all-zero last row
         plan_rows[: len(plan.requests)] = [r.table_row for r in plan.requests]
         # a step adds at most one page per row it computes, so the rows bucket bounds the updates
         upd = np.full((3, t), self.max_num_seqs + 1, np.int32)  # padding updates fall outside the table: dropped
         nu = plan.table_updates.shape[1]
         if nu > t:
-            raise RuntimeError(f"a step of {rows} rows changes {nu} block-table entries, more than its {t} slots")
+            raise RuntimeError(f"a step of {plan.num_rows} rows changes {nu} block-table entries, more than its {t} "
+                               "slots")
         upd[:, :nu] = plan.table_updates
         resets = np.zeros(self.max_num_seqs + 1, np.int32)
         resets[plan.table_resets] = 1
+        return plan_rows, upd, resets
+
+    def _dispatch(self, plan: StepPlan):
+        """Build the plan's step inputs on the host and launch the fused step; returns the device ids. What is
+        built does not depend on the requests' lengths: rows, logits rows and block-table changes only."""
+        rows = plan.num_rows
+        t, width, nr = self.step_shapes(plan)
+        row_arr = np.zeros((4, t), np.int32)
+        row_arr[1:, rows:] = -1  # padding rows: position -1 (write nothing), src -1; request 0
+        row_arr[2, rows:] = 0
+        row_arr[0, :rows], row_arr[1, :rows], row_arr[2, :rows], row_arr[3, :rows] = (plan.token, plan.pos, plan.req,
+                                                                                       plan.src)
+        plan_rows, upd, resets = self.table_inputs(plan, t, nr)
         k = len(plan.sample_rows)
         nl = nr  # logits rows bucketed with the requests (at most one each): one shape dimension less to compile
         su = np.zeros((5, nl), np.uint32)  # logits row, seed words, token index, prompt index

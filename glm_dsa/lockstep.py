@@ -37,6 +37,7 @@ import time
 
 from .sampling import SamplingParams
 from .scheduler import Request
+from .streaming import BackgroundLoop
 
 #: where the messages live in the key-value store: PREFIX/<n>, and PREFIX/<n>/reads counts their readers
 PREFIX = "glm_dsa/serve/step"
@@ -150,22 +151,20 @@ def _exit_now(message: str) -> None:
     os._exit(1)
 
 
-class LeaderLoop:
-    """Process 0's engine loop when serving across processes (interface of `streaming.BackgroundLoop`: `start`,
-    `stop`). Publishes each step's events on `channel` before the step (see the module doc). A step that raises
+class LeaderLoop(BackgroundLoop):
+    """Process 0's engine loop when serving across processes (a `streaming.BackgroundLoop` that publishes). Publishes each step's events on `channel` before the step (see the module doc). A step that raises
     is fatal, since the processes can no longer be assumed to agree: the requests in flight fail with the reason,
     and `on_fatal(message)` runs (default: print `error: message` and end the process with status 1)."""
 
     def __init__(self, engine, channel: Channel, *, idle_wait_s: float = 0.05, on_fatal=None):
-        self.engine, self.channel, self.idle_wait_s = engine, channel, idle_wait_s
+        super().__init__(engine, idle_wait_s)
+        self.channel = channel
         self.on_fatal = _exit_now if on_fatal is None else on_fatal
         self.sent = 0  # messages published
         self.error: str | None = None
         self._idle = True  # the last step left nothing to do: a step without events is not published
         self._lock = threading.Lock()  # numbering: the loop thread publishes steps, `stop` the last message
         self._stopped = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def _send(self, message: dict) -> None:
         with self._lock:
@@ -179,15 +178,14 @@ class LeaderLoop:
             self._send({"events": encode_events(events)})
         return events
 
+    THREAD_NAME = "glm-dsa-engine-leader"
+
     def start(self) -> LeaderLoop:
-        """Start the loop thread (the engine then serves only through `submit`)."""
+        """Start the loop thread (the engine then serves only through `submit`); every step publishes first."""
         if self._thread is not None:
             raise RuntimeError("the serving loop is already running")
-        self.engine.attach_background(self)
         self.engine.step_sync = self._sync
-        self._thread = threading.Thread(target=self._run, name="glm-dsa-engine-leader", daemon=True)
-        self._thread.start()
-        return self
+        return super().start()
 
     def _run(self) -> None:
         wake = self.engine.wake_event
@@ -208,13 +206,8 @@ class LeaderLoop:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop after its current step, then tell the followers to stop (the last message)."""
-        self._stop.set()
-        self.engine.wake_event.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        self.engine.attach_background(None)
+        super().stop(timeout)
         self.engine.step_sync = None
-        self._thread = None
         with self._lock:
             if not self._stopped:
                 self._stopped = True

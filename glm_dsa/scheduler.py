@@ -343,21 +343,31 @@ class Scheduler:
         """Take a finished step's sampled ids (one per `plan.sample_rows`): append them, emit them and finish the
         requests they end."""
         for r, tok in zip(plan.sample_reqs, ids[: len(plan.sample_reqs)].tolist()):
-            r.in_flight -= 1
-            if r.finished:
-                continue
-            if r.aborted:
-                self._finish(r, "abort")
-                continue
-            r.output.append(tok)
-            if r.first_token_time is None:
-                r.first_token_time = now
-            if r.on_token is not None:
-                r.on_token(r, tok)
-            if tok in r.stop:
-                self._finish(r, "stop")
-            elif len(r.output) >= r.params.max_tokens or len(r.prompt) + len(r.output) >= self.max_model_len:
-                self._finish(r, "length")
+            if self._arrived(r):
+                self._emit(r, tok, now)
+
+    def _arrived(self, r: Request) -> bool:
+        """A step's result for `r` is on the host: whether to hand it tokens (not when it already finished, or was
+        aborted, which finishes it now)."""
+        r.in_flight -= 1
+        if r.finished:
+            return False
+        if r.aborted:
+            self._finish(r, "abort")
+            return False
+        return True
+
+    def _emit(self, r: Request, tok: int, now: float | None) -> None:
+        """Append one token to `r`'s output and hand it on; a stop id or the length limit finishes `r`."""
+        r.output.append(tok)
+        if r.first_token_time is None:
+            r.first_token_time = now
+        if r.on_token is not None:
+            r.on_token(r, tok)
+        if tok in r.stop:
+            self._finish(r, "stop")
+        elif len(r.output) >= r.params.max_tokens or len(r.prompt) + len(r.output) >= self.max_model_len:
+            self._finish(r, "length")
 
     def process_spec(self, plan: StepPlan, accepted: np.ndarray, tokens: np.ndarray, drafts: np.ndarray,
                      now: float | None = None) -> None:
@@ -365,11 +375,7 @@ class Scheduler:
         accepted + 1 of `tokens`, and the next drafts): emit them in order (a stop id or the length ends a request
         there), keep the drafts, and roll `num_computed` back past the rejected drafts (their KV rows are dead)."""
         for j, r in enumerate(plan.sample_reqs):
-            r.in_flight -= 1
-            if r.finished:
-                continue
-            if r.aborted:
-                self._finish(r, "abort")
+            if not self._arrived(r):
                 continue
             drafted, a = int(plan.sample_drafts[j]), int(accepted[j])
             r.spec_steps += drafted > 0
@@ -378,15 +384,7 @@ class Scheduler:
             r.num_computed -= drafted - a
             r.drafts = [int(x) for x in drafts[j]]
             for tok in tokens[j, : a + 1].tolist():
-                r.output.append(tok)
-                if r.first_token_time is None:
-                    r.first_token_time = now
-                if r.on_token is not None:
-                    r.on_token(r, tok)
-                if tok in r.stop:
-                    self._finish(r, "stop")
-                elif len(r.output) >= r.params.max_tokens or len(r.prompt) + len(r.output) >= self.max_model_len:
-                    self._finish(r, "length")
+                self._emit(r, tok, now)
                 if r.finished:
                     break
 

@@ -29,13 +29,6 @@ from .scheduler import Request, StepPlan
 from .speculative import spec_serve_step
 
 
-def _bucket(n: int, minimum: int, factor: int = 2) -> int:
-    b = minimum
-    while b < n:
-        b *= factor
-    return b
-
-
 class SpecDecoder:
     """MTP speculative decoding state of one engine (`Engine.spec`): k drafts per step."""
 
@@ -103,24 +96,13 @@ class SpecDecoder:
         """Run the plan's speculative step and return its host results int32 [G >= len(sample_reqs), 2k + 2]."""
         eng, k = self.eng, self.k
         rows = plan.num_rows
-        t = _bucket(rows, 16)
-        width = _bucket(max(len(r.pages) for r in plan.requests), 8)
-        width = eng.pages_per_seq if 2 * width > eng.pages_per_seq else width
-        nr = min(_bucket(len(plan.requests), 8, 4), eng._n_out)
+        t, width, nr = eng.step_shapes(plan)
         row_arr = np.zeros((4, t), np.int32)
         row_arr[1, rows:] = -1  # padding rows: position -1 (write nothing), request 0
         row_arr[3, :] = -1
         row_arr[0, :rows], row_arr[1, :rows], row_arr[2, :rows] = plan.token, plan.pos, plan.req
         row_arr[3, :rows] = plan.next_token
-        plan_rows = np.full(nr, eng.max_num_seqs, np.int32)
-        plan_rows[: len(plan.requests)] = [r.table_row for r in plan.requests]
-        upd = np.full((3, t), eng.max_num_seqs + 1, np.int32)
-        nu = plan.table_updates.shape[1]
-        if nu > t:
-            raise RuntimeError(f"a step of {rows} rows changes {nu} block-table entries, more than its {t} slots")
-        upd[:, :nu] = plan.table_updates
-        resets = np.zeros(eng.max_num_seqs + 1, np.int32)
-        resets[plan.table_resets] = 1
+        plan_rows, upd, resets = eng.table_inputs(plan, t, nr)
         g = len(plan.sample_rows)
         vrows = np.full((nr, k + 1), -1, np.int32)
         gmeta = np.zeros((3, nr), np.int32)

@@ -118,6 +118,8 @@ class BackgroundLoop:
     """Runs `engine.step()` on a daemon thread while there is work, sleeping until `Engine.submit` wakes it.
     A step that raises is logged by the engine (its requests finish with an error); the loop goes on."""
 
+    THREAD_NAME = "glm-dsa-engine"
+
     def __init__(self, engine, idle_wait_s: float = 0.05):
         self.engine = engine
         self.idle_wait_s = idle_wait_s
@@ -129,7 +131,7 @@ class BackgroundLoop:
         if self._thread is not None:
             raise RuntimeError("the background loop is already running")
         self.engine.attach_background(self)
-        self._thread = threading.Thread(target=self._run, name="glm-dsa-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.THREAD_NAME, daemon=True)
         self._thread.start()
         return self
 
