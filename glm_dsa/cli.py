@@ -200,15 +200,11 @@ def _info_plan(args, cfg) -> frozenset[str]:
     """The weights `info` counts as FP8: a preset's under --quantization (none by default); a checkpoint's own
     (`--quantization` as `glm_dsa.load` takes it)."""
     import checkpoints
-    from glm_dsa.params import checkpoint_source
+    from glm_dsa.params import checkpoint_fp8_plan, checkpoint_source
 
-    specs = checkpoints.param_specs(cfg)
     if not args.checkpoint:
-        return checkpoints.fp8_plan(specs, args.quantization or "none", lambda spec: False)
-    source, orbax = checkpoint_source(args.checkpoint)
-    if orbax:
-        return checkpoints.stored_fp8_plan(source, args.quantization, cfg)
-    return checkpoints.loader.hf_fp8_plan(checkpoints.HFCheckpoint(source), specs, args.quantization)
+        return checkpoints.fp8_plan(checkpoints.param_specs(cfg), args.quantization or "none", lambda spec: False)
+    return checkpoint_fp8_plan(*checkpoint_source(args.checkpoint), cfg, args.quantization)
 
 
 #: the sequence length `info` counts KV cache room in

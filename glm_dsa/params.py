@@ -58,6 +58,15 @@ def checkpoint_source(path: str | os.PathLike) -> tuple[str, bool]:
     return path, False
 
 
+def checkpoint_fp8_plan(source: str, orbax: bool, config: GlmDsaConfig, quantization) -> frozenset[str]:
+    """The weights loading the checkpoint directory `source` (from `checkpoint_source`) keeps FP8 under
+    `quantization` (`checkpoints.quantization`), known before anything is read but headers and metadata."""
+    if orbax:
+        return checkpoints.orbax_io.stored_fp8_plan(source, quantization, config)
+    return checkpoints.loader.hf_fp8_plan(checkpoints.HFCheckpoint(source), checkpoints.param_specs(config),
+                                          quantization)
+
+
 def load_params(path: str | os.PathLike, *, parallel: ParallelConfig | None = None, dtype="bfloat16",
                 progress: bool = True, mtp: bool = False, quantization=None,
                 device_memory: int | None = None) -> tuple[GlmDsaConfig, ParallelConfig, dict]:
@@ -74,9 +83,7 @@ def load_params(path: str | os.PathLike, *, parallel: ParallelConfig | None = No
     config = GlmDsaConfig.from_pretrained(source)
     parallel = resolve_parallel(parallel, config)
     dtype = resolve_dtype(dtype)
-    plan = checkpoints.orbax_io.stored_fp8_plan(source, quantization, config) if orbax else \
-        checkpoints.loader.hf_fp8_plan(checkpoints.HFCheckpoint(source), checkpoints.param_specs(config),
-                                       quantization)
+    plan = checkpoint_fp8_plan(source, orbax, config, quantization)
     check_fits(config, parallel, dtype=dtype, plan=plan, mtp=mtp, device_memory=device_memory, what=source)
     read = checkpoints.load_orbax_params if orbax else checkpoints.load_hf_params
     extra = {}
