@@ -56,6 +56,21 @@ def linear_configs(t: int):
             yield dict(bm=bm, bn=bn, bk=bk, k_split=1, num_warps=w, num_stages=st)
 
 
+def moe_configs(t: int):
+    """Grouped-GEMM launch configs to try for FP8 experts at T rows (both kernels take the same blocks), the
+    likeliest first: decode streams weights (wide column blocks, deep pipelines, split-K for a few rows),
+    prefill feeds the tensor cores from 64-128-row tiles."""
+    tile = moe.tile_rows(t, K_TOP, 256)
+    if tile >= 64:
+        grid = itertools.product((128, 256), (128, 64), (8, 4), (3, 4), (1,))
+    else:
+        grid = itertools.product((128, 256, 64), (128, 64), (4, 8), (4, 3, 6), (1, 2, 4) if t <= 8 else (1,))
+    cfgs = [dict(bn_up=bn, bn_down=bn, bk_up=bk, bk_down=bk, num_warps=w, num_stages=st, k_split=ks)
+            for bn, bk, w, st, ks in grid]
+    # breadth first over the leading choices: vary one field at a time away from the first before combining
+    return sorted(cfgs, key=lambda c: sum(c[f] != cfgs[0][f] for f in c))
+
+
 def _rates(res, s, wbytes, flops, peaks):
     return dict(us=1e6 * s, tb_s=wbytes / s / 1e12, pct_hbm=100 * wbytes / s / peaks.hbm_bytes_per_s,
                 tflops=flops / s / 1e12)
@@ -109,7 +124,7 @@ def bench_moe(args, peaks, rows):
         w = jnp.asarray(rng.uniform(0.1, 1.0, (t, K_TOP)), jnp.float32)
         used = len(np.unique(np.asarray(experts)))
         flops = 2 * 3 * t * K_TOP * d * i
-        res = {"op": "moe", "T": t, "experts_used": used, "dims": [d, i, e]}
+        res = {"op": "moe", "T": t, "experts_used": used, "dims": [d, i, e], "packed": args.moe_packed}
 
         def run(impl, ws, **kw):
             f = functools.partial(moe.routed_experts, impl=impl, **kw)
@@ -117,12 +132,26 @@ def bench_moe(args, peaks, rows):
 
         base = run(args.impl, bf16)
         res["bf16"] = _rates({}, base, used * 3 * d * i * 2, flops, peaks)
-        res["bf16_xla"] = _rates({}, run("xla", bf16), used * 3 * d * i * 2, flops, peaks)
+        if not args.no_xla:
+            res["bf16_xla"] = _rates({}, run("xla", bf16), used * 3 * d * i * 2, flops, peaks)
         fp8_bytes = used * 3 * (d * i + 4 * fp8[0][1][0].size)
-        s = run(args.impl, [q for q, _ in fp8], **scales)
-        res["w8a16"] = {**_rates({}, s, fp8_bytes, flops, peaks), "speedup_vs_bf16": base / s}
-        if t <= 128:
-            res["xla_fp8"] = _rates({}, run("xla", [q for q, _ in fp8], **scales), fp8_bytes, flops, peaks)
+        for form in args.moe_forms:
+            if args.moe_packed != "auto":  # force the uint16-word form on or off
+                scales = dict(scales, packed=args.moe_packed == "1")
+            best = {"config": "default", "s": run(args.impl, [q for q, _ in fp8], form=form, **scales)}
+            if args.moe_budget_s > 0:
+                sweep = budgeted_sweep(moe_configs(t), lambda cfg: run(args.impl, [q for q, _ in fp8], form=form,
+                                                                       **scales, **cfg),
+                                       args.moe_budget_s, label=f"moe {form} T={t}")
+                if sweep.measured and sweep.best()[1] < best["s"]:
+                    best = {"config": sweep.best()[0], "s": sweep.best()[1]}
+                best["measured"] = len(sweep.measured)
+            res[form] = {**_rates({}, best["s"], fp8_bytes, flops, peaks), "speedup_vs_bf16": base / best["s"],
+                         "config": best["config"], **({"configs_measured": best["measured"]}
+                                                      if "measured" in best else {})}
+        if t <= 128 and not args.no_xla:
+            res["xla_fp8"] = _rates({}, run("xla", [q for q, _ in fp8], **{k: v for k, v in scales.items()
+                                                                           if k != "packed"}), fp8_bytes, flops, peaks)
         print(json.dumps(res), flush=True)
         rows.append(res)
 
@@ -138,12 +167,18 @@ def main(argv=None):
     ap.add_argument("--w-layout", default="kn", choices=["kn", "nk"], help="FP8 linear weight layout (model: kn)")
     ap.add_argument("--budget_s", type=float, default=4.0, help="config sweep budget per shape, T and form")
     ap.add_argument("--impl", default="triton", help="triton_interpret for a CPU smoke run")
+    ap.add_argument("--moe_forms", default="w8a16,w8a8", help="FP8 expert forms (moe_triton.grouped_swiglu form)")
+    ap.add_argument("--moe_budget_s", type=float, default=0.0, help="FP8 expert config sweep budget per T and form")
+    ap.add_argument("--no_xla", action="store_true", help="skip the xla rows (slow compiles)")
+    ap.add_argument("--moe_packed", default="auto", choices=["auto", "0", "1"],
+                    help="FP8 experts as uint16 words of two columns: auto (stacks of 2**31+ elements), 1, 0")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     names = {f"{n}x{k}": name for name, (n, k) in LINEAR.items()}
     args.linear = {names.get(s, s): tuple(int(v) for v in s.split("x")) for s in filter(None, args.linear.split(","))}
     args.moe_dims = tuple(int(v) for v in args.moe_dims.split(",")) if args.moe_dims else None
+    args.moe_forms = [f for f in args.moe_forms.split(",") if f]
     peaks = device_peaks()
     rows = []
     bench_linear(args, peaks, rows)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from . import registry
-from .fp8_formats import FP8, dequantize_weight_blocks
+from .fp8_formats import FP8, block_index, dequantize_weight_blocks
 from .fp8_linear import check_offset, check_scale_grid
 from .moe_tiles import tile_plan, tile_rows
 
@@ -119,15 +119,16 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: 
     impl (`kernels.registry`): "xla" (the forms above), "triton" (the grouped-GEMM Pallas kernel, any widths),
     "triton_interpret" (that kernel interpreted: CPU tests). `mode` forces one xla form whatever `impl` says
     (the model's switch for comparing forms). `kernel_options` go to `moe_triton.grouped_swiglu` (config, tile,
-    bn_up, bk_up, bn_down, bk_down, num_warps, num_stages, k_split).
+    bn_up, bk_up, bn_down, bk_down, num_warps, num_stages, k_split; for FP8 experts `form`, one of `FP8_FORMS`,
+    default `fp8_form` by shape).
 
     FP8 experts (docs/math.md §11): gate/up/down float8_e4m3fn in the layout above (the HF [out, in] experts
     transposed and stacked, as `checkpoints.layout` does) with float32 block scales in the same orientation:
     `wg_scale`, `wu_scale` [E, ceil(D / 128), ceil((i_offset + I) / 128)], `wd_scale` [E, ceil((i_offset + I) /
     128), ceil(D / 128)] (the HF `weight_scale_inv` grids transposed and stacked). `i_offset` (an int in [0, 128)
     or a traced int32 scalar): where this TP shard's expert-width slice starts inside its first scale block.
-    W8A16: the kernel reads the e4m3 bytes and dequantises each tile in registers; "xla" is the float32
-    reference."""
+    The kernels read the e4m3 bytes (`fp8_form`: W8A8 or W8A16 per shape) or, for prefill, run over the experts
+    dequantised in x's dtype; "xla" is the float32 reference."""
     e, d, i = wg.shape
     if x.shape[-1] != d or wu.shape != wg.shape or wd.shape != (e, i, d):
         raise ValueError(f"moe: x {x.shape}, gate {wg.shape}, up {wu.shape}, down {wd.shape} do not agree "
@@ -141,7 +142,43 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: 
                              f"({sorted(kernel_options)})")
         registry.get("moe", impl)  # an unknown impl is an error even when `mode` overrides it
         return experts_xla(x, experts, weights, wg, wu, wd, mode=mode, **fp8)
+    if fp8 and impl != "xla":
+        form = kernel_options.pop("form", None) or fp8_form(experts.shape[0], experts.shape[1], e, d, i,
+                                                            fp8["i_offset"])
+        if form == "dequant":  # prefill: the bf16 kernels over the experts dequantised in x's dtype
+            # the barrier ties the weights to this layer's rows: without it XLA dequantises every layer's experts
+            # at the start of the step (they depend on nothing), all alive at once (55 GiB at TP = 1: OOM)
+            x, wg, wu, wd = jax.lax.optimization_barrier((x, wg, wu, wd))
+            wg, wu, wd = (_dequantize(w, fp8[n], r, c, x.dtype) for w, n, r, c in (
+                (wg, "wg_scale", 0, fp8["i_offset"]), (wu, "wu_scale", 0, fp8["i_offset"]),
+                (wd, "wd_scale", fp8["i_offset"], 0)))
+            return registry.dispatch("moe", impl, x, experts, weights, wg, wu, wd, **kernel_options)
+        kernel_options["form"] = form
     return registry.dispatch("moe", impl, x, experts, weights, wg, wu, wd, **fp8, **kernel_options)
+
+
+FP8_FORMS = ("w8a8", "w8a16", "dequant")
+
+
+def fp8_form(t: int, k: int, n_exp: int, d: int, i: int, i_offset) -> str:
+    """How the grouped-GEMM kernels compute FP8 experts at T rows of k experts each (BENCHMARKS.md, FP8 weights,
+    session 7, on the H200): decode-sized tiles (under 64 rows) of whole 128-blocks on a block boundary take
+    "w8a8" (rows quantised per 128-block, e4m3 x e4m3 on the fp8 tensor cores: 1.1-1.35x the bf16 kernel at
+    T = 32-128, where W8A16's in-register conversion makes it slower than bf16); prefill-sized tiles take
+    "dequant" (the experts dequantised in x's dtype, then the bf16 kernels: both FP8 kernels run at a third to a
+    half of the bf16 kernel's rate there); ragged widths or a shard starting mid-block take "w8a16"."""
+    aligned = isinstance(i_offset, int) and i_offset == 0 and d % 128 == 0 and i % 128 == 0
+    if not aligned:
+        return "w8a16"
+    return "dequant" if tile_rows(t, k, n_exp) >= 64 else "w8a8"
+
+
+def _dequantize(q, scale, row_offset, col_offset, dtype):
+    """e4m3 weights [..., rows, cols] times their block scales, in `dtype`: XLA's convert (the weights go to a
+    Pallas kernel, not to a dot XLA could turn into an FP8 GEMM), one fused elementwise pass."""
+    rows, cols = q.shape[-2:]
+    s = jnp.take(jnp.take(scale, block_index(rows, row_offset), axis=-2), block_index(cols, col_offset), axis=-1)
+    return (q.astype(jnp.float32) * s).astype(dtype)
 
 
 def _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset) -> dict:

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .moe_tiles import tile_plan, tile_rows
-from .fp8_formats import FP8, WEIGHT_BLOCK as FP8_BLOCK, load_e4m3
+from .fp8_formats import FP8, WEIGHT_BLOCK as FP8_BLOCK, load_e4m3, quantize_activation_blocks
 from .triton_common import MASKED_ROW, col_range, dot, gather, with_options
 
 
@@ -70,6 +70,9 @@ def _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, *, tile, n0, bn, k0, steps,
     def body(s, acc):
         c0 = k0 + s * bk
         cols = col_range(c0, bk)
+        if fp8 is not None and fp8.act:  # e4m3 rows: no masked load (Triton cannot fill one), whole blocks
+            return _gate_up_step_w8a8(acc, fp8, x_ref, token, cols, wg_ref, wu_ref, e, c0, bk, n0, bn,
+                                      c0 // FP8_BLOCK)
         if d % bk:  # hidden columns past D: zeros (their weight rows are zeros too)
             xt = gather(x_ref, token, jnp.minimum(cols, d - 1), valid, interpret)
             xt = jnp.where((cols < d)[None, :], xt, jnp.zeros((), xt.dtype))
@@ -100,6 +103,27 @@ def _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, *, tile, n0, bn, k0, steps,
     return jax.lax.fori_loop(0, steps, body, (z, z))
 
 
+def _gate_up_step_w8a8(acc, fp8, x_ref, token, cols, wg_ref, wu_ref, e, c0, bk, n0, bn, kb):
+    """One hidden step of the W8A8 up projection: e4m3 rows x e4m3 weights on the fp8 tensor cores (float32
+    partials), each partial scaled by its row's activation scale and the weight block's scale. Widths are whole
+    128-blocks (checked by the caller), so every load is a plain one."""
+    xq = x_ref[token[:, None], cols[None, :]]  # [tile, bk] e4m3; padding rows read row 0 and are never stored
+    sa = fp8.refs[2][kb, token][:, None]  # [tile, 1]
+    if fp8.packed:
+        h = bn // 2
+        parts = []
+        for w_ref, s_ref, a_even, a_odd in ((wg_ref, fp8.refs[0], acc[0], acc[1]),
+                                            (wu_ref, fp8.refs[1], acc[2], acc[3])):
+            w_even, w_odd = _pair_block(w_ref, e, c0, bk, n0 // 2, h, None)
+            parts += [a_even + dot(xq, w_even) * (sa * fp8.out_scales(s_ref, e, kb, n0, h, 2)),
+                      a_odd + dot(xq, w_odd) * (sa * fp8.out_scales(s_ref, e, kb, n0 + 1, h, 2))]
+        return tuple(parts)
+    wg = wg_ref[e, pl.ds(c0, bk), pl.ds(n0, bn)]
+    wu = wu_ref[e, pl.ds(c0, bk), pl.ds(n0, bn)]
+    return (acc[0] + dot(xq, wg) * (sa * fp8.out_scales(fp8.refs[0], e, kb, n0, bn)),
+            acc[1] + dot(xq, wu) * (sa * fp8.out_scales(fp8.refs[1], e, kb, n0, bn)))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Fp8Scales:
     """In-kernel view of the FP8 experts' block scales: `refs` (the scale grids the kernel reads), `i_off` (the
@@ -110,6 +134,7 @@ class _Fp8Scales:
     i_off: object
     scalar: bool  # one scale per step and column block (offset 0 and blocks within one 128-block)
     packed: bool = False  # weights as uint16 words of two e4m3 columns (`_pair_block`): arrays of 2-4 GB
+    act: bool = False  # W8A8: the rows (x, h) are e4m3 too, their per-row 128-block scales the last ref [blocks, rows]
 
     def out_scales(self, ref, e, kb, n0, bn, stride: int = 1):
         """Scales of gate/up output columns n0, n0 + stride, ... (bn of them; the expert width) at hidden block
@@ -225,12 +250,14 @@ def _weight_block_fp8(ref, e, r0, nr, c0, nc, n_rows, n_cols, dtype):
 
 def _pair_block(ref, e, r0, nr, c0, nc, dtype):
     """(even, odd) columns of an e4m3 weight block stored as uint16 words (two e4m3 values each, the first in the
-    low byte): words ref[e, r0:r0 + nr, c0:c0 + nc] -> two [nr, nc] blocks in `dtype` (exact). Such a view halves
+    low byte): words ref[e, r0:r0 + nr, c0:c0 + nc] -> two [nr, nc] blocks in `dtype` (exact; None: e4m3). Such a view halves
     the element count: Pallas Triton computes the offsets of an array under 4 GiB in int32, which overflows past
     2**31 elements (a 256 x 6144 x 2048 e4m3 expert stack is 3.2 GB)."""
     words = ref[e, pl.ds(r0, nr), pl.ds(c0, nc)]
     lo = jax.lax.bitcast_convert_type((words & 0xFF).astype(jnp.uint8), FP8)
     hi = jax.lax.bitcast_convert_type((words >> 8).astype(jnp.uint8), FP8)
+    if dtype is None:  # W8A8: e4m3 operands of an fp8 dot
+        return lo, hi
     return lo.astype(dtype), hi.astype(dtype)
 
 
@@ -240,14 +267,25 @@ def _down_step_fp8(s, acc, *, fp8, e, m0, n0, tile, bn, bk, shift, h_ref, wd_ref
     i, d = wd_ref.shape[1], wd_ref.shape[2]
     r = shift if shift is not None else fp8.i_off % bk
     kb = jnp.minimum((fp8.i_off - r + s * bk) // FP8_BLOCK, fp8.refs[0].shape[1] - 1)
-    if fp8.packed:  # shards on block boundaries (shift 0), words of two D columns
+    if fp8.act:  # W8A8 (whole 128-blocks, shift 0): e4m3 h rows with their per-row block scales
         h = h_ref[pl.ds(m0, tile), pl.ds(s * bk, bk)]
+        sa = fp8.refs[1][(s * bk) // FP8_BLOCK, pl.ds(m0, tile)][:, None]  # [tile, 1]
+    if fp8.packed:  # shards on block boundaries (shift 0), words of two D columns
+        if not fp8.act:
+            h = h_ref[pl.ds(m0, tile), pl.ds(s * bk, bk)]
         half = bn // 2
-        w_even, w_odd = _pair_block(wd_ref, e, s * bk, bk, n0 // 2, half, h.dtype)
+        w_even, w_odd = _pair_block(wd_ref, e, s * bk, bk, n0 // 2, half, None if fp8.act else h.dtype)
         scales = [fp8.refs[0][e, kb, n0 // FP8_BLOCK]] * 2 if bn <= FP8_BLOCK else [
             fp8.refs[0][e, kb, jnp.minimum(col_range(n0 + j, half, 2) // FP8_BLOCK, fp8.refs[0].shape[2] - 1)][None, :]
             for j in range(2)]
+        if fp8.act:
+            scales = [sa * sc for sc in scales]
         return acc[0] + dot(h, w_even) * scales[0], acc[1] + dot(h, w_odd) * scales[1]
+    if fp8.act:
+        wd = wd_ref[e, pl.ds(s * bk, bk), pl.ds(n0, bn)]
+        scale = fp8.refs[0][e, kb, n0 // FP8_BLOCK] if bn <= FP8_BLOCK else \
+            fp8.refs[0][e, kb, jnp.minimum(col_range(n0, bn) // FP8_BLOCK, fp8.refs[0].shape[2] - 1)][None, :]
+        return acc + dot(h, wd) * (sa * scale)
     if shift == 0:  # steps on block boundaries from column 0: the bf16 path's loads
         h = h_ref[pl.ds(m0, tile), pl.ds(s * bk, bk)]
         wd = _weight_block_fp8(wd_ref, e, s * bk, bk, n0, bn, i, d, h.dtype)
@@ -261,6 +299,12 @@ def _down_step_fp8(s, acc, *, fp8, e, m0, n0, tile, bn, bk, shift, h_ref, wd_ref
     else:
         scale = fp8.refs[0][e, kb, jnp.minimum(col_range(n0, bn) // FP8_BLOCK, fp8.refs[0].shape[2] - 1)][None, :]
     return acc + dot(h, wd) * scale
+
+
+def _round_to(x, dtype):
+    """float32 x rounded to the values of `dtype` (kept float32): a rounding XLA may not elide."""
+    f = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(x, exponent_bits=f.nexp, mantissa_bits=f.nmant)
 
 
 def _pow2(v) -> bool:
@@ -308,25 +352,25 @@ def default_config(t: int, k: int, n_exp: int, d: int, i: int, itemsize: int = 2
                      num_warps=8 if big else 4, num_stages=3 if big else 4)
 
 
-def _fp8_kernel(kernel, n_in, scalar, i_off, shift, packed, *refs, **kw):
+def _fp8_kernel(kernel, n_in, scalar, i_off, shift, packed, act, *refs, **kw):
     """`kernel` with FP8 block scales: refs are [offset (when `i_off` is None: traced)], the `n_in` inputs of the
     bf16 kernel, its scale grids, then its outputs; the scale grids go to `kernel` as `fp8=_Fp8Scales(...)`."""
     refs = list(refs)
     off = refs.pop(0)[0] if i_off is None else i_off
     n_scales = len(refs) - n_in - (2 if kernel is _up_partial_kernel else 1)
-    fp8 = _Fp8Scales(tuple(refs[n_in:n_in + n_scales]), off, scalar, packed)
+    fp8 = _Fp8Scales(tuple(refs[n_in:n_in + n_scales]), off, scalar, packed, act)
     if kernel is _down_kernel:
         kw["shift"] = shift
     return kernel(*refs[:n_in], *refs[n_in + n_scales:], fp8=fp8, **kw)
 
 
-def _fp8_launch(kernel, i_offset, scales, in_specs, inputs, *, scalar, shift, packed=False):
+def _fp8_launch(kernel, i_offset, scales, in_specs, inputs, *, scalar, shift, packed=False, act=False):
     """(kernel, in_specs, inputs) with the FP8 scale grids (and a traced offset) added; unchanged without FP8."""
     if scales is None:
         return kernel, in_specs, inputs
     traced = not isinstance(i_offset, int)
     wrapped = functools.partial(_fp8_kernel, kernel.func, len(inputs), scalar, None if traced else i_offset, shift,
-                                packed, **kernel.keywords)
+                                packed, act, **kernel.keywords)
     specs = list(in_specs) + [pl.BlockSpec(memory_space=pl.ANY)] * len(scales)
     args = list(inputs) + list(scales)
     if traced:
@@ -336,7 +380,8 @@ def _fp8_launch(kernel, i_offset, scales, in_specs, inputs, *, scalar, shift, pa
 
 
 def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None = None, interpret: bool = False,
-                   wg_scale=None, wu_scale=None, wd_scale=None, i_offset=0, packed: bool | None = None, **overrides):
+                   wg_scale=None, wu_scale=None, wd_scale=None, i_offset=0, packed: bool | None = None,
+                   form: str = "w8a16", **overrides):
     """float32 [T, D]: the routed experts by the two grouped-GEMM kernels. `config` (default `default_config`
     for the shape); `overrides` replace fields of it by name (tile, bn_up, bk_up, bn_down, bk_down, num_warps,
     num_stages, k_split). `interpret`: run under the Pallas interpreter.
@@ -348,11 +393,27 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     scaled by its block's scale; K steps (bk_up, bk_down) must then be at most 128. `packed` (default: when an
     expert stack has 2**31 elements or more, e.g. GLM-5.2's 256 x 6144 x 2048 on one device) reads the e4m3
     weights as uint16 words of two columns (`_pair_block`: Pallas Triton's int32 offsets of arrays under 4 GiB
-    overflow past 2**31 elements); it needs widths the blocks divide and a shard on block boundaries."""
+    overflow past 2**31 elements); it needs widths the blocks divide and a shard on block boundaries.
+    `form` "w8a8" (FP8 experts whose widths are whole 128-blocks and whose shard starts on a block boundary):
+    the rows are quantised too (`fp8_formats.quantize_activation_blocks`: x before the up kernel, h between the
+    kernels, per row and 128-block) and both GEMMs run e4m3 x e4m3 on the fp8 tensor cores, each K step's float32
+    partial scaled by the row's and the weight block's scales (docs/math.md §11)."""
     t, k = experts.shape
     n_exp, d, i = wg.shape
     fp8 = wg_scale is not None
-    cfg = config or default_config(t, k, n_exp, d, i, jnp.dtype(x.dtype if fp8 else wg.dtype).itemsize)
+    if form not in ("w8a16", "w8a8"):
+        raise ValueError(f"moe triton: form {form!r} is not one of 'w8a16', 'w8a8'")
+    act = form == "w8a8"
+    if act and not (fp8 and isinstance(i_offset, int) and i_offset == 0 and d % FP8_BLOCK == 0
+                    and i % FP8_BLOCK == 0):
+        raise ValueError(f"moe triton: form 'w8a8' needs FP8 experts of whole 128-blocks starting on a block "
+                         f"boundary; got {wg.dtype} experts of {d} x {i} at i_offset {i_offset!r}")
+    out_dtype = x.dtype
+    x_scale = None
+    if act:
+        x, x_scale = quantize_activation_blocks(x)
+        x_scale = x_scale.T  # [D-blocks, T]: one contiguous row of scales per block
+    cfg = config or default_config(t, k, n_exp, d, i, jnp.dtype(out_dtype if fp8 else wg.dtype).itemsize)
     cfg = with_options(cfg, overrides, "moe")
     if fp8 and max(cfg.bk_up, cfg.bk_down) > FP8_BLOCK:
         raise ValueError(f"moe triton: FP8 experts need bk_up and bk_down <= {FP8_BLOCK} (one scale block per K "
@@ -385,19 +446,19 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     up_steps = _cdiv(d, cfg.bk_up)
     if up_steps % ks:
         raise ValueError(f"moe triton: k_split {ks} must be a power of two dividing D / bk_up = {up_steps}")
-    up_scales = (wg_scale, wu_scale) if fp8 else None
+    up_scales = ((wg_scale, wu_scale, x_scale) if act else (wg_scale, wu_scale)) if fp8 else None
     up_scalar = static_off and i_offset == 0 and bn <= FP8_BLOCK
     if ks == 1:
         kernel, specs, args = _fp8_launch(
             functools.partial(_up_kernel, k=k, bk=cfg.bk_up, steps=up_steps, interpret=interpret), i_offset,
             up_scales, tile_specs + [any_spec] * 3, (src, tile_expert, x, wg, wu), scalar=up_scalar, shift=0,
-            packed=packed)
+            packed=packed, act=act)
         h = pl.pallas_call(
             kernel,
             grid=(i_h // bn, n_tiles),
             in_specs=specs,
             out_specs=pl.BlockSpec((tile, bn), lambda n, m: (m, n)),
-            out_shape=jax.ShapeDtypeStruct((n_tiles * tile, i_h), x.dtype),
+            out_shape=jax.ShapeDtypeStruct((n_tiles * tile, i_h), out_dtype),
             compiler_params=params, interpret=interpret, name="moe_up",
         )(*args)
     else:
@@ -406,7 +467,7 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
             functools.partial(_up_partial_kernel, k=k, bk=cfg.bk_up, steps=up_steps // ks, interpret=interpret),
             i_offset, up_scales,
             [pl.BlockSpec((tile,), lambda n, m, c: (m,)), pl.BlockSpec((1,), lambda n, m, c: (m,))]
-            + [any_spec] * 3, (src, tile_expert, x, wg, wu), scalar=up_scalar, shift=0, packed=packed)
+            + [any_spec] * 3, (src, tile_expert, x, wg, wu), scalar=up_scalar, shift=0, packed=packed, act=act)
         g, u = pl.pallas_call(
             kernel,
             grid=(i_h // bn, n_tiles, ks),
@@ -415,21 +476,28 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
             out_shape=[part, part],
             compiler_params=params, interpret=interpret, name="moe_up_split_k",
         )(*args)
-        h = (jax.nn.silu(g.sum(0)) * u.sum(0)).astype(x.dtype)
+        h = jax.nn.silu(g.sum(0)) * u.sum(0)
+        if act:  # h is quantised from its out_dtype values: XLA may drop a convert pair inside the fusion
+            h = _round_to(h, out_dtype)  # (excess precision), so round explicitly, as the up kernel's store does
+        h = h.astype(out_dtype)
+    down_scales = (wd_scale,) if fp8 else None
+    if act:  # h rows of empty tiles hold garbage: their scales too, but no program reads those rows
+        h, h_scale = quantize_activation_blocks(h)
+        down_scales = (wd_scale, h_scale.T)
 
     bn, bk = cfg.bn_down, cfg.bk_down
     shift = (i_offset % bk if static_off else None) if fp8 else 0
     down_steps = _cdiv(i, bk) if shift == 0 else _cdiv((bk - 1 if shift is None else shift) + i, bk)
     kernel, specs, args = _fp8_launch(
         functools.partial(_down_kernel, bn=bn, bk=bk, steps=down_steps, interpret=interpret), i_offset,
-        (wd_scale,) if fp8 else None, tile_specs + [pl.BlockSpec((tile,), lambda n, m: (m,)), any_spec, any_spec],
-        (src, tile_expert, pair_w, h, wd), scalar=False, shift=shift, packed=packed)
+        down_scales, tile_specs + [pl.BlockSpec((tile,), lambda n, m: (m,)), any_spec, any_spec],
+        (src, tile_expert, pair_w, h, wd), scalar=False, shift=shift, packed=packed, act=act)
     y = pl.pallas_call(
         kernel,
         grid=(_cdiv(d, bn), n_tiles),
         in_specs=specs,
         out_specs=any_spec,
-        out_shape=jax.ShapeDtypeStruct((t * k, d), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((t * k, d), out_dtype),
         compiler_params=params, interpret=interpret, name="moe_down",
     )(*args)
     return y.astype(jnp.float32).reshape(t, k, d).sum(1)

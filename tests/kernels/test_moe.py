@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -235,7 +236,7 @@ def test_fp8_matches_oracle(impl, t, k, n_exp, d, i, i_off, options):
     """FP8 experts in float32 rows: every impl within float32 rounding of the float64 oracle over the
     dequantised weights (a wrong block index, scale or offset is O(1)); the kernel impl runs the kernels."""
     args, scales, deq = _fp8_inputs(t, k, n_exp, d, i, i_off, seed=t + i + i_off)
-    opts = options if impl != "xla" else {}
+    opts = dict(options, form="w8a16") if impl != "xla" else {}  # the W8A16 kernels (fp8_form may pick W8A8)
     got = _run(impl, args, **scales, **opts)
     assert got.shape == (t, d) and got.dtype == jnp.float32
     assert _rel(got, _oracle(args[0], args[1], args[2], *deq)) < 2e-6
@@ -252,7 +253,7 @@ def test_fp8_xla_forms(mode):
 def test_fp8_bf16_rows(kernel_impl):
     """bf16 rows (h stored in bf16 between the kernels): within bf16 rounding of the oracle."""
     args, scales, deq = _fp8_inputs(24, 4, 8, 256, 128, 0, seed=7, dtype=jnp.bfloat16)
-    got = moe.routed_experts(*args, impl=kernel_impl, **scales)
+    got = moe.routed_experts(*args, impl=kernel_impl, form="w8a16", **scales)
     assert _rel(got, _oracle(args[0], args[1], args[2], *deq)) < 2e-2
 
 
@@ -262,11 +263,91 @@ def test_fp8_packed_words(kernel_impl, t, options):
     elements, whose int32 offsets would overflow), forced on a small stack: the same oracle, split-K and
     128-row tiles included."""
     args, scales, deq = _fp8_inputs(t, 4, 8, 256, 128, 0, seed=11 + t, dtype=jnp.bfloat16)
-    got = moe.routed_experts(*args, impl=kernel_impl, packed=True, **scales, **options)
+    got = moe.routed_experts(*args, impl=kernel_impl, packed=True, form="w8a16", **scales, **options)
     assert _rel(got, _oracle(args[0], args[1], args[2], *deq)) < 2e-2
     with pytest.raises(ValueError, match="need the blocks to divide the widths"):
         bad, bad_scales, _ = _fp8_inputs(3, 2, 4, 130, 40, 0, seed=0)
         moe.routed_experts(*bad, impl=kernel_impl, packed=True, **bad_scales)
+
+
+def _np_quantize_rows(a):
+    """numpy float64 of W8A8's activation quantisation (docs/math.md §11), independent of kernels.fp8_formats:
+    per row and 128-column block s = max(amax / 448, FLT_MIN) (float32), q = e4m3(a / s) (float32 IEEE division,
+    round to nearest even by ml_dtypes). Returns (decoded q as float64, s as float64 [rows, blocks])."""
+    a = np.asarray(a, np.float32)
+    rows, cols = a.shape
+    blk = a.reshape(rows, cols // 128, 128)
+    s = np.maximum(np.abs(blk).max(-1) / np.float32(448), np.float32(1.1754944e-38)).astype(np.float32)
+    q = (blk / s[..., None]).astype(ml_dtypes.float8_e4m3fn).astype(np.float64).reshape(rows, cols)
+    return q, s.astype(np.float64)
+
+
+def _oracle_w8a8(x, experts, weights, qg, qu, qd, sg, su, sd, h_dtype):
+    """float64 numpy of the W8A8 routed experts: x and h quantised per row and 128-block, each 128-K partial of
+    the e4m3 products scaled by the row's and the weight block's scales; h rounded to `h_dtype` first (the
+    kernels store it in the rows' dtype between the two GEMMs). Decodes only the experts the rows use."""
+    dec = lambda q: np.asarray(jnp.asarray(q).astype(jnp.float32), np.float64)  # noqa: E731 (e4m3 -> exact)
+    xq, xs = _np_quantize_rows(np.asarray(jnp.asarray(x).astype(jnp.float32)))
+    experts = np.asarray(experts)
+
+    def gemm(aq, as_, wq, ws):  # rows [R, K] x weight [K, N], 128-K partials each scaled
+        out = np.zeros((aq.shape[0], wq.shape[1]))
+        for kb in range(wq.shape[0] // 128):
+            part = aq[:, kb * 128:(kb + 1) * 128] @ wq[kb * 128:(kb + 1) * 128]
+            out += part * as_[:, kb:kb + 1] * np.repeat(ws[kb], 128)[None, :wq.shape[1]]
+        return out
+
+    y = np.zeros((x.shape[0], qg.shape[1]))
+    for e in np.unique(experts):
+        rows, slot = np.nonzero(experts == e)
+        wg, wu, wd = dec(qg[e]), dec(qu[e]), dec(qd[e])
+        sge, sue, sde = (np.asarray(a[e], np.float64) for a in (sg, su, sd))
+        g, u = gemm(xq[rows], xs[rows], wg, sge), gemm(xq[rows], xs[rows], wu, sue)
+        h = np.asarray((g / (1 + np.exp(-g)) * u).astype(np.float32).astype(h_dtype), np.float32)
+        hq, hs = _np_quantize_rows(h)
+        y[rows] += np.asarray(weights, np.float64)[rows, slot][:, None] * gemm(hq, hs, wd, sde)
+    return y
+
+
+@pytest.mark.parametrize("t,options", [
+    (3, {}),
+    (24, {"packed": True}),                                  # uint16 words, fp8 operands from the two bytes
+    (5, {"k_split": 2}),                                     # split-K up projection
+    (40, {"tile": 64, "bn_up": 256, "bn_down": 256, "bk_up": 64, "bk_down": 64}),  # wide blocks, 64-K steps
+])
+def test_fp8_w8a8_matches_oracle(kernel_impl, t, options):
+    """form "w8a8": rows quantised per 128-block and e4m3 x e4m3 GEMMs, against a float64 oracle of that
+    arithmetic. W8A16 on the same inputs is ~3% away (the activation rounding), so the bound tells the forms
+    apart; a wrong activation scale or block index is O(1)."""
+    args, scales, deq = _fp8_inputs(t, 4, 8, 256, 256, 0, seed=21 + t, dtype=jnp.bfloat16)
+    want = _oracle_w8a8(*args, scales["wg_scale"], scales["wu_scale"], scales["wd_scale"], ml_dtypes.bfloat16)
+    got = _run(kernel_impl, args, form="w8a8", **scales, **options)
+    assert _rel(got, want) < 2e-3
+    w8a16 = _run(kernel_impl, args, form="w8a16", **scales)
+    assert _rel(w8a16, want) > 1e-2  # the oracle is W8A8's, not W8A16's
+    with pytest.raises(ValueError, match="form 'w8a8' needs FP8 experts of whole 128-blocks"):
+        bad, bad_scales, _ = _fp8_inputs(3, 2, 4, 130, 40, 0, seed=0)
+        moe.routed_experts(*bad, impl=kernel_impl, form="w8a8", **bad_scales)
+
+
+def test_fp8_form_dispatch(kernel_impl):
+    """The default FP8 form by shape (`moe.fp8_form`): W8A8 for decode tiles of whole blocks (the W8A8 oracle),
+    the bf16 kernels over dequantised experts for prefill tiles (the float64 oracle of the dequantised weights,
+    within bf16 rounding), W8A16 for ragged widths; an unknown form is an error naming it."""
+    assert moe.fp8_form(32, 8, 256, 6144, 2048, 0) == "w8a8"
+    assert moe.fp8_form(8192, 8, 256, 6144, 2048, 0) == "dequant"
+    assert moe.fp8_form(32, 8, 256, 6144, 2048, 64) == moe.fp8_form(32, 8, 256, 6144, 200, 0) == "w8a16"
+    args, scales, deq = _fp8_inputs(5, 4, 8, 256, 256, 0, seed=5, dtype=jnp.bfloat16)
+    want = _oracle_w8a8(*args, scales["wg_scale"], scales["wu_scale"], scales["wd_scale"], ml_dtypes.bfloat16)
+    assert _rel(moe.routed_experts(*args, impl=kernel_impl, **scales), want) < 5e-3
+    args, scales, deq = _fp8_inputs(80, 4, 8, 256, 256, 0, seed=6, dtype=jnp.bfloat16)  # 40 rows per expert
+    assert moe.fp8_form(80, 4, 8, 256, 256, 0) == "dequant"
+    got = moe.routed_experts(*args, impl=kernel_impl, **scales)
+    assert _rel(got, _oracle(args[0], args[1], args[2], *deq)) < 1e-2
+    jaxpr = str(jax.make_jaxpr(functools.partial(moe.routed_experts, impl=kernel_impl, **scales))(*args))
+    assert "float8_e4m3fn" not in jaxpr.split("pallas_call")[1]  # the kernels see bf16 weights
+    with pytest.raises(ValueError, match="form 'w4a4' is not one of"):
+        moe.routed_experts(*args, impl=kernel_impl, form="w4a4", **scales)
 
 
 def test_fp8_traced_offset(kernel_impl):
@@ -296,8 +377,9 @@ def test_fp8_bad_inputs_are_named():
         moe.routed_experts(*args, impl="triton_interpret", bk_up=256, **scales)
 
 
+@pytest.mark.parametrize("form", ["w8a16", "w8a8"])
 @pytest.mark.parametrize("t", [1, 32, 4096])
-def test_fp8_full_width_stack_lowers_as_packed_words(t):
+def test_fp8_full_width_stack_lowers_as_packed_words(t, form):
     """GLM-5.2's whole expert stack on one device (256 x 6144 x 2048 e4m3, 3.2 GB: past 2**31 elements) takes the
     uint16-word form by default and lowers, decode and prefill (split-K included)."""
     s = jax.ShapeDtypeStruct
@@ -307,7 +389,7 @@ def test_fp8_full_width_stack_lowers_as_packed_words(t):
             s((256, 48, 16), jnp.float32), s((256, 48, 16), jnp.float32), s((256, 16, 48), jnp.float32))
 
     def fn(x, e, w, g, u, d, sg, su, sd):
-        return moe_triton.grouped_swiglu(x, e, w, g, u, d, wg_scale=sg, wu_scale=su, wd_scale=sd)
+        return moe_triton.grouped_swiglu(x, e, w, g, u, d, wg_scale=sg, wu_scale=su, wd_scale=sd, form=form)
     text = lower_for_gpu(fn, *args)
     assert "ui16" in text or "u16" in text  # the words the kernels read
     assert {c.name for c in triton_calls(text)} >= {"moe_down"}
@@ -351,8 +433,13 @@ def test_gpu_fp8_glm52_widths(kernel_impl, t):
     experts = jnp.asarray(np.stack([rng.choice(pool, k, replace=False) for _ in range(t)]), jnp.int32)
     w = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
     x = jax.random.normal(keys[5], (t, d), jnp.bfloat16)
-    got = jax.jit(functools.partial(moe.routed_experts, impl=kernel_impl))(
-        x, experts, w, *qs, wg_scale=ss[0], wu_scale=ss[1], wd_scale=ss[2])
+    def run(**form):
+        return jax.jit(functools.partial(moe.routed_experts, impl=kernel_impl, **form))(
+            x, experts, w, *qs, wg_scale=ss[0], wu_scale=ss[1], wd_scale=ss[2])
+
+    want_w8a8 = _oracle_w8a8(x, experts, w, *qs, *ss, ml_dtypes.bfloat16)
+    assert _rel(run(), want_w8a8) < 5e-3  # fp8_form's pick at decode; the output is stored in bf16: ~2e-3 off
+    got = run(form="w8a16")
     want = np.zeros((t, d))
     xf = np.asarray(x.astype(jnp.float32), np.float64)
     for e in np.unique(np.asarray(experts)):
