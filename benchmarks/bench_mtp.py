@@ -1,12 +1,21 @@
 """MTP speculative decoding (docs/math.md §12): the cost of a draft + verify step against a plain decode step, and
 tokens/s at batch 1, with random weights (a preset plus a random nextn layer) and caches filled with random rows.
 
-1. Step cost at each batch B and draft count k: one plain decode step (B rows, sampling included) and one
-   speculative step (B x (k + 1) verify rows, acceptance, the nextn layer over those rows and k - 1 chained draft
-   rows), each the median of timed calls with the caches donated from call to call.
+1. Step cost at each batch B and draft count k, every row a distinct random token (as `bench_engine`'s decode
+   rows: a MoE step reads the weights of the experts its rows route to, so identical rows would read 8 experts
+   whatever B is):
+   - plain: one decode step of B rows (sampling included), as the plain serving loop runs it (consecutive
+     calls blocked once at the end: the loop overlaps a step's dispatch with the previous one's execution);
+   - verify: the same plain step over the speculative step's B x (k + 1) rows [x, d_1 .. d_k] (the target's
+     share of a speculative step: more rows route to more experts in every MoE layer);
+   - draft + verify: the speculative step (verify, acceptance, the nextn layer over every row, k - 1 chained
+     draft rows), timed the same way (device cost), and as a synchronous turn (each call blocked and its results
+     read back: a speculative turn waits for its accepted counts before planning the next). draft = spec - verify.
 2. Tokens/s at B = 1: a plain generate, and a speculative generate fed oracle drafts (the plain run's own greedy
-   continuation: every draft accepted, the upper bound k + 1 tokens per step); and, from the measured B = 1 step
-   times, tokens/s projected for mean accepted lengths 1.6 / 2.5 / 3.5 (L tokens per speculative step).
+   continuation: every draft accepted, the upper bound k + 1 tokens per step); and tokens/s projected for mean
+   accepted lengths 1.6 / 2.5 / 3.5 (L tokens per turn: L / turn time; only L <= k + 1 is possible).
+
+One engine serves every k (the nextn layer's state is swapped per k), so the plain shapes compile once.
 
     python -m glm_dsa bench --num-speculative-tokens 1,3,5 [--preset bench --decode-batches 1,8,32 ...]
     PYTHONPATH=. python3 benchmarks/bench_mtp.py --help
@@ -26,9 +35,12 @@ from glm_dsa.engine import Engine, pack_step_inputs
 from glm_dsa.init import init_params
 from glm_dsa.mtp import init_mtp_params
 from glm_dsa.paged_cache import pages_needed
+from glm_dsa.spec_engine import SpecDecoder
 from sharding import ParallelConfig
 
 PROJECTED_LENGTHS = (1.6, 2.5, 3.5)
+#: pipelined timing (the plain loop's way, and the device cost of a step): samples of consecutive calls
+PIPELINED = dict(warmup=2, reps=5, calls_per_rep=4)
 
 
 def _fill_random(tree, key):
@@ -47,82 +59,144 @@ def _tables(eng: Engine, b: int, pp: int) -> None:
     eng._tables = jax.device_put(t, eng._tables.sharding)
 
 
-def step_times(eng: Engine, b: int, ctx: int, k: int, rng) -> tuple[float, float]:
-    """(plain decode step seconds, speculative step seconds) at batch b, context ctx, k drafts, greedy."""
-    s, vocab = eng.max_num_seqs, eng.config.vocab_size
-    pp = pages_needed(ctx + 2 * k + 2, eng.block_size, eng.parallel.dcp, eng.parallel.interleave)
-    _tables(eng, b, pp)
-    nr = eng._n_out
-    plan_rows = np.full(nr, s, np.int32)
-    plan_rows[:b] = np.arange(b)
-    resets = np.zeros(s + 1, np.int32)
-    width = eng.pages_per_seq
+def _bucket16(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
 
-    # plain: one row per request at position ctx - 1, sampled greedily
-    t = max(16, 1 << (b - 1).bit_length())
-    rows = np.zeros((4, t), np.int32)
-    rows[1:, b:] = -1
-    rows[2, b:] = 0
-    rows[0, :b], rows[1, :b], rows[2, :b] = rng.integers(0, vocab, b), ctx - 1, np.arange(b)
-    upd = np.full((3, t), s + 1, np.int32)
-    su = np.zeros((5, nr), np.uint32)
-    su[0, :b] = np.arange(b)
-    sf = np.zeros((2, nr), np.float32)
-    sf[1] = 1.0
-    prev = jax.device_put(np.zeros(nr, np.int32), eng._tables.sharding)
 
-    def plain():
-        buffers, sizes = pack_step_inputs(rows, plan_rows, upd, resets, su, sf)
-        out, eng.caches, eng._tables = eng._serve_step(eng.params, eng.caches, eng._tables, *buffers, prev,
-                                                       width=width, greedy=True, sizes=sizes)
-        return out
+def plain_rows(token, pos, req) -> np.ndarray:
+    """int32 [4, T] rows of a plain step (`engine._serve_step`): the given tokens, positions and requests, src -1
+    (every token from the host: src >= 0 would read the previous step's id instead, the same for every row);
+    padding rows to the bucket: token 0, position -1 (write nothing), request 0, src -1."""
+    n = len(token)
+    rows = np.zeros((4, _bucket16(n)), np.int32)
+    rows[1:, n:] = -1
+    rows[2, n:] = 0
+    rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n] = token, pos, req, -1
+    return rows
 
-    # speculative: rows [x, d_1 .. d_k] per request at positions ctx - 1 .., every draft verified
+
+def spec_inputs(b: int, k: int, ctx: int, pp: int, nr: int, s: int, vocab: int, rng) -> tuple:
+    """The host arrays of a greedy speculative step (`speculative.spec_serve_step`, less the block-table ones) for
+    b requests at context ctx, each verifying k drafts (distinct random tokens): (rows, vrows, gmeta, su, sf)."""
     n = b * (k + 1)
-    t = max(16, 1 << (n - 1).bit_length())
-    srows = np.zeros((4, t), np.int32)
-    srows[1, n:] = -1
-    srows[3] = -1
-    srows[0, :n] = rng.integers(0, vocab, n)
-    srows[1, :n] = ctx - 1 + np.tile(np.arange(k + 1), b)
-    srows[2, :n] = np.repeat(np.arange(b), k + 1)
-    supd = np.full((3, t), s + 1, np.int32)
+    rows = np.zeros((4, _bucket16(n)), np.int32)
+    rows[1, n:] = -1
+    rows[3] = -1
+    rows[0, :n] = rng.integers(0, vocab, n)
+    rows[1, :n] = ctx - 1 + np.tile(np.arange(k + 1), b)
+    rows[2, :n] = np.repeat(np.arange(b), k + 1)
     vrows = np.full((nr, k + 1), -1, np.int32)
     vrows[:b] = np.arange(n).reshape(b, k + 1)
     gmeta = np.zeros((3, nr), np.int32)
     gmeta[:, :b] = np.stack([np.full(b, k), np.arange(b), np.full(b, pp)])
     gmeta[1, b:] = s
-    gsu = np.zeros((4, nr), np.uint32)
-    gsf = np.zeros((2, nr), np.float32)
-    gsf[1] = 1.0
+    su = np.zeros((4, nr), np.uint32)
+    sf = np.zeros((2, nr), np.float32)
+    sf[1] = 1.0
+    return rows, vrows, gmeta, su, sf
+
+
+def step_times(eng: Engine, b: int, ctx: int, k: int, rng) -> dict:
+    """Milliseconds of the plain step over the speculative step's rows ("verify_ms"), of the speculative step
+    pipelined ("spec_ms") and as a synchronous turn ("turn_ms"), at batch b, context ctx, k drafts, greedy."""
+    s, vocab, nr, width = eng.max_num_seqs, eng.config.vocab_size, eng._n_out, eng.pages_per_seq
+    pp = pages_needed(ctx + 2 * k + 2, eng.block_size, eng.parallel.dcp, eng.parallel.interleave)
+    _tables(eng, b, pp)
+    plan_rows = np.full(nr, s, np.int32)
+    plan_rows[:b] = np.arange(b)
+    resets = np.zeros(s + 1, np.int32)
+    rows, vrows, gmeta, su, sf = spec_inputs(b, k, ctx, pp, nr, s, vocab, rng)
+    n = b * (k + 1)
+    upd = np.full((3, rows.shape[1]), s + 1, np.int32)
+    arrays = (rows, plan_rows, upd, resets, vrows, gmeta, su, sf)
     spec = eng.spec
 
     def speculative():
-        out, eng.caches, spec.caches, eng._tables, spec.draft_probs = spec._step(
-            eng.params, spec.mtp_params, eng.caches, spec.caches, eng._tables, spec.draft_probs, srows, plan_rows,
-            supd, resets, vrows, gmeta, gsu, gsf, width=width, greedy=True)
+        return spec.launch(arrays, width=width, greedy=True)
+
+    # the target alone over the same rows: each request samples its last row
+    vsu = np.zeros((5, nr), np.uint32)
+    vsu[0, :b] = vrows[:b, k]
+    verify = _plain_call(eng, plain_rows(rows[0, :n], rows[1, :n], rows[2, :n]), plan_rows, resets, vsu)
+    return {"verify_ms": 1e3 * median_seconds(verify, **PIPELINED),
+            "spec_ms": 1e3 * median_seconds(speculative, **PIPELINED),
+            "turn_ms": 1e3 * median_seconds(lambda: np.asarray(speculative()), warmup=1, reps=10)}
+
+
+def _plain_call(eng: Engine, rows, plan_rows, resets, su):
+    """A call of the engine's compiled plain step (`engine._serve_step`, greedy) on these inputs."""
+    nr = len(plan_rows)
+    sf = np.zeros((2, nr), np.float32)
+    sf[1] = 1.0
+    upd = np.full((3, rows.shape[1]), eng.max_num_seqs + 1, np.int32)
+    prev = jax.device_put(np.zeros(nr, np.int32), eng._tables.sharding)
+
+    def call():
+        buffers, sizes = pack_step_inputs(rows, plan_rows, upd, resets, su, sf)
+        out, eng.caches, eng._tables = eng._serve_step(eng.params, eng.caches, eng._tables, *buffers, prev,
+                                                       width=eng.pages_per_seq, greedy=True, sizes=sizes)
         return out
+    return call
 
-    return median_seconds(plain, warmup=2, reps=10), median_seconds(speculative, warmup=2, reps=10)
+
+def plain_step_ms(eng: Engine, b: int, ctx: int, rng) -> float:
+    """Milliseconds of one plain decode step of b rows (distinct random tokens at position ctx - 1), pipelined."""
+    s, nr = eng.max_num_seqs, eng._n_out
+    _tables(eng, b, pages_needed(ctx + 1, eng.block_size, eng.parallel.dcp, eng.parallel.interleave))
+    plan_rows = np.full(nr, s, np.int32)
+    plan_rows[:b] = np.arange(b)
+    su = np.zeros((5, nr), np.uint32)
+    su[0, :b] = np.arange(b)
+    rows = plain_rows(rng.integers(0, eng.config.vocab_size, b), np.full(b, ctx - 1), np.arange(b))
+    return 1e3 * median_seconds(_plain_call(eng, rows, plan_rows, np.zeros(s + 1, np.int32), su), **PIPELINED)
 
 
-def oracle_tokens_per_s(eng: Engine, prompt_len: int, new: int, rng) -> tuple[float, float, dict]:
-    """(plain tokens/s, oracle-draft speculative tokens/s, its acceptance summary) of one greedy request."""
-    prompt = [rng.integers(2, eng.config.vocab_size, prompt_len).tolist()]
-    spec, eng.spec = eng.spec, None  # the plain loop first: the same engine, same caches, no drafts
-    eng.scheduler.lookahead = 0
-    eng.generate(prompt, max_new_tokens=2, stop_token_ids=[])  # compile
-    ref = eng.generate(prompt, max_new_tokens=new, stop_token_ids=[])[0]
-    plain = new / (eng.last_timings["decode_s"] + eng.last_timings["prefill_s"])
-    eng.spec, eng.scheduler.lookahead = spec, spec.k
+def use_drafts(eng: Engine, mtp_params, k: int) -> None:
+    """Make `eng` draft k tokens per step (a fresh nextn-layer state; its caches filled with random rows)."""
+    if eng.spec is None or eng.spec.k != k:
+        eng.spec = None  # the previous state's caches go first
+        eng.spec = SpecDecoder(eng, mtp_params, k)
+        eng.spec.caches = _fill_random(eng.spec.caches, jax.random.key(2))
+    eng.num_speculative_tokens = eng.scheduler.lookahead = k
+
+
+def plain_tokens_per_s(eng: Engine, prompt: list[int], new: int) -> tuple[float, list[int]]:
+    """(tokens/s, the tokens) of a plain greedy generate of one request (after a compiling run)."""
+    spec, eng.spec = eng.spec, None
+    lookahead, eng.scheduler.lookahead = eng.scheduler.lookahead, 0
+    try:
+        eng.generate([prompt], max_new_tokens=2, stop_token_ids=[])  # compile
+        ref = eng.generate([prompt], max_new_tokens=new, stop_token_ids=[])[0]
+    finally:
+        eng.spec, eng.scheduler.lookahead = spec, lookahead
+    return new / (eng.last_timings["decode_s"] + eng.last_timings["prefill_s"]), ref
+
+
+def oracle_tokens_per_s(eng: Engine, prompt: list[int], ref: list[int]) -> tuple[float, dict]:
+    """(tokens/s, timings with the acceptance summary) of a speculative greedy generate of one request fed oracle
+    drafts (`ref`, the plain continuation: every draft accepted); the tokens must equal `ref`."""
+    spec, new = eng.spec, len(ref)
     spec.oracle = lambda r: ref[len(r.output): len(r.output) + spec.k]
-    eng.generate(prompt, max_new_tokens=new, stop_token_ids=[])  # compile every shape the run takes
-    got = eng.generate(prompt, max_new_tokens=new, stop_token_ids=[])[0]
-    spec.oracle = None
+    try:
+        eng.generate([prompt], max_new_tokens=new, stop_token_ids=[])  # compile every shape the run takes
+        got = eng.generate([prompt], max_new_tokens=new, stop_token_ids=[])[0]
+    finally:
+        spec.oracle = None
     if got != ref:
         raise RuntimeError("oracle-draft speculative decoding changed the greedy tokens")
     t = eng.last_timings
-    return plain, new / (t["decode_s"] + t["prefill_s"]), t
+    return new / (t["decode_s"] + t["prefill_s"]), t
+
+
+def projections(turn_s: float, plain_s: float, k: int) -> dict:
+    """Tokens/s at B = 1 for each mean accepted length L of PROJECTED_LENGTHS (L / turn seconds) and its speed-up
+    over plain decode; None where L > k + 1 (more than k drafts plus one cannot be accepted)."""
+    out = {}
+    for length in PROJECTED_LENGTHS:
+        ok = length <= k + 1
+        out[f"projected_tok_s_L{length}"] = length / turn_s if ok else None
+        out[f"projected_speedup_L{length}"] = length * plain_s / turn_s if ok else None
+    return out
 
 
 def run(args, log=print) -> dict:
@@ -140,40 +214,45 @@ def run(args, log=print) -> dict:
                          quantization=getattr(args, "quantization", None))  # the target model; MTP stays as drawn
     mtp = init_mtp_params(cfg, seed=args.seed + 1, dtype=args.dtype, parallel=par)
     impl = args.impls.split(",")[0] if args.impls else None
-    rows, res = [], {"preset": args.preset, "context": ctx, "impl": impl}
-    plain_b1 = {}
+    res = {"preset": args.preset, "context": ctx, "impl": impl}
+    length = max(ctx, args.input_len) + 2 * max(ks) + 2 + args.output_len
+    eng = Engine(cfg, params, parallel=par, dtype=args.dtype, max_model_len=length, max_num_seqs=max(batches),
+                 impl=impl, num_speculative_tokens=max(ks), mtp_params=mtp,
+                 num_pages=max(batches) * pages_needed(length, 16, par.dcp) + 1)
+    eng.caches = _fill_random(eng.caches, jax.random.key(1))
+    plain = {b: plain_step_ms(eng, b, ctx, rng) for b in batches}
+    for b in batches:
+        log(f"B={b:3d}: plain decode step {plain[b]:8.3f} ms")
+    e2e = 1 in batches and not args.no_end_to_end
+    if e2e:
+        prompt = rng.integers(2, cfg.vocab_size, args.input_len).tolist()
+        plain_tps, ref = plain_tokens_per_s(eng, prompt, args.output_len)
+        log(f"B=1: generate {args.output_len} tokens: plain {plain_tps:.1f} tok/s")
+    rows = []
     for k in ks:
-        length = max(ctx, args.input_len) + 2 * k + 2 + args.output_len
-        eng = Engine(cfg, params, parallel=par, dtype=args.dtype, max_model_len=length, max_num_seqs=max(batches),
-                     impl=impl, num_speculative_tokens=k, mtp_params=mtp,
-                     num_pages=max(batches) * pages_needed(length, 16, par.dcp) + 1)
-        eng.caches = _fill_random(eng.caches, jax.random.key(1))
-        eng.spec.caches = _fill_random(eng.spec.caches, jax.random.key(2))
+        use_drafts(eng, mtp, k)
         for b in batches:
-            plain_s, spec_s = step_times(eng, b, ctx, k, rng)
-            row = {"B": b, "k": k, "plain_ms": 1e3 * plain_s, "spec_ms": 1e3 * spec_s, "ratio": spec_s / plain_s,
-                   "break_even_length": spec_s / plain_s}
-            log(f"B={b:3d} k={k}: plain decode {row['plain_ms']:8.3f} ms, draft+verify {row['spec_ms']:8.3f} ms "
-                f"({row['ratio']:.2f}x: pays off above {row['ratio']:.2f} tokens per step)")
-            rows.append(row)
+            row = {"B": b, "k": k, "plain_ms": plain[b], **step_times(eng, b, ctx, k, rng)}
+            row["draft_ms"] = row["spec_ms"] - row["verify_ms"]
+            row["ratio"] = row["spec_ms"] / plain[b]
+            row["turn_ratio"] = row["turn_ms"] / plain[b]  # the mean accepted length a turn must reach to pay off
+            line = (f"B={b:3d} k={k}: plain {plain[b]:8.3f} ms | verify {row['verify_ms']:8.3f} + draft "
+                    f"{row['draft_ms']:7.3f} = draft+verify {row['spec_ms']:8.3f} ms ({row['ratio']:.2f}x plain) | "
+                    f"synchronous turn {row['turn_ms']:8.3f} ms ({row['turn_ratio']:.2f}x)")
             if b == 1:
-                plain_b1[k] = (plain_s, spec_s)
-                for length in PROJECTED_LENGTHS:
-                    if length <= k + 1:
-                        row[f"projected_tok_s_L{length}"] = length / spec_s
-        if 1 in batches and not args.no_end_to_end:
-            eng.caches = _fill_random(eng.caches, jax.random.key(3))  # the step timing's tables are replaced
-            plain_tps, oracle_tps, t = oracle_tokens_per_s(eng, args.input_len, args.output_len, rng)
-            r = {"B": 1, "k": k, "plain_tok_s": plain_tps, "oracle_tok_s": oracle_tps,
-                 "oracle_mean_accepted_length": t["spec_mean_accepted_length"]}
-            log(f"B=1 k={k}: generate {args.output_len} tokens: plain {plain_tps:.1f} tok/s, oracle drafts "
-                f"{oracle_tps:.1f} tok/s (mean accepted length {t['spec_mean_accepted_length']:.2f})")
-            rows.append(r)
-        del eng
-    for k, (plain_s, spec_s) in plain_b1.items():
-        proj = ", ".join(f"L={x}: {x / spec_s:.1f} tok/s ({x * plain_s / spec_s:.2f}x)"
-                         for x in PROJECTED_LENGTHS if x <= k + 1)
-        log(f"B=1 k={k}: plain {1 / plain_s:.1f} tok/s; projected {proj}")
+                row.update(projections(1e-3 * row["turn_ms"], 1e-3 * plain[b], k))
+                line += "\n      projected at B=1: " + ", ".join(
+                    f"L={x}: " + (f"{row[f'projected_tok_s_L{x}']:.1f} tok/s ({row[f'projected_speedup_L{x}']:.2f}x)"
+                                  if row[f"projected_tok_s_L{x}"] is not None else "n/a (> k + 1)")
+                    for x in PROJECTED_LENGTHS) + f"; plain {1e3 / plain[b]:.1f} tok/s"
+            if b == 1 and e2e:
+                oracle_tps, t = oracle_tokens_per_s(eng, prompt, ref)
+                row.update(plain_tok_s=plain_tps, oracle_tok_s=oracle_tps,
+                           oracle_mean_accepted_length=t["spec_mean_accepted_length"])
+                line += (f"\n      generate {args.output_len} tokens: plain {plain_tps:.1f} tok/s, oracle drafts "
+                         f"{oracle_tps:.1f} tok/s (mean accepted length {t['spec_mean_accepted_length']:.2f})")
+            log(line)
+            rows.append(row)
     res["rows"] = rows
     return res
 

@@ -26,7 +26,7 @@ from sharding import cache_spec
 from .mtp import allocate_mtp_caches
 from .paged_cache import cache_dtype
 from .scheduler import Request, StepPlan
-from .speculative import spec_serve_step
+from .speculative import pack_spec_inputs, spec_serve_step_packed
 
 
 class SpecDecoder:
@@ -45,9 +45,11 @@ class SpecDecoder:
         self.draft_probs = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=replicated)()
         shardings = (replicated, jax.tree.map(lambda c: c.sharding, eng.caches),
                      jax.tree.map(lambda c: c.sharding, self.caches), replicated, replicated)
-        self._step = jax.jit(functools.partial(spec_serve_step, config=cfg, parallel=eng.parallel, impl=eng.impl, k=k,
-                                               block_size=eng.block_size),
-                             static_argnames=("width", "greedy"), donate_argnums=(2, 3, 4, 5),
+        # one executable per (rows, requests, width, greedy) bucket: the accepted counts move positions and tokens,
+        # never shapes, so turns with different acceptance reuse it (tests/glm_dsa/test_mtp_turn.py)
+        self._step = jax.jit(functools.partial(spec_serve_step_packed, config=cfg, parallel=eng.parallel,
+                                               impl=eng.impl, k=k, block_size=eng.block_size),
+                             static_argnames=("width", "greedy", "sizes"), donate_argnums=(2, 3, 4, 5),
                              out_shardings=shardings)
         # acceptance statistics since the engine was made
         self.steps = 0  # speculative steps run
@@ -119,19 +121,27 @@ class SpecDecoder:
         if g > nr:
             raise RuntimeError(f"a step samples {g} rows, more than its {nr} groups")
         arrays = (row_arr, plan_rows, upd, resets, vrows, gmeta, su, sf)
-        nbytes = sum(a.nbytes for a in arrays)
-        eng.stats.h2d_bytes += nbytes
-        eng.stats.last_h2d_bytes = nbytes
         greedy = all(r.params.greedy for r in plan.sample_reqs)
         if eng._dry is not None:  # warmup: a shape seen already is not run (its results: nothing accepted)
             shape = (t, nr, width, greedy)
             if shape in eng._dry:
                 return np.zeros((nr, 2 * k + 2), np.int32)
             eng._dry.add(shape)
+        return np.asarray(self.launch(arrays, width=width, greedy=greedy))
+
+    def launch(self, arrays: tuple, *, width: int, greedy: bool):
+        """Send one step's host inputs (`speculative.spec_serve_step`'s eight arrays, packed into two transfers)
+        and launch it; returns its device results int32 [G, 2k + 2] (the caches, tables and draft distributions
+        are replaced in place). Benchmarks call this with inputs they build."""
+        eng = self.eng
+        buffers, sizes = pack_spec_inputs(*arrays)
+        nbytes = sum(a.nbytes for a in buffers)
+        eng.stats.h2d_bytes += nbytes
+        eng.stats.last_h2d_bytes = nbytes
         out, eng.caches, self.caches, eng._tables, self.draft_probs = self._step(
-            eng.params, self.mtp_params, eng.caches, self.caches, eng._tables, self.draft_probs, *arrays, width=width,
-            greedy=greedy)
-        return np.asarray(out)
+            eng.params, self.mtp_params, eng.caches, self.caches, eng._tables, self.draft_probs, *buffers,
+            width=width, greedy=greedy, sizes=sizes)
+        return out
 
     def turn(self, plan: StepPlan | None, t0: float) -> bool:
         """One synchronous serving turn for `Engine.step` (the plan already made at `t0`): run it, emit each
