@@ -3,16 +3,31 @@ by the continuous-batching engine loop, against the static-group baseline on the
 max_num_seqs requests, a group admitted only when the previous one has finished, as `generate` ran before
 continuous batching). Random weights of a preset, token ids drawn from the model's vocabulary, EOS ignored.
 
-Reports per mode: output tokens/s, TTFT and TPOT p50/p99 (from each request's arrival), steps, preemptions, host
-time per step against the step's wall time; and, with --host-overhead-batches, the host overhead of decode-only
-steps at those concurrencies. "Host time" is the loop time of one `Engine.step` NOT spent waiting for the previous
-step's ids: from starting to plan step n+1 until step n+1 is launched and step n's ids are handed out, i.e. the
-host time between launching one step and being ready to launch the next. It is split into build (planning and
-the numpy inputs), launch (the jitted call: transfers and dispatch; a launch that blocks on the device shows up
-here, not as waiting) and process (the previous step's ids to their requests). "Step" is the loop's wall time
-per step: with the host ahead of the device, the device's step time. --tp/--dcp pick the mesh
-(e.g. DCP=2 vs DCP=1 on two GPUs with --num-pages small enough that DCP=1 runs out of pages: DCP=2 holds twice
-the tokens in the same pages per rank).
+Reports per mode: output tokens/s, TTFT and TPOT p50/p99 (from each request's arrival), steps, preemptions,
+compiles inside the timed pass (should be 0: untimed passes of the same work and arrivals run first, until one
+compiles nothing), host time per step against the step's wall time. --tp/--dcp pick the mesh (e.g. DCP=2 vs
+DCP=1 on two GPUs with --num-pages small enough that DCP=1 runs out of pages: DCP=2 holds twice the tokens in the
+same pages per rank).
+
+Host overhead (--host-overhead-batches 1,32,128: B prompts of --host-overhead-input-len tokens, --output-len new
+tokens each). The loop (`Engine.step`) plans and launches step n+1, then reads step n's ids and hands them out, so
+the host's work on step n+1 runs while the device runs step n: host work that ends before the device's step costs
+nothing. The overhead is therefore the time the DEVICE SITS IDLE between steps, not the host's busy time:
+
+    idle_ms = step_ms - device_step_ms        (per decode step; idle_fraction = idle_ms / step_ms, goal <= 5%)
+
+step_ms: the loop's wall time per decode step, from the host receiving the last prefill step's ids to its
+receiving the last decode step's (the device runs decode steps only in that window; `Engine.last_timings`'s
+decode_step_ms, reported as engine_decode_step_ms, also counts the first decode step's wait for the last prefill
+step). device_step_ms: the same decode steps (their recorded arguments: the same compiled executables, shapes and
+inputs) replayed back to back with no host work between them but the dispatch, the faster of two passes: the
+device's time per step when nothing waits for the host (an upper bound of it when one dispatch takes longer than
+one device step). Also reported, as diagnostics of where host time goes: host_ms (loop time per decode step NOT
+spent waiting for the previous step's ids; it overlaps the device) split into build (planning and the numpy
+inputs), launch (the jitted call: transfers and dispatch; a launch that blocks on the device shows up here, not
+as waiting) and process (the previous step's ids to their requests); wait_ms = step_ms - host_ms, the host's
+slack per step (about 0: the host is the bottleneck). On CPU the "device" shares the cores with the host, so
+idle_ms there is not the GPU's.
 
     PYTHONPATH=. python3 benchmarks/bench_serving.py --help
 """
@@ -58,7 +73,7 @@ class ServingBenchConfig:
     block_size: int = 64
     host_overhead_batches: tuple[int, ...] = ()
     host_overhead_input_len: int = 128
-    warm: bool = True
+    warm_passes: int = 3  # untimed passes before each mode's timed one (fewer when one compiles nothing)
     seed: int = 0
 
 
@@ -80,9 +95,10 @@ def serve_workload(eng: Engine, prompts, output_len: int, arrivals, mode: str) -
     st, pre0 = eng.stats, eng.scheduler.preemptions
     steps0, host0, wall0, dsteps0, dhost0, dwall0 = (st.steps, st.host_s, st.wall_s, st.decode_steps,
                                                      st.decode_host_s, st.decode_wall_s)
+    compiled0 = eng._serve_step._cache_size()
     t0 = time.perf_counter()
     nxt = 0
-    running: list[int] = []  # requests running after each step
+    running: list[int] = []  # requests running after each step that dispatched work
 
     def submit(i):
         s = eng.submit(prompts[i], params, prompt_index=i)
@@ -106,8 +122,10 @@ def serve_workload(eng: Engine, prompts, output_len: int, arrivals, mode: str) -
                 for i in group:
                     submit(i)
                 nxt = group[-1] + 1
+        n_steps = st.steps
         busy = eng.step()
-        running.append(len(eng.scheduler.running))
+        if st.steps > n_steps:
+            running.append(len(eng.scheduler.running))
         if not busy and nxt < n:
             time.sleep(min(0.001, max(0.0, arrivals[nxt] - (time.perf_counter() - t0))))
     while eng.step():
@@ -123,12 +141,102 @@ def serve_workload(eng: Engine, prompts, output_len: int, arrivals, mode: str) -
             "ttft_ms_p50": 1e3 * _pct(ttft, 50), "ttft_ms_p99": 1e3 * _pct(ttft, 99),
             "tpot_ms_p50": 1e3 * _pct(tpot, 50), "tpot_ms_p99": 1e3 * _pct(tpot, 99),
             "steps": steps, "preemptions": eng.scheduler.preemptions - pre0,
+            "compiles": eng._serve_step._cache_size() - compiled0,
             "mean_running": float(np.mean(running)) if running else 0.0,
             "host_ms_per_step": 1e3 * (st.host_s - host0) / max(steps, 1),
             "step_ms": 1e3 * (st.wall_s - wall0) / max(steps, 1),
             "decode_steps": dsteps,
             "decode_host_ms_per_step": 1e3 * (st.decode_host_s - dhost0) / max(dsteps, 1),
             "decode_step_ms": 1e3 * (st.decode_wall_s - dwall0) / max(dsteps, 1)}
+
+
+class DecodeStepRecorder:
+    """Records the arguments of `eng`'s decode-only steps (plans without prefill rows) as the loop launches them,
+    so that `replay_ms` can run the same steps again back to back, and when each step's ids reached the host
+    (`decode_window`). Installed on the engine instance (its `_dispatch`, compiled `_serve_step` and scheduler's
+    `process`) until `close`."""
+
+    def __init__(self, eng: Engine):
+        self.eng, self.calls, self._decode = eng, [], False
+        self.arrived: list[tuple[float, bool]] = []  # per processed step: when its ids were on the host, decode-only
+        self._step, dispatch, process = eng._serve_step, eng._dispatch, eng.scheduler.process
+
+        def on_process(plan, ids, now=None):
+            self.arrived.append((time.perf_counter() if now is None else now, plan.prefill_rows == 0))
+            return process(plan, ids, now)
+
+        def on_dispatch(plan):
+            self._decode = plan.prefill_rows == 0
+            return dispatch(plan)
+
+        def on_step(params, caches, tables, *args, **kw):
+            if self._decode:  # the host buffers (not the previous ids: a replay chains its own) and static args
+                self.calls.append((args[:-1], kw))
+            return self._step(params, caches, tables, *args, **kw)
+        eng._dispatch, eng._serve_step, eng.scheduler.process = on_dispatch, on_step, on_process
+
+    def close(self) -> None:
+        """Give the engine its own dispatch, compiled step and the scheduler's process back."""
+        del self.eng._dispatch  # the instance attributes: the classes' methods show again
+        del self.eng.scheduler.process
+        self.eng._serve_step = self._step
+
+    def decode_window(self) -> tuple[float, int]:
+        """(seconds, steps): from the host receiving the last prefill step's ids to its receiving the last decode
+        step's, and the decode steps in between: the device runs those decode steps only (and sits idle between
+        them), so seconds / steps is the decode step's wall time in the loop. (The engine's own decode_step_ms
+        counts, for the first decode step, the wait for the last prefill step.)"""
+        starts = [i for i, (_, decode) in enumerate(self.arrived) if not decode]
+        first = starts[-1] if starts else 0
+        n = len(self.arrived) - 1 - first
+        if n < 1:
+            raise RuntimeError("no decode step after the last prefill step was recorded")
+        return self.arrived[-1][0] - self.arrived[first][0], n
+
+    def replay_ms(self, passes: int = 2) -> float:
+        """Device milliseconds per recorded step: the recorded steps launched back to back (the same compiled
+        executables and host buffers; each takes the previous one's ids, as in the loop) with no host work but the
+        dispatch, then one wait; the fastest of `passes`. Changes the engine's caches (the rows those steps write)."""
+        if not self.calls:
+            raise RuntimeError("no decode step was recorded")
+        eng, best = self.eng, float("inf")
+        prev = eng._prev_ids
+        for _ in range(passes):
+            jax.block_until_ready((prev, eng.caches))
+            t = time.perf_counter()
+            for args, kw in self.calls:
+                prev, eng.caches, eng._tables = self._step(eng.params, eng.caches, eng._tables, *args, prev, **kw)
+            jax.block_until_ready(prev)
+            best = min(best, time.perf_counter() - t)
+        eng._prev_ids = prev
+        return 1e3 * best / len(self.calls)
+
+
+def host_overhead(eng: Engine, prompts, output_len: int) -> dict:
+    """One `generate` of `prompts` (compiled beforehand by `Engine.warmup`) with its decode steps recorded, then
+    those steps replayed: the loop's wall time per decode step against the device's, the device's idle time
+    between steps, and where the host's time goes (see the module docstring)."""
+    st = eng.stats
+    s0 = (st.steps, st.build_s, st.launch_s, st.process_s, st.h2d_bytes)
+    compiled0 = eng._serve_step._cache_size()
+    rec = DecodeStepRecorder(eng)
+    try:
+        eng.generate(prompts, output_len, stop_token_ids=[])
+        t = eng.last_timings
+        window_s, window_steps = rec.decode_window()
+        device_ms = rec.replay_ms()
+    finally:
+        rec.close()
+    compiles = eng._serve_step._cache_size() - compiled0  # the generate's and the replay's
+    n = max(st.steps - s0[0], 1)
+    step_ms, host_ms = 1e3 * window_s / window_steps, t["decode_host_ms_per_step"]
+    return {"B": len(prompts), "decode_steps": t["decode_steps"], "window_steps": window_steps,
+            "step_ms": step_ms, "device_step_ms": device_ms, "engine_decode_step_ms": t["decode_step_ms"],
+            "idle_ms": step_ms - device_ms, "idle_fraction": (step_ms - device_ms) / max(step_ms, 1e-9),
+            "host_ms": host_ms, "wait_ms": step_ms - host_ms, "host_fraction": host_ms / max(step_ms, 1e-9),
+            "build_ms_per_step": 1e3 * (st.build_s - s0[1]) / n, "launch_ms_per_step": 1e3 * (st.launch_s - s0[2]) / n,
+            "process_ms_per_step": 1e3 * (st.process_s - s0[3]) / n, "h2d_bytes_per_step": (st.h2d_bytes - s0[4]) / n,
+            "compiles": compiles}
 
 
 def run_serving_bench(bc: ServingBenchConfig, log=print) -> dict:
@@ -150,37 +258,34 @@ def run_serving_bench(bc: ServingBenchConfig, log=print) -> dict:
     dev0 = jax.devices()[0]
     res = {"config": dataclasses.asdict(bc), "device": getattr(dev0, "device_kind", str(dev0)),
            "layers": cfg.num_hidden_layers, "modes": {}, "host_overhead": {}}
-    eng = Engine(cfg, params, max_model_len=bc.input_len + bc.output_len, max_num_seqs=bc.max_num_seqs,
-                 num_pages=bc.num_pages, **kw)
-    res["num_pages_per_rank"] = eng.num_pages
-    res["tokens_in_cache"] = (eng.num_pages - 1) * bc.block_size * bc.dcp
-    log(f"engine: {cfg.num_hidden_layers} layers, TP={bc.tp} DCP={bc.dcp}, {eng.num_pages} pages of {bc.block_size} "
-        f"per rank ({res['tokens_in_cache']} tokens), max_num_seqs {eng.max_num_seqs}")
-    for mode in bc.modes:
-        if bc.warm:  # the same work once untimed: every step shape it meets is compiled
-            t = time.perf_counter()
-            serve_workload(eng, prompts, bc.output_len, np.zeros_like(arrivals), mode)
-            log(f"[{mode}] warm-up pass {time.perf_counter() - t:.1f} s")
-        row = serve_workload(eng, prompts, bc.output_len, arrivals, mode)
-        res["modes"][mode] = row
-        log(f"[{mode}] {json.dumps(row)}")
-    del eng
+    if bc.modes:  # (none: the host-overhead rows alone)
+        eng = Engine(cfg, params, max_model_len=bc.input_len + bc.output_len, max_num_seqs=bc.max_num_seqs,
+                     num_pages=bc.num_pages, **kw)
+        res["num_pages_per_rank"] = eng.num_pages
+        res["tokens_in_cache"] = (eng.num_pages - 1) * bc.block_size * bc.dcp
+        log(f"engine: {cfg.num_hidden_layers} layers, TP={bc.tp} DCP={bc.dcp}, {eng.num_pages} pages of "
+            f"{bc.block_size} per rank ({res['tokens_in_cache']} tokens), max_num_seqs {eng.max_num_seqs}")
+        for mode in bc.modes:
+            # the same work and arrivals untimed, until a pass compiles nothing: which step shapes a pass meets
+            # depends on how arrivals fall between steps, and a pass that compiled ran its steps late (arrivals
+            # all at once: the plans do not depend on the clock, one pass meets every shape)
+            for p in range(bc.warm_passes):
+                t = time.perf_counter()
+                compiles = serve_workload(eng, prompts, bc.output_len, arrivals, mode)["compiles"]
+                log(f"[{mode}] warm-up pass {p + 1}: {time.perf_counter() - t:.1f} s, {compiles} step shapes compiled")
+                if not compiles or not np.any(arrivals):
+                    break
+            row = serve_workload(eng, prompts, bc.output_len, arrivals, mode)
+            res["modes"][mode] = row
+            log(f"[{mode}] {json.dumps(row)}")
+        del eng
     for b in bc.host_overhead_batches:
         eng = Engine(cfg, params, max_model_len=bc.host_overhead_input_len + bc.output_len, max_num_seqs=b, **kw)
         ps = [rng.integers(0, cfg.vocab_size, bc.host_overhead_input_len).tolist() for _ in range(b)]
+        t = time.perf_counter()
         eng.warmup(b, bc.host_overhead_input_len, bc.output_len)
-        st = eng.stats
-        s0 = (st.steps, st.build_s, st.launch_s, st.process_s, st.h2d_bytes)
-        eng.generate(ps, bc.output_len, stop_token_ids=[])
-        t = eng.last_timings
-        n = max(st.steps - s0[0], 1)
-        row = {"B": b, "decode_steps": t["decode_steps"], "decode_host_ms_per_step": t["decode_host_ms_per_step"],
-               "decode_step_ms": t["decode_step_ms"],
-               "host_fraction": t["decode_host_ms_per_step"] / max(t["decode_step_ms"], 1e-9),
-               "build_ms_per_step": 1e3 * (st.build_s - s0[1]) / n,
-               "launch_ms_per_step": 1e3 * (st.launch_s - s0[2]) / n,
-               "process_ms_per_step": 1e3 * (st.process_s - s0[3]) / n,
-               "h2d_bytes_per_step": (st.h2d_bytes - s0[4]) / n}
+        log(f"host overhead B={b}: warm-up {time.perf_counter() - t:.1f} s")
+        row = host_overhead(eng, ps, bc.output_len)
         res["host_overhead"][b] = row
         log(f"host overhead B={b}: {json.dumps(row)}")
         del eng
@@ -194,13 +299,17 @@ def format_results(res: dict) -> str:
     for mode, r in res["modes"].items():
         lines.append(f"[{mode:>10}] {r['output_tokens_per_s']:.0f} out tok/s; TTFT p50/p99 {r['ttft_ms_p50']:.1f}/"
                      f"{r['ttft_ms_p99']:.1f} ms; TPOT p50/p99 {r['tpot_ms_p50']:.2f}/{r['tpot_ms_p99']:.2f} ms; "
-                     f"{r['steps']} steps, host {r['host_ms_per_step']:.2f} of {r['step_ms']:.2f} ms/step; "
-                     f"{r['preemptions']} preemptions, {r['mean_running']:.1f} running on average")
+                     f"{r['steps']} steps ({r['compiles']} compiled), host {r['host_ms_per_step']:.2f} of "
+                     f"{r['step_ms']:.2f} ms/step; {r['preemptions']} preemptions, {r['mean_running']:.1f} running on "
+                     "average")
     for b, r in res["host_overhead"].items():
-        lines.append(f"[host B={b}] decode host {r['decode_host_ms_per_step']:.3f} ms of {r['decode_step_ms']:.3f} "
-                     f"ms/step ({100 * r['host_fraction']:.1f}%); all steps: build {r['build_ms_per_step']:.3f}, "
-                     f"launch {r['launch_ms_per_step']:.3f}, process {r['process_ms_per_step']:.3f} ms, "
-                     f"{r['h2d_bytes_per_step']:.0f} B to the device per step")
+        lines.append(f"[host B={b}] decode step {r['step_ms']:.3f} ms (engine's {r['engine_decode_step_ms']:.3f}), "
+                     f"device {r['device_step_ms']:.3f} ms: idle "
+                     f"{r['idle_ms']:.3f} ms ({100 * r['idle_fraction']:.1f}%); host busy {r['host_ms']:.3f} ms "
+                     f"({100 * r['host_fraction']:.1f}%, overlapped), waits {r['wait_ms']:.3f} ms; all steps: build "
+                     f"{r['build_ms_per_step']:.3f}, launch {r['launch_ms_per_step']:.3f}, process "
+                     f"{r['process_ms_per_step']:.3f} ms, {r['h2d_bytes_per_step']:.0f} B to the device per step; "
+                     f"{r['compiles']} compiles")
     return "\n".join(lines)
 
 
@@ -225,7 +334,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default: inf, "
                                                                              "all at once)")
-    ap.add_argument("--modes", default="continuous,static")
+    ap.add_argument("--modes", default="continuous,static", help="continuous and/or static ('': neither)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--dcp", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16")
@@ -237,7 +346,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--host-overhead-batches", default="", help="e.g. 1,32,128: decode host overhead at these B")
     ap.add_argument("--host-overhead-input-len", type=int, default=128)
-    ap.add_argument("--no-warm", action="store_true", help="skip the untimed pass that compiles every step shape")
+    ap.add_argument("--warm-passes", type=int, default=3, help="untimed passes of the same work before each mode's "
+                    "timed pass, until one compiles no new step shape (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--xla-autotune", type=int, default=None,
                     help="XLA's GPU autotune level (0 skips GEMM autotuning: shorter compiles of each step shape)")
@@ -251,11 +361,12 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     bc = ServingBenchConfig(preset=args.preset, num_layers=args.num_layers, num_requests=args.num_requests,
                             input_len=args.input_len, output_len=args.output_len, request_rate=args.request_rate,
-                            modes=tuple(args.modes.split(",")), tp=args.tp, dcp=args.dcp, dtype=args.dtype,
-                            kv_cache_dtype=args.kv_cache_dtype, impl=args.impl, max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
+                            modes=tuple(m for m in args.modes.split(",") if m), tp=args.tp, dcp=args.dcp,
+                            dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, impl=args.impl,
+                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                            num_pages=args.num_pages,
                             block_size=args.block_size, host_overhead_batches=_ints(args.host_overhead_batches),
-                            host_overhead_input_len=args.host_overhead_input_len, warm=not args.no_warm,
+                            host_overhead_input_len=args.host_overhead_input_len, warm_passes=args.warm_passes,
                             seed=args.seed)
     res = run_serving_bench(bc)
     if args.out:

@@ -80,27 +80,29 @@ def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_re
     return jnp.zeros(n_out, jnp.int32).at[: ids.shape[0]].set(ids), caches, tables
 
 
-def _serve_step_packed(params, caches, tables, ints, floats, prev_ids, *, sizes: tuple[int, int, int, int], **kw):
-    """`_serve_step` with its host inputs in two buffers, so a step makes two host-to-device transfers instead of
-    six (each costs tens of microseconds of the loop's host time): `ints` uint32, the int32 `rows` [4, T],
-    `plan_rows` [R], `table_updates` [3, T] and `table_resets` [S + 1] (bit patterns) then `samp_u32` [5, L];
-    `floats` float32 [2, L] (`samp_f32`). `sizes` (static): (T, R, S + 1, L)."""
+def _serve_step_packed(params, caches, tables, packed, prev_ids, *, sizes: tuple[int, int, int, int], **kw):
+    """`_serve_step` with its host inputs in one uint32 buffer, so a step makes one host-to-device transfer instead
+    of six (each costs tens of microseconds of the loop's host time): the int32 `rows` [4, T], `plan_rows` [R],
+    `table_updates` [3, T] and `table_resets` [S + 1], `samp_u32` [5, L] and the float32 `samp_f32` [2, L], the
+    signed and float ones as bit patterns. `sizes` (static): (T, R, S + 1, L)."""
     t, r, s, n = sizes
-    cuts = np.cumsum([4 * t, r, 3 * t, s, 5 * n])[:-1]
-    parts = jnp.split(ints, cuts)
+    cuts = np.cumsum([4 * t, r, 3 * t, s, 5 * n])
+    parts = jnp.split(packed, cuts)
     as_i32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
     rows, plan_rows = as_i32(parts[0]).reshape(4, t), as_i32(parts[1])
     updates, resets = as_i32(parts[2]).reshape(3, t), as_i32(parts[3])
+    floats = jax.lax.bitcast_convert_type(parts[5], jnp.float32).reshape(2, n)
     return _serve_step(params, caches, tables, rows, plan_rows, updates, resets, parts[4].reshape(5, n), floats,
                        prev_ids, **kw)
 
 
 def pack_step_inputs(rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32):
-    """The host inputs of one serving step (see `_serve_step`) as the two buffers the compiled step takes, and its
-    static `sizes` (see `_serve_step_packed`)."""
+    """The host inputs of one serving step (see `_serve_step`) as the buffers the compiled step takes (one), and
+    its static `sizes` (see `_serve_step_packed`)."""
     ints = np.concatenate([rows.ravel(), plan_rows, table_updates.ravel(), table_resets]).astype(np.int32)
-    buffers = (np.concatenate([ints.view(np.uint32), samp_u32.ravel().astype(np.uint32)]), samp_f32)
-    return buffers, (rows.shape[1], len(plan_rows), len(table_resets), samp_u32.shape[1])
+    packed = np.concatenate([ints.view(np.uint32), samp_u32.ravel().astype(np.uint32),
+                             samp_f32.ravel().astype(np.float32).view(np.uint32)])
+    return (packed,), (rows.shape[1], len(plan_rows), len(table_resets), samp_u32.shape[1])
 
 
 def _bucket(n: int, minimum: int, factor: int = 2) -> int:

@@ -282,29 +282,46 @@ class Scheduler:
         return self._plan(chunks)
 
     def _plan(self, chunks) -> StepPlan:
+        # rows built as Python lists, one numpy conversion each at the end: a decode row is one element, and
+        # per-request numpy slice writes cost more (B = 32 on CPU, step stubbed: 0.14 -> 0.11 ms of host build
+        # per decode step)
         reqs = [c[0] for c in chunks]
-        n_rows = sum(e - s for _, s, e in chunks)
-        req = np.empty(n_rows, np.int64)
-        pos = np.empty(n_rows, np.int64)
-        tok = np.zeros(n_rows, np.int64)
-        src = np.full(n_rows, -1, np.int64)
+        req: list[int] = []
+        pos: list[int] = []
+        tok: list[int] = []
+        src: list[int] = []
         sample_rows, sample_reqs, sample_idx, sample_drafts = [], [], [], []
-        nxt = np.full(n_rows, -1, np.int64) if self.lookahead else None
+        nxt: list[int] | None = [] if self.lookahead else None
         upd_row, upd_col, upd_page, resets = [], [], [], []
         prefill_rows = 0
-        k = 0
         for j, (r, s, e) in enumerate(chunks):
             n_prompt = len(r.prompt)
             n_known = n_prompt + len(r.output)
             n = e - s
-            req[k: k + n] = j
-            pos[k: k + n] = np.arange(s, e)
+            k = len(pos)
+            if n == 1:
+                req.append(j)
+                pos.append(s)
+                src.append(-1)
+            else:
+                req.extend([j] * n)
+                pos.extend(range(s, e))
+                src.extend([-1] * n)
             # tokens [s, m) from the prompt and output slices (no copy of the whole sequence per step)
             m = min(e, n_known)
             if s < min(m, n_prompt):
-                tok[k: k + min(m, n_prompt) - s] = r.prompt[s: min(m, n_prompt)]
+                tok.extend(r.prompt[s: min(m, n_prompt)])
             if m > max(s, n_prompt):
-                tok[k + max(s, n_prompt) - s: k + m - s] = r.output[max(s, n_prompt) - n_prompt: m - n_prompt]
+                tok.extend(r.output[max(s, n_prompt) - n_prompt: m - n_prompt])
+            drafted = max(e - r.total, 0)  # speculative decoding: rows of drafts after the last known token
+            if drafted:
+                tok.extend(r.drafts[:drafted])
+            elif e > n_known:  # the last row's token is the in-flight one: gathered on the device
+                tok.append(0)
+                src[-1] = r.flight_row
+            if len(tok) != len(pos):
+                raise RuntimeError(f"request {r.request_id}: rows [{s}, {e}) got {len(tok) - k} tokens ({n_known} "
+                                   f"known, {r.in_flight} in flight, {drafted} drafts)")
             if r.table_row < 0:  # newly admitted: a fresh table row
                 r.table_row, r.table_sent = self._free_rows.pop(), 0
                 resets.append(r.table_row)
@@ -313,16 +330,10 @@ class Scheduler:
                 upd_col.extend(range(r.table_sent, len(r.pages)))
                 upd_row.extend([r.table_row] * (len(r.pages) - r.table_sent))
                 r.table_sent = len(r.pages)
-            drafted = max(e - r.total, 0)  # speculative decoding: rows of drafts after the last known token
-            if drafted:
-                tok[k + n - drafted: k + n] = r.drafts[:drafted]
-            elif e > n_known:  # the last row's token is the in-flight one: gathered on the device
-                src[k + n - 1] = r.flight_row
             if nxt is not None:  # the token after each row: the next row's, the known one after the chunk, or -1
-                nxt[k: k + n - 1] = tok[k + 1: k + n]
-                if e < n_known:
-                    nxt[k + n - 1] = r.prompt[e] if e < n_prompt else r.output[e - n_prompt]
-            if n - drafted > 1 or s < len(r.prompt):  # a decode row with its drafts is not prefill
+                nxt.extend(tok[k + 1: k + n])
+                nxt.append((r.prompt[e] if e < n_prompt else r.output[e - n_prompt]) if e < n_known else -1)
+            if n - drafted > 1 or s < n_prompt:  # a decode row with its drafts is not prefill
                 prefill_rows += n
             if e >= r.total and not self._length_done(r):
                 # the step samples the next token: in flight until the step after next is dispatched
@@ -332,11 +343,12 @@ class Scheduler:
                 sample_reqs.append(r)
                 sample_idx.append(len(r.output) + r.in_flight)
                 r.in_flight += 1
-            k += n
-        return StepPlan(reqs, req, pos, tok, src, np.asarray(sample_rows, np.int64), sample_reqs,
-                        np.asarray(sample_idx, np.int64), prefill_rows,
-                        np.asarray([upd_row, upd_col, upd_page], np.int64).reshape(3, -1), resets,
-                        np.asarray(sample_drafts, np.int64), nxt)
+
+        def arr(x):
+            return np.asarray(x, np.int64)
+        return StepPlan(reqs, arr(req), arr(pos), arr(tok), arr(src), arr(sample_rows), sample_reqs, arr(sample_idx),
+                        prefill_rows, arr([upd_row, upd_col, upd_page]).reshape(3, -1), resets, arr(sample_drafts),
+                        None if nxt is None else arr(nxt))
 
     # ---- results ---------------------------------------------------------------------------
     def process(self, plan: StepPlan, ids: np.ndarray, now: float | None = None) -> None:
