@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness import budgeted_sweep, command_line, device_peaks, op_device_time, record, write_json
-from kernels import fp8_formats, fp8_linear, fp8_linear_triton, moe
+from kernels import fp8_formats, fp8_linear, fp8_linear_triton, moe, moe_triton
 
 LINEAR = {"q_a": (2048, 6144), "q_b": (2048, 2048), "o_proj": (6144, 2048)}  # name: (N, K) at TP = 8
 K_TOP = 8
@@ -127,7 +127,12 @@ def bench_moe(args, peaks, rows):
         res = {"op": "moe", "T": t, "experts_used": used, "dims": [d, i, e], "packed": args.moe_packed}
 
         def run(impl, ws, **kw):
-            f = functools.partial(moe.routed_experts, impl=impl, **kw)
+            if kw.get("form") == "w8a8_nk":  # the kernel over K-major stacks (transposed copies of the same bytes)
+                f = functools.partial(moe_triton.grouped_swiglu, **dict(kw, form="w8a8", w_layout="nk"),
+                                      interpret=impl.endswith("interpret"))
+                ws = [jnp.swapaxes(q, 1, 2) for q in ws]
+            else:
+                f = functools.partial(moe.routed_experts, impl=impl, **kw)
             return op_device_time(lambda xx, e, ww, *a: f(xx, e, ww, *a), x, experts, w, *ws, iters=args.iters)
 
         base = run(args.impl, bf16)
@@ -167,7 +172,8 @@ def main(argv=None):
     ap.add_argument("--w-layout", default="kn", choices=["kn", "nk"], help="FP8 linear weight layout (model: kn)")
     ap.add_argument("--budget_s", type=float, default=4.0, help="config sweep budget per shape, T and form")
     ap.add_argument("--impl", default="triton", help="triton_interpret for a CPU smoke run")
-    ap.add_argument("--moe_forms", default="w8a16,w8a8", help="FP8 expert forms (moe_triton.grouped_swiglu form)")
+    ap.add_argument("--moe_forms", default="w8a16,w8a8",
+                    help="FP8 expert forms (moe_triton.grouped_swiglu form; w8a8_nk: W8A8 over K-major stacks)")
     ap.add_argument("--moe_budget_s", type=float, default=0.0, help="FP8 expert config sweep budget per T and form")
     ap.add_argument("--no_xla", action="store_true", help="skip the xla rows (slow compiles)")
     ap.add_argument("--moe_packed", default="auto", choices=["auto", "0", "1"],

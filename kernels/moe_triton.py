@@ -118,10 +118,12 @@ def _gate_up_step_w8a8(acc, fp8, x_ref, token, cols, wg_ref, wu_ref, e, c0, bk, 
             parts += [a_even + dot(xq, w_even) * (sa * fp8.out_scales(s_ref, e, kb, n0, h, 2)),
                       a_odd + dot(xq, w_odd) * (sa * fp8.out_scales(s_ref, e, kb, n0 + 1, h, 2))]
         return tuple(parts)
-    wg = wg_ref[e, pl.ds(c0, bk), pl.ds(n0, bn)]
-    wu = wu_ref[e, pl.ds(c0, bk), pl.ds(n0, bn)]
-    return (acc[0] + dot(xq, wg) * (sa * fp8.out_scales(fp8.refs[0], e, kb, n0, bn)),
-            acc[1] + dot(xq, wu) * (sa * fp8.out_scales(fp8.refs[1], e, kb, n0, bn)))
+    if fp8.nk:  # K-major stacks [E, I, D]: the [bn, bk] tile is the fp8 MMA's native B operand
+        wg, wu = (w_ref[e, pl.ds(n0, bn), pl.ds(c0, bk)] for w_ref in (wg_ref, wu_ref))
+    else:
+        wg, wu = (w_ref[e, pl.ds(c0, bk), pl.ds(n0, bn)] for w_ref in (wg_ref, wu_ref))
+    return (acc[0] + dot(xq, wg, trans_b=fp8.nk) * (sa * fp8.out_scales(fp8.refs[0], e, kb, n0, bn)),
+            acc[1] + dot(xq, wu, trans_b=fp8.nk) * (sa * fp8.out_scales(fp8.refs[1], e, kb, n0, bn)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +137,7 @@ class _Fp8Scales:
     scalar: bool  # one scale per step and column block (offset 0 and blocks within one 128-block)
     packed: bool = False  # weights as uint16 words of two e4m3 columns (`_pair_block`): arrays of 2-4 GB
     act: bool = False  # W8A8: the rows (x, h) are e4m3 too, their per-row 128-block scales the last ref [blocks, rows]
+    nk: bool = False  # K-major weight stacks (gate/up [E, I, D], down [E, D, I]: the release's [out, in]); W8A8 only
 
     def out_scales(self, ref, e, kb, n0, bn, stride: int = 1):
         """Scales of gate/up output columns n0, n0 + stride, ... (bn of them; the expert width) at hidden block
@@ -194,6 +197,8 @@ def _down_kernel(src_ref, te_ref, w_ref, h_ref, wd_ref, y_ref, *, bn, bk, steps,
     n0 = pl.program_id(0) * bn
     m0 = pl.program_id(1) * tile
     i, d = wd_ref.shape[1], wd_ref.shape[2]
+    if fp8 is not None and fp8.nk:
+        d, i = i, d
 
     @pl.when(src_ref[0] >= 0)
     def _():
@@ -282,10 +287,10 @@ def _down_step_fp8(s, acc, *, fp8, e, m0, n0, tile, bn, bk, shift, h_ref, wd_ref
             scales = [sa * sc for sc in scales]
         return acc[0] + dot(h, w_even) * scales[0], acc[1] + dot(h, w_odd) * scales[1]
     if fp8.act:
-        wd = wd_ref[e, pl.ds(s * bk, bk), pl.ds(n0, bn)]
+        wd = wd_ref[e, pl.ds(n0, bn), pl.ds(s * bk, bk)] if fp8.nk else wd_ref[e, pl.ds(s * bk, bk), pl.ds(n0, bn)]
         scale = fp8.refs[0][e, kb, n0 // FP8_BLOCK] if bn <= FP8_BLOCK else \
             fp8.refs[0][e, kb, jnp.minimum(col_range(n0, bn) // FP8_BLOCK, fp8.refs[0].shape[2] - 1)][None, :]
-        return acc + dot(h, wd) * (sa * scale)
+        return acc + dot(h, wd, trans_b=fp8.nk) * (sa * scale)
     if shift == 0:  # steps on block boundaries from column 0: the bf16 path's loads
         h = h_ref[pl.ds(m0, tile), pl.ds(s * bk, bk)]
         wd = _weight_block_fp8(wd_ref, e, s * bk, bk, n0, bn, i, d, h.dtype)
@@ -352,25 +357,25 @@ def default_config(t: int, k: int, n_exp: int, d: int, i: int, itemsize: int = 2
                      num_warps=8 if big else 4, num_stages=3 if big else 4)
 
 
-def _fp8_kernel(kernel, n_in, scalar, i_off, shift, packed, act, *refs, **kw):
+def _fp8_kernel(kernel, n_in, scalar, i_off, shift, packed, act, nk, *refs, **kw):
     """`kernel` with FP8 block scales: refs are [offset (when `i_off` is None: traced)], the `n_in` inputs of the
     bf16 kernel, its scale grids, then its outputs; the scale grids go to `kernel` as `fp8=_Fp8Scales(...)`."""
     refs = list(refs)
     off = refs.pop(0)[0] if i_off is None else i_off
     n_scales = len(refs) - n_in - (2 if kernel is _up_partial_kernel else 1)
-    fp8 = _Fp8Scales(tuple(refs[n_in:n_in + n_scales]), off, scalar, packed, act)
+    fp8 = _Fp8Scales(tuple(refs[n_in:n_in + n_scales]), off, scalar, packed, act, nk)
     if kernel is _down_kernel:
         kw["shift"] = shift
     return kernel(*refs[:n_in], *refs[n_in + n_scales:], fp8=fp8, **kw)
 
 
-def _fp8_launch(kernel, i_offset, scales, in_specs, inputs, *, scalar, shift, packed=False, act=False):
+def _fp8_launch(kernel, i_offset, scales, in_specs, inputs, *, scalar, shift, packed=False, act=False, nk=False):
     """(kernel, in_specs, inputs) with the FP8 scale grids (and a traced offset) added; unchanged without FP8."""
     if scales is None:
         return kernel, in_specs, inputs
     traced = not isinstance(i_offset, int)
     wrapped = functools.partial(_fp8_kernel, kernel.func, len(inputs), scalar, None if traced else i_offset, shift,
-                                packed, act, **kernel.keywords)
+                                packed, act, nk, **kernel.keywords)
     specs = list(in_specs) + [pl.BlockSpec(memory_space=pl.ANY)] * len(scales)
     args = list(inputs) + list(scales)
     if traced:
@@ -381,7 +386,7 @@ def _fp8_launch(kernel, i_offset, scales, in_specs, inputs, *, scalar, shift, pa
 
 def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None = None, interpret: bool = False,
                    wg_scale=None, wu_scale=None, wd_scale=None, i_offset=0, packed: bool | None = None,
-                   form: str = "w8a16", **overrides):
+                   form: str = "w8a16", w_layout: str = "kn", **overrides):
     """float32 [T, D]: the routed experts by the two grouped-GEMM kernels. `config` (default `default_config`
     for the shape); `overrides` replace fields of it by name (tile, bn_up, bk_up, bn_down, bk_down, num_warps,
     num_stages, k_split). `interpret`: run under the Pallas interpreter.
@@ -397,9 +402,19 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     `form` "w8a8" (FP8 experts whose widths are whole 128-blocks and whose shard starts on a block boundary):
     the rows are quantised too (`fp8_formats.quantize_activation_blocks`: x before the up kernel, h between the
     kernels, per row and 128-block) and both GEMMs run e4m3 x e4m3 on the fp8 tensor cores, each K step's float32
-    partial scaled by the row's and the weight block's scales (docs/math.md §11)."""
+    partial scaled by the row's and the weight block's scales (docs/math.md §11). `w_layout` "nk" (W8A8 only):
+    K-major stacks, gate/up [E, I, D] and down [E, D, I] (each expert in the release's [out, in] form; the scale
+    grids keep the orientation above), the B operand Hopper's fp8 MMA takes without a transpose."""
     t, k = experts.shape
-    n_exp, d, i = wg.shape
+    if w_layout not in ("kn", "nk"):
+        raise ValueError(f"moe triton: w_layout {w_layout!r} is not one of 'kn', 'nk'")
+    nk = w_layout == "nk"
+    if nk and form != "w8a8":
+        raise ValueError("moe triton: K-major ('nk') expert stacks are for form 'w8a8'")
+    if nk:
+        n_exp, i, d = wg.shape
+    else:
+        n_exp, d, i = wg.shape
     fp8 = wg_scale is not None
     if form not in ("w8a16", "w8a8"):
         raise ValueError(f"moe triton: form {form!r} is not one of 'w8a16', 'w8a8'")
@@ -415,12 +430,18 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
         x_scale = x_scale.T  # [D-blocks, T]: one contiguous row of scales per block
     cfg = config or default_config(t, k, n_exp, d, i, jnp.dtype(out_dtype if fp8 else wg.dtype).itemsize)
     cfg = with_options(cfg, overrides, "moe")
+    if act and (i % cfg.bn_up or d % cfg.bn_down or d % cfg.bk_up or i % cfg.bk_down):
+        raise ValueError(f"moe triton: form 'w8a8' reads whole blocks: the blocks of {cfg} must divide the widths "
+                         f"(hidden {d}, expert width {i})")
     if fp8 and max(cfg.bk_up, cfg.bk_down) > FP8_BLOCK:
         raise ValueError(f"moe triton: FP8 experts need bk_up and bk_down <= {FP8_BLOCK} (one scale block per K "
                          f"step), got {cfg.bk_up} and {cfg.bk_down}")
     static_off = isinstance(i_offset, int)
     if packed is None:
         packed = fp8 and max(wg.size, wd.size) >= 2 ** 31
+    if packed and nk:
+        raise ValueError(f"moe triton: K-major expert stacks of {max(wg.size, wd.size)} elements would need the "
+                         "uint16-word form, which reads [E, K, N] stacks only")
     if packed:
         if not fp8:
             raise ValueError("moe triton: packed weights are for FP8 experts (e4m3 pairs in uint16 words)")
@@ -452,7 +473,7 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
         kernel, specs, args = _fp8_launch(
             functools.partial(_up_kernel, k=k, bk=cfg.bk_up, steps=up_steps, interpret=interpret), i_offset,
             up_scales, tile_specs + [any_spec] * 3, (src, tile_expert, x, wg, wu), scalar=up_scalar, shift=0,
-            packed=packed, act=act)
+            packed=packed, act=act, nk=nk)
         h = pl.pallas_call(
             kernel,
             grid=(i_h // bn, n_tiles),
@@ -467,7 +488,8 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
             functools.partial(_up_partial_kernel, k=k, bk=cfg.bk_up, steps=up_steps // ks, interpret=interpret),
             i_offset, up_scales,
             [pl.BlockSpec((tile,), lambda n, m, c: (m,)), pl.BlockSpec((1,), lambda n, m, c: (m,))]
-            + [any_spec] * 3, (src, tile_expert, x, wg, wu), scalar=up_scalar, shift=0, packed=packed, act=act)
+            + [any_spec] * 3, (src, tile_expert, x, wg, wu), scalar=up_scalar, shift=0, packed=packed, act=act,
+            nk=nk)
         g, u = pl.pallas_call(
             kernel,
             grid=(i_h // bn, n_tiles, ks),
@@ -491,7 +513,7 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     kernel, specs, args = _fp8_launch(
         functools.partial(_down_kernel, bn=bn, bk=bk, steps=down_steps, interpret=interpret), i_offset,
         down_scales, tile_specs + [pl.BlockSpec((tile,), lambda n, m: (m,)), any_spec, any_spec],
-        (src, tile_expert, pair_w, h, wd), scalar=False, shift=shift, packed=packed, act=act)
+        (src, tile_expert, pair_w, h, wd), scalar=False, shift=shift, packed=packed, act=act, nk=nk)
     y = pl.pallas_call(
         kernel,
         grid=(_cdiv(d, bn), n_tiles),

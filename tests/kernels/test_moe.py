@@ -325,9 +325,33 @@ def test_fp8_w8a8_matches_oracle(kernel_impl, t, options):
     assert _rel(got, want) < 2e-3
     w8a16 = _run(kernel_impl, args, form="w8a16", **scales)
     assert _rel(w8a16, want) > 1e-2  # the oracle is W8A8's, not W8A16's
+    with pytest.raises(ValueError, match="must divide the widths"):
+        moe.routed_experts(*args, impl=kernel_impl, form="w8a8", bn_up=512, **scales)
     with pytest.raises(ValueError, match="form 'w8a8' needs FP8 experts of whole 128-blocks"):
         bad, bad_scales, _ = _fp8_inputs(3, 2, 4, 130, 40, 0, seed=0)
         moe.routed_experts(*bad, impl=kernel_impl, form="w8a8", **bad_scales)
+
+
+@pytest.mark.parametrize("t,options", [(5, {}), (40, {"tile": 64, "bn_up": 256, "bn_down": 256, "bk_up": 64})])
+def test_fp8_w8a8_k_major_stacks(kernel_impl, on_gpu, t, options):
+    """W8A8 over K-major stacks (w_layout "nk": each expert [out, in] as released) gives the W8A8 oracle; other
+    forms and the uint16-word form refuse that layout."""
+    args, scales, deq = _fp8_inputs(t, 4, 8, 256, 256, 0, seed=31 + t, dtype=jnp.bfloat16)
+    x, e, w, qg, qu, qd = args
+    want = _oracle_w8a8(*args, scales["wg_scale"], scales["wu_scale"], scales["wd_scale"], ml_dtypes.bfloat16)
+    t_ = lambda q: jnp.swapaxes(q, 1, 2)  # noqa: E731
+    sc = {k: v for k, v in scales.items() if k != "i_offset"}
+    with jax.default_matmul_precision("highest"):
+        got = moe_triton.grouped_swiglu(x, e, w, t_(qg), t_(qu), t_(qd), form="w8a8", w_layout="nk",
+                                        interpret=kernel_impl.endswith("interpret"), **sc, **options)
+    # CPU: float32 partials; a GPU's fp8 tensor cores sum a 128-K partial with ~14 mantissa bits (docs/math.md §11):
+    # 7.2e-3 seen on the H200 with 64-row tiles. A wrong scale or block is O(1), W8A16 ~3% away.
+    assert _rel(got, want) < (1e-2 if on_gpu else 5e-3)
+    with pytest.raises(ValueError, match="for form 'w8a8'"):
+        moe_triton.grouped_swiglu(x, e, w, t_(qg), t_(qu), t_(qd), w_layout="nk", interpret=True, **sc)
+    with pytest.raises(ValueError, match="uint16-word form"):
+        moe_triton.grouped_swiglu(x, e, w, t_(qg), t_(qu), t_(qd), form="w8a8", w_layout="nk", packed=True,
+                                  interpret=True, **sc)
 
 
 def test_fp8_form_dispatch(kernel_impl):
