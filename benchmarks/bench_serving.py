@@ -16,18 +16,18 @@ nothing. The overhead is therefore the time the DEVICE SITS IDLE between steps, 
 
     idle_ms = step_ms - device_step_ms        (per decode step; idle_fraction = idle_ms / step_ms, goal <= 5%)
 
-step_ms: the loop's wall time per decode step, from the host receiving the last prefill step's ids to its
-receiving the last decode step's (the device runs decode steps only in that window; `Engine.last_timings`'s
-decode_step_ms, reported as engine_decode_step_ms, also counts the first decode step's wait for the last prefill
-step). device_step_ms: the same decode steps (their recorded arguments: the same compiled executables, shapes and
-inputs) replayed back to back with no host work between them but the dispatch, the faster of two passes: the
-device's time per step when nothing waits for the host (an upper bound of it when one dispatch takes longer than
-one device step). Also reported, as diagnostics of where host time goes: host_ms (loop time per decode step NOT
-spent waiting for the previous step's ids; it overlaps the device) split into build (planning and the numpy
-inputs), launch (the jitted call: transfers and dispatch; a launch that blocks on the device shows up here, not
-as waiting) and process (the previous step's ids to their requests); wait_ms = step_ms - host_ms, the host's
-slack per step (about 0: the host is the bottleneck). On CPU the "device" shares the cores with the host, so
-idle_ms there is not the GPU's.
+step_ms: the loop's wall time per decode step, from the host receiving the last prefill step's ids to its receiving
+the last decode step's (the device runs decode steps only in that window; `Engine.last_timings`'s decode_step_ms,
+reported as engine_decode_step_ms, counts the loop turns that waited for a decode step's ids: the same window, up to
+the handling of the ids at its two ends). device_step_ms: the same decode steps (their recorded arguments: the same
+compiled executables, shapes and inputs) replayed back to back with no host work between them but the dispatch, the
+faster of two passes: the device's time per step when nothing waits for the host (an upper bound of it when one
+dispatch takes longer than one device step). Also reported, as diagnostics of where host time goes: host_ms (loop
+time per decode step NOT spent waiting for the previous step's ids; it overlaps the device) split into build
+(planning and the numpy inputs), launch (the jitted call: transfers and dispatch; a launch that blocks on the device
+shows up here, not as waiting) and process (the previous step's ids to their requests); wait_ms = step_ms - host_ms,
+the host's slack per step (about 0: the host is the bottleneck). On CPU the "device" shares the cores with the host,
+so idle_ms there is not the GPU's.
 
     PYTHONPATH=. python3 benchmarks/bench_serving.py --help
 """
@@ -95,6 +95,7 @@ def serve_workload(eng: Engine, prompts, output_len: int, arrivals, mode: str) -
     st, pre0 = eng.stats, eng.scheduler.preemptions
     steps0, host0, wall0, dsteps0, dhost0, dwall0 = (st.steps, st.host_s, st.wall_s, st.decode_steps,
                                                      st.decode_host_s, st.decode_wall_s)
+    timed0 = st.decode_timed_steps
     compiled0 = eng._serve_step._cache_size()
     t0 = time.perf_counter()
     nxt = 0
@@ -135,7 +136,7 @@ def serve_workload(eng: Engine, prompts, output_len: int, arrivals, mode: str) -
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1]
     out_tokens = sum(len(t) for t in times)
     steps = st.steps - steps0
-    dsteps = st.decode_steps - dsteps0
+    dsteps, timed = st.decode_steps - dsteps0, st.decode_timed_steps - timed0
     return {"mode": mode, "requests": n, "output_tokens": out_tokens, "duration_s": end - t0,
             "output_tokens_per_s": out_tokens / (end - t0),
             "ttft_ms_p50": 1e3 * _pct(ttft, 50), "ttft_ms_p99": 1e3 * _pct(ttft, 99),
@@ -146,8 +147,8 @@ def serve_workload(eng: Engine, prompts, output_len: int, arrivals, mode: str) -
             "host_ms_per_step": 1e3 * (st.host_s - host0) / max(steps, 1),
             "step_ms": 1e3 * (st.wall_s - wall0) / max(steps, 1),
             "decode_steps": dsteps,
-            "decode_host_ms_per_step": 1e3 * (st.decode_host_s - dhost0) / max(dsteps, 1),
-            "decode_step_ms": 1e3 * (st.decode_wall_s - dwall0) / max(dsteps, 1)}
+            "decode_host_ms_per_step": 1e3 * (st.decode_host_s - dhost0) / max(timed, 1),
+            "decode_step_ms": 1e3 * (st.decode_wall_s - dwall0) / max(timed, 1)}
 
 
 class DecodeStepRecorder:
@@ -184,8 +185,8 @@ class DecodeStepRecorder:
     def decode_window(self) -> tuple[float, int]:
         """(seconds, steps): from the host receiving the last prefill step's ids to its receiving the last decode
         step's, and the decode steps in between: the device runs those decode steps only (and sits idle between
-        them), so seconds / steps is the decode step's wall time in the loop. (The engine's own decode_step_ms
-        counts, for the first decode step, the wait for the last prefill step.)"""
+        them), so seconds / steps is the decode step's wall time in the loop (what the engine's own decode_step_ms
+        measures from its loop turns)."""
         starts = [i for i, (_, decode) in enumerate(self.arrived) if not decode]
         first = starts[-1] if starts else 0
         n = len(self.arrived) - 1 - first

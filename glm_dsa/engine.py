@@ -127,8 +127,13 @@ class _LoopStats:
     h2d_bytes: int = 0  # bytes of the host arrays sent to the device
     last_h2d_bytes: int = 0  # the same, of the last step
     wall_s: float = 0.0  # loop time of steps that dispatched work
-    decode_host_s: float = 0.0  # the same two over the decode-only steps
+    # the same two over the loop turns that waited for a decode-only step's ids, and those turns: a turn's wall
+    # time is the wait for the step it reads, so the turn that reads the last prefill step's ids (and launches
+    # the first decode step) counts as prefill, and the turn that reads the last decode step's ids (and launches
+    # nothing) counts as decode; decode_wall_s / decode_timed_steps is then the decode step's wall time in the loop
+    decode_host_s: float = 0.0
     decode_wall_s: float = 0.0
+    decode_timed_steps: int = 0
     generated: int = 0
     recent: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=256))
 
@@ -368,8 +373,11 @@ class Engine:
         others finish). Afterwards `self.last_timings` holds host-clock seconds of this call: "prefill_s" (to
         the first token of every prompt), "decode_s" (the rest), "decode_steps" (steps of decode rows only),
         "steps", "host_ms_per_step" (loop time per step not spent waiting for the device), "step_ms" (loop time
-        per step), the same two over decode-only steps ("decode_host_ms_per_step", "decode_step_ms") and
-        "preemptions".
+        per step), the same two over the "decode_timed_steps" loop turns that waited for a decode-only step's ids
+        ("decode_host_ms_per_step", "decode_step_ms": the loop's wall time per decode step, from the host
+        receiving the last prefill step's ids to its receiving the last decode step's, as
+        benchmarks/bench_serving.py's step_ms; the turn that launches the first decode step waits for the last
+        prefill step and is not counted) and "preemptions".
         """
         _positive_int("max_new_tokens", max_new_tokens, minimum=0)  # named as the caller named it
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_new_tokens,
@@ -482,7 +490,7 @@ class Engine:
         """Run the loop in this thread until `reqs` finish; returns the call's timings (see `generate`)."""
         st = self.stats
         steps0, decode0, host0, wall0 = st.steps, st.decode_steps, st.host_s, st.wall_s
-        dhost0, dwall0 = st.decode_host_s, st.decode_wall_s
+        dhost0, dwall0, timed0 = st.decode_host_s, st.decode_wall_s, st.decode_timed_steps
         pre0 = self.scheduler.preemptions
         spec0 = self.spec.snapshot() if self.spec else None
         t0 = time.perf_counter()
@@ -493,12 +501,12 @@ class Engine:
         t1 = time.perf_counter()
         firsts = [r.first_token_time for r in reqs if r.first_token_time is not None]
         prefill = (max(firsts) - t0) if len(firsts) == len(reqs) else (t1 - t0)
-        steps = st.steps - steps0
+        steps, timed = st.steps - steps0, st.decode_timed_steps - timed0
         return {"prefill_s": prefill, "decode_s": t1 - t0 - prefill, "decode_steps": st.decode_steps - decode0,
                 "steps": steps, "host_ms_per_step": 1e3 * (st.host_s - host0) / max(steps, 1),
-                "step_ms": 1e3 * (st.wall_s - wall0) / max(steps, 1),
-                "decode_host_ms_per_step": 1e3 * (st.decode_host_s - dhost0) / max(st.decode_steps - decode0, 1),
-                "decode_step_ms": 1e3 * (st.decode_wall_s - dwall0) / max(st.decode_steps - decode0, 1),
+                "step_ms": 1e3 * (st.wall_s - wall0) / max(steps, 1), "decode_timed_steps": timed,
+                "decode_host_ms_per_step": 1e3 * (st.decode_host_s - dhost0) / max(timed, 1),
+                "decode_step_ms": 1e3 * (st.decode_wall_s - dwall0) / max(timed, 1),
                 "preemptions": self.scheduler.preemptions - pre0,
                 **(self.spec.summary(spec0) if self.spec else {})}
 
@@ -548,6 +556,7 @@ class Engine:
                 self.scheduler.fail(plan.requests, f"{type(e).__name__}: {e}")
         blocked = 0.0
         tb = time.perf_counter()
+        old_plan = None
         if self._pending is not None:
             old_plan, ids = self._pending
             host_ids = np.asarray(ids)  # waits for the previous step only: the new one is queued behind it
@@ -558,8 +567,8 @@ class Engine:
             self.stats.generated += len(old_plan.sample_reqs)
         self._pending = new
         t1 = time.perf_counter()
+        st = self.stats
         if new is not None:
-            st = self.stats
             st.build_s += tb - t0 - self._launch_s
             st.launch_s += self._launch_s
             st.process_s += t1 - tb - blocked
@@ -567,10 +576,13 @@ class Engine:
             st.decode_steps += plan.prefill_rows == 0
             st.host_s += t1 - t0 - blocked
             st.wall_s += t1 - t0
-            if plan.prefill_rows == 0:
-                st.decode_host_s += t1 - t0 - blocked
-                st.decode_wall_s += t1 - t0
             st.recent.append((t1, len(plan.sample_reqs)))
+        # decode time by the step this turn waited for, not the one it launched: the turn launching the first
+        # decode step waits for the last prefill step (see `_LoopStats.decode_wall_s`)
+        if old_plan is not None and old_plan.prefill_rows == 0:
+            st.decode_timed_steps += 1
+            st.decode_host_s += t1 - t0 - blocked
+            st.decode_wall_s += t1 - t0
         return self.scheduler.has_work or self._pending is not None
 
     def step_shapes(self, plan: StepPlan) -> tuple[int, int, int]:

@@ -190,7 +190,8 @@ class SpecDecoder:
         st.host_s += t1 - t0 - wait
         st.process_s += t1 - tp
         st.wall_s += t1 - t0
-        if plan.prefill_rows == 0:
+        if plan.prefill_rows == 0:  # a synchronous turn waits for its own step only
+            st.decode_timed_steps += 1
             st.decode_host_s += t1 - t0 - wait
             st.decode_wall_s += t1 - t0
         st.recent.append((t1, emitted))
