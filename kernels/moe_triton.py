@@ -343,11 +343,19 @@ class MoEConfig:
             raise ValueError(f"MoEConfig: num_stages {self.num_stages!r} must be an int >= 1")
 
 
-def default_config(t: int, k: int, n_exp: int, d: int, i: int, itemsize: int = 2) -> MoEConfig:
+def default_config(t: int, k: int, n_exp: int, d: int, i: int, itemsize: int = 2, form: str | None = None) -> MoEConfig:
     """Tile rows and block widths: decode-sized tiles stream weights (wide K steps, deep pipelines); prefill
     tiles of 128 rows feed the tensor cores. float32 weights (`itemsize` 4: the reference models) take 64 x 32
-    blocks in 2 stages, since the bf16 blocks would ask for more shared memory than a CTA has."""
+    blocks in 2 stages, since the bf16 blocks would ask for more shared memory than a CTA has. `form` "w8a8"
+    (FP8 experts, whole blocks) at decode: 128-wide column blocks, the bytes per K step of the bf16 blocks, from
+    the launch-config sweeps on the H200 (BENCHMARKS.md, FP8 weights, session 7: 64-wide K steps in 3 stages
+    from T = 16, 128-wide steps in 3 stages over 8 warps, split-K 4, below)."""
     tile = tile_rows(t, k, n_exp)
+    if form == "w8a8" and itemsize < 4 and tile < 64 and i % 128 == 0 and d % 128 == 0:
+        if t < 16:
+            return MoEConfig(tile=tile, bn_up=128, bk_up=128, bn_down=128, bk_down=128, num_warps=8, num_stages=3,
+                             k_split=4 if (d // 128) % 4 == 0 else 1)
+        return MoEConfig(tile=tile, bn_up=128, bk_up=64, bn_down=128, bk_down=64, num_warps=4, num_stages=3)
     if itemsize >= 4:
         return MoEConfig(tile=tile, bn_up=_block(i, 64), bk_up=_block(d, 32), bn_down=_block(d, 64),
                          bk_down=_block(i, 32), num_warps=8 if tile >= 64 else 4, num_stages=2)
@@ -428,7 +436,7 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     if act:
         x, x_scale = quantize_activation_blocks(x)
         x_scale = x_scale.T  # [D-blocks, T]: one contiguous row of scales per block
-    cfg = config or default_config(t, k, n_exp, d, i, jnp.dtype(out_dtype if fp8 else wg.dtype).itemsize)
+    cfg = config or default_config(t, k, n_exp, d, i, jnp.dtype(out_dtype if fp8 else wg.dtype).itemsize, form)
     cfg = with_options(cfg, overrides, "moe")
     if act and (i % cfg.bn_up or d % cfg.bn_down or d % cfg.bk_up or i % cfg.bk_down):
         raise ValueError(f"moe triton: form 'w8a8' reads whole blocks: the blocks of {cfg} must divide the widths "
