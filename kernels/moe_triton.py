@@ -96,7 +96,7 @@ def _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, *, tile, n0, bn, k0, steps,
         return (acc[0] + dot(xt, wg) * fp8.out_scales(fp8.refs[0], e, kb, n0, bn),
                 acc[1] + dot(xt, wu) * fp8.out_scales(fp8.refs[1], e, kb, n0, bn))
 
-    if fp8 is not None and fp8.packed:
+    if fp8 is not None and fp8.split_out:
         z = jnp.zeros((tile, bn // 2), jnp.float32)
         return jax.lax.fori_loop(0, steps, body, (z, z, z, z))
     z = jnp.zeros((tile, bn), jnp.float32)
@@ -107,8 +107,18 @@ def _gate_up_step_w8a8(acc, fp8, x_ref, token, cols, wg_ref, wu_ref, e, c0, bk, 
     """One hidden step of the W8A8 up projection: e4m3 rows x e4m3 weights on the fp8 tensor cores (float32
     partials), each partial scaled by its row's activation scale and the weight block's scale. Widths are whole
     128-blocks (checked by the caller), so every load is a plain one."""
-    xq = x_ref[token[:, None], cols[None, :]]  # [tile, bk] e4m3; padding rows read row 0 and are never stored
     sa = fp8.refs[2][kb, token][:, None]  # [tile, 1]
+    if fp8.packed and fp8.nk:  # words of two K values: even and odd columns of x against the low and high bytes
+        half = bk // 2
+        x_even = x_ref[token[:, None], col_range(c0, half, 2)[None, :]]
+        x_odd = x_ref[token[:, None], col_range(c0 + 1, half, 2)[None, :]]
+        parts = []
+        for w_ref, s_ref, a in ((wg_ref, fp8.refs[0], acc[0]), (wu_ref, fp8.refs[1], acc[1])):
+            lo, hi = _pair_block(w_ref, e, n0, bn, c0 // 2, half, None)
+            part = dot(x_even, lo, trans_b=True) + dot(x_odd, hi, trans_b=True)
+            parts.append(a + part * (sa * fp8.out_scales(s_ref, e, kb, n0, bn)))
+        return tuple(parts)
+    xq = x_ref[token[:, None], cols[None, :]]  # [tile, bk] e4m3; padding rows read row 0 and are never stored
     if fp8.packed:
         h = bn // 2
         parts = []
@@ -139,6 +149,12 @@ class _Fp8Scales:
     act: bool = False  # W8A8: the rows (x, h) are e4m3 too, their per-row 128-block scales the last ref [blocks, rows]
     nk: bool = False  # K-major weight stacks (gate/up [E, I, D], down [E, D, I]: the release's [out, in]); W8A8 only
 
+    @property
+    def split_out(self) -> bool:
+        """Words of two output columns ([E, K, N] stacks as words): even and odd columns accumulate apart. K-major
+        words pair two K values instead, which two dots sum into one accumulator."""
+        return self.packed and not self.nk
+
     def out_scales(self, ref, e, kb, n0, bn, stride: int = 1):
         """Scales of gate/up output columns n0, n0 + stride, ... (bn of them; the expert width) at hidden block
         kb: [1, bn] or a scalar."""
@@ -156,7 +172,7 @@ def _up_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, h_ref, *, k, bk, steps, i
     def _():
         acc = _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, tile=tile, n0=n0, bn=bn, k0=0,
                        steps=steps, k=k, bk=bk, interpret=interpret, fp8=fp8)
-        if fp8 is not None and fp8.packed:  # even columns, then odd ones
+        if fp8 is not None and fp8.split_out:  # even columns, then odd ones
             g_even, g_odd, u_even, u_odd = acc
             h_ref[:, pl.ds(0, bn // 2, stride=2)] = (jax.nn.silu(g_even) * u_even).astype(h_ref.dtype)
             h_ref[:, pl.ds(1, bn // 2, stride=2)] = (jax.nn.silu(g_odd) * u_odd).astype(h_ref.dtype)
@@ -176,7 +192,7 @@ def _up_partial_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, 
     def _():
         acc = _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, tile=tile, n0=n0, bn=bn, k0=k0,
                        steps=steps, k=k, bk=bk, interpret=interpret, fp8=fp8)
-        if fp8 is not None and fp8.packed:
+        if fp8 is not None and fp8.split_out:
             half = bn // 2
             g_ref[:, pl.ds(0, half, stride=2)], g_ref[:, pl.ds(1, half, stride=2)] = acc[0], acc[1]
             u_ref[:, pl.ds(0, half, stride=2)], u_ref[:, pl.ds(1, half, stride=2)] = acc[2], acc[3]
@@ -215,7 +231,7 @@ def _down_kernel(src_ref, te_ref, w_ref, h_ref, wd_ref, y_ref, *, bn, bk, steps,
 
         valid = src >= 0
         rows = jnp.where(valid, src, MASKED_ROW)  # out of range: the interpreter drops masked rows too
-        if fp8 is not None and fp8.packed:  # even and odd output columns apart (no ragged widths here)
+        if fp8 is not None and fp8.split_out:  # even and odd output columns apart (no ragged widths here)
             z = jnp.zeros((tile, bn // 2), jnp.float32)
             acc = jax.lax.fori_loop(0, steps, body, (z, z))
             for j in range(2):
@@ -255,8 +271,8 @@ def _weight_block_fp8(ref, e, r0, nr, c0, nc, n_rows, n_cols, dtype):
 
 def _pair_block(ref, e, r0, nr, c0, nc, dtype):
     """(even, odd) columns of an e4m3 weight block stored as uint16 words (two e4m3 values each, the first in the
-    low byte): words ref[e, r0:r0 + nr, c0:c0 + nc] -> two [nr, nc] blocks in `dtype` (exact; None: e4m3). Such a view halves
-    the element count: Pallas Triton computes the offsets of an array under 4 GiB in int32, which overflows past
+    low byte): words ref[e, r0:r0 + nr, c0:c0 + nc] -> two [nr, nc] blocks in `dtype` (exact; None: e4m3). Such a
+    view halves the element count: Pallas Triton computes the offsets of an array under 4 GiB in int32, which overflows past
     2**31 elements (a 256 x 6144 x 2048 e4m3 expert stack is 3.2 GB)."""
     words = ref[e, pl.ds(r0, nr), pl.ds(c0, nc)]
     lo = jax.lax.bitcast_convert_type((words & 0xFF).astype(jnp.uint8), FP8)
@@ -273,8 +289,16 @@ def _down_step_fp8(s, acc, *, fp8, e, m0, n0, tile, bn, bk, shift, h_ref, wd_ref
     r = shift if shift is not None else fp8.i_off % bk
     kb = jnp.minimum((fp8.i_off - r + s * bk) // FP8_BLOCK, fp8.refs[0].shape[1] - 1)
     if fp8.act:  # W8A8 (whole 128-blocks, shift 0): e4m3 h rows with their per-row block scales
-        h = h_ref[pl.ds(m0, tile), pl.ds(s * bk, bk)]
         sa = fp8.refs[1][(s * bk) // FP8_BLOCK, pl.ds(m0, tile)][:, None]  # [tile, 1]
+        if fp8.packed and fp8.nk:  # words of two I values: even and odd h columns against the two bytes
+            half = bk // 2
+            h_even = h_ref[pl.ds(m0, tile), pl.ds(s * bk, half, stride=2)]
+            h_odd = h_ref[pl.ds(m0, tile), pl.ds(s * bk + 1, half, stride=2)]
+            lo, hi = _pair_block(wd_ref, e, n0, bn, s * half, half, None)
+            scale = fp8.refs[0][e, kb, n0 // FP8_BLOCK] if bn <= FP8_BLOCK else \
+                fp8.refs[0][e, kb, jnp.minimum(col_range(n0, bn) // FP8_BLOCK, fp8.refs[0].shape[2] - 1)][None, :]
+            return acc + (dot(h_even, lo, trans_b=True) + dot(h_odd, hi, trans_b=True)) * (sa * scale)
+        h = h_ref[pl.ds(m0, tile), pl.ds(s * bk, bk)]
     if fp8.packed:  # shards on block boundaries (shift 0), words of two D columns
         if not fp8.act:
             h = h_ref[pl.ds(m0, tile), pl.ds(s * bk, bk)]
@@ -447,10 +471,13 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     static_off = isinstance(i_offset, int)
     if packed is None:
         packed = fp8 and max(wg.size, wd.size) >= 2 ** 31
-    if packed and nk:
-        raise ValueError(f"moe triton: K-major expert stacks of {max(wg.size, wd.size)} elements would need the "
-                         "uint16-word form, which reads [E, K, N] stacks only")
-    if packed:
+    if packed and nk:  # words of two K values (act: whole blocks checked above)
+        if min(cfg.bk_up, cfg.bk_down) < 64:
+            raise ValueError(f"moe triton: K-major FP8 experts as uint16 words need K steps of 64 or more (each "
+                             f"byte half feeds an fp8 dot of K >= 32); got {cfg}")
+        wg, wu = (jax.lax.bitcast_convert_type(w.reshape(n_exp, i, d // 2, 2), jnp.uint16) for w in (wg, wu))
+        wd = jax.lax.bitcast_convert_type(wd.reshape(n_exp, d, i // 2, 2), jnp.uint16)
+    elif packed:
         if not fp8:
             raise ValueError("moe triton: packed weights are for FP8 experts (e4m3 pairs in uint16 words)")
         if not (static_off and i_offset == 0 and i % max(cfg.bn_up, cfg.bk_down) == 0 and d % cfg.bn_down == 0

@@ -332,10 +332,15 @@ def test_fp8_w8a8_matches_oracle(kernel_impl, t, options):
         moe.routed_experts(*bad, impl=kernel_impl, form="w8a8", **bad_scales)
 
 
-@pytest.mark.parametrize("t,options", [(5, {}), (40, {"tile": 64, "bn_up": 256, "bn_down": 256, "bk_up": 64})])
+@pytest.mark.parametrize("t,options", [
+    (5, {}),
+    (40, {"tile": 64, "bn_up": 256, "bn_down": 256, "bk_up": 64}),
+    (24, {"packed": True}),                                  # uint16 words of two K values
+    (5, {"packed": True, "k_split": 2, "bk_up": 64, "bk_down": 64}),
+])
 def test_fp8_w8a8_k_major_stacks(kernel_impl, on_gpu, t, options):
-    """W8A8 over K-major stacks (w_layout "nk": each expert [out, in] as released) gives the W8A8 oracle; other
-    forms and the uint16-word form refuse that layout."""
+    """W8A8 over K-major stacks (w_layout "nk": each expert [out, in] as released), plain and as uint16 words of
+    two K values (the form of 2**31+ element stacks), gives the W8A8 oracle; W8A16 refuses that layout."""
     args, scales, deq = _fp8_inputs(t, 4, 8, 256, 256, 0, seed=31 + t, dtype=jnp.bfloat16)
     x, e, w, qg, qu, qd = args
     want = _oracle_w8a8(*args, scales["wg_scale"], scales["wu_scale"], scales["wd_scale"], ml_dtypes.bfloat16)
@@ -349,9 +354,9 @@ def test_fp8_w8a8_k_major_stacks(kernel_impl, on_gpu, t, options):
     assert _rel(got, want) < (1e-2 if on_gpu else 5e-3)
     with pytest.raises(ValueError, match="for form 'w8a8'"):
         moe_triton.grouped_swiglu(x, e, w, t_(qg), t_(qu), t_(qd), w_layout="nk", interpret=True, **sc)
-    with pytest.raises(ValueError, match="uint16-word form"):
+    with pytest.raises(ValueError, match="K steps of 64 or more"):
         moe_triton.grouped_swiglu(x, e, w, t_(qg), t_(qu), t_(qd), form="w8a8", w_layout="nk", packed=True,
-                                  interpret=True, **sc)
+                                  bk_up=32, interpret=True, **sc)
 
 
 def test_fp8_form_dispatch(kernel_impl):
@@ -401,19 +406,22 @@ def test_fp8_bad_inputs_are_named():
         moe.routed_experts(*args, impl="triton_interpret", bk_up=256, **scales)
 
 
-@pytest.mark.parametrize("form", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("form", ["w8a16", "w8a8", "w8a8_nk"])
 @pytest.mark.parametrize("t", [1, 32, 4096])
 def test_fp8_full_width_stack_lowers_as_packed_words(t, form):
     """GLM-5.2's whole expert stack on one device (256 x 6144 x 2048 e4m3, 3.2 GB: past 2**31 elements) takes the
     uint16-word form by default and lowers, decode and prefill (split-K included)."""
     s = jax.ShapeDtypeStruct
     f8 = jnp.float8_e4m3fn
+    nk = form == "w8a8_nk"  # K-major stacks: gate/up [E, I, D], down [E, D, I]
+    gu, dn = ((256, 2048, 6144), (256, 6144, 2048)) if nk else ((256, 6144, 2048), (256, 2048, 6144))
     args = (s((t, 6144), jnp.bfloat16), s((t, 8), jnp.int32), s((t, 8), jnp.float32),
-            s((256, 6144, 2048), f8), s((256, 6144, 2048), f8), s((256, 2048, 6144), f8),
+            s(gu, f8), s(gu, f8), s(dn, f8),
             s((256, 48, 16), jnp.float32), s((256, 48, 16), jnp.float32), s((256, 16, 48), jnp.float32))
 
     def fn(x, e, w, g, u, d, sg, su, sd):
-        return moe_triton.grouped_swiglu(x, e, w, g, u, d, wg_scale=sg, wu_scale=su, wd_scale=sd, form=form)
+        return moe_triton.grouped_swiglu(x, e, w, g, u, d, wg_scale=sg, wu_scale=su, wd_scale=sd,
+                                         form="w8a8" if nk else form, w_layout="nk" if nk else "kn")
     text = lower_for_gpu(fn, *args)
     assert "ui16" in text or "u16" in text  # the words the kernels read
     assert {c.name for c in triton_calls(text)} >= {"moe_down"}
