@@ -17,7 +17,7 @@ _EXPORTS = {
     "write_random_checkpoint": "random",
     "is_orbax_checkpoint": "orbax_io", "committed_checkpoint": "orbax_io", "load_orbax_params": "orbax_io",
     "save_orbax_params": "orbax_io", "read_orbax_metadata": "orbax_io", "flatten_params": "orbax_io",
-    "check_save_target": "orbax_io", "stored_fp8_plan": "orbax_io",
+    "check_save_target": "orbax_io", "stored_fp8_plan": "orbax_io", "stored_mtp": "orbax_io",
     "quantize_fp8": "fp8_device", "dequantize_fp8": "fp8_device",
     "quantize_blocks": "fp8_blocks", "write_fp8_release": "fp8_blocks",
     "fp8_plan": "quantization", "scale_path": "quantization", "stored_leaves": "quantization",

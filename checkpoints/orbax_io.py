@@ -47,6 +47,7 @@ from tqdm import tqdm
 from .fp8_codec import E4M3
 from .fp8_device import dequantize_fp8, quantize_fp8
 from .layout import fp8_scale_shape, param_specs
+from .mtp_layout import mtp_param_specs
 from .quantization import check_quantization, fp8_plan, scale_path, stored_leaves
 from .safetensors_io import CheckpointError, as_dtype, fsync_dir, pid_alive, write_json_atomic
 
@@ -60,6 +61,10 @@ _STAGE = re.compile(r"\.checkpoint-(\d{6,})\.tmp-(\d+)")
 
 __all__ = ["FORMAT", "check_save_target", "committed_checkpoint", "flatten_params", "is_orbax_checkpoint",
            "load_orbax_params", "read_orbax_metadata", "save_orbax_params", "stored_fp8_plan"]
+
+
+MTP_PREFIX = "mtp."  # the nextn layer's parameter paths (checkpoints.mtp_layout)
+MTP_ITEM = "mtp"  # the orbax item (directory of a version) holding them
 
 
 def _absolute(path: str | os.PathLike) -> str:
@@ -185,7 +190,8 @@ def save_orbax_params(params, cfg, path: str | os.PathLike, *, extra_files: Iter
     """Save parameters (flat {path: array} or the nested pytree; jax arrays on any mesh, or numpy) and `cfg`
     as a new committed version of the orbax checkpoint directory `path`; returns the version directory.
 
-    Every parameter the layout of `cfg` names must be present with its shape (checked before writing). A weight
+    Every parameter the layout of `cfg` names must be present with its shape (checked before writing); the
+    nextn (MTP) layer's `mtp.*` parameters, when given, are saved beside them (`load_orbax_params(mtp=True)`). A weight
     given as float8_e4m3fn is saved as it is, and its float32 block scales '<path>_scale' must be given too
     (`checkpoints.quantization.stored_leaves`); the metadata records every leaf's dtype.
     `extra_files` (e.g. tokenizer.json) are copied into `path` after the commit. An interrupted save leaves
@@ -201,6 +207,17 @@ def save_orbax_params(params, cfg, path: str | os.PathLike, *, extra_files: Iter
     root = _absolute(path)  # orbax refuses relative paths
     specs = param_specs(cfg)
     flat = flatten_params(params)
+    # the nextn layer (as loaded: compute dtype, never FP8), an orbax item of its own beside the model's
+    mtp_flat = {p: flat.pop(p) for p in [p for p in flat if p.startswith(MTP_PREFIX)]}
+    mtp_leaves = stored_leaves(mtp_param_specs(cfg, shared_head=MTP_PREFIX + "head" in mtp_flat), frozenset()) \
+        if mtp_flat else {}
+    if set(mtp_flat) != set(mtp_leaves):
+        raise CheckpointError(f"cannot save to {root}: the nextn layer's parameters {sorted(mtp_flat)[:5]} are not "
+                              f"the layout's {sorted(mtp_leaves)[:5]}")
+    for p, (shape, _) in mtp_leaves.items():
+        if tuple(mtp_flat[p].shape) != shape:
+            raise CheckpointError(f"cannot save parameter '{p}' to {root}: shape {list(mtp_flat[p].shape)}, "
+                                  f"expected {list(shape)}")
     fp8 = frozenset(p for p in specs if p in flat and np.dtype(flat[p].dtype) == E4M3)
     leaves = _leaves(specs, fp8, f"cannot save to {root}")
     missing = [p for p in leaves if p not in flat]
@@ -233,6 +250,9 @@ def save_orbax_params(params, cfg, path: str | os.PathLike, *, extra_files: Iter
         _sync_processes(f"glm_dsa_stage_{number}_{owner}")  # the stage exists before anyone writes into it
         ckptr = ocp.StandardCheckpointer()
         ckptr.save(os.path.join(stage, PARAMS), {p: flat[p] for p in leaves})
+        if mtp_flat:
+            ckptr.wait_until_finished()
+            ckptr.save(os.path.join(stage, MTP_ITEM), mtp_flat)
         ckptr.wait_until_finished()  # every process's shards are written (orbax syncs the processes)
         ckptr.close()
         steps.update()
@@ -244,6 +264,8 @@ def save_orbax_params(params, cfg, path: str | os.PathLike, *, extra_files: Iter
                 "dtype": _dtype_summary(flat, leaves), "source": source,
                 "params": {p: {"shape": list(shape), "dtype": str(np.dtype(flat[p].dtype))}
                            for p, (shape, _) in leaves.items()},
+                **({"mtp": {p: {"shape": list(shape), "dtype": str(np.dtype(mtp_flat[p].dtype))}
+                            for p, (shape, _) in mtp_leaves.items()}} if mtp_flat else {}),
             })
             steps.update()
             fsync_dir(stage)
@@ -329,9 +351,14 @@ def _dequantizer(grid: tuple, dtype: np.dtype, sharding):
     return jax.jit(functools.partial(dequantize_fp8, grid=grid, dtype=dtype), out_shardings=sharding)
 
 
+def stored_mtp(path: str | os.PathLike) -> bool:
+    """Whether the newest committed version under `path` holds a nextn (MTP) layer (`mtp.*` parameters)."""
+    return bool(read_orbax_metadata(path).get("mtp"))
+
+
 def load_orbax_params(path: str | os.PathLike, cfg, *, dtype,
                       sharding_for: Callable[[str, tuple[int, ...]], jax.sharding.Sharding | None] | None = None,
-                      progress: bool = True, quantization=None) -> dict[str, jax.Array]:
+                      progress: bool = True, quantization=None, mtp: bool = False) -> dict[str, jax.Array]:
     """Restore the newest committed version under `path` as flat parameters {path: jax.Array}.
 
     dtype: compute dtype for every parameter except those the layout keeps in float32 and FP8 weights kept FP8
@@ -342,8 +369,11 @@ def load_orbax_params(path: str | os.PathLike, cfg, *, dtype,
     float8_e4m3fn plus float32 '<path>_scale' grids); "none" dequantises FP8 weights to `dtype` on the devices;
     "fp8" also quantises its bf16 / fp32 linear weights on the devices (128 x 128 blocks, `fp8_device`). The
     FP8 weights of the result are `stored_fp8_plan(path, quantization, cfg)`.
-    Raises `CheckpointError` for no committed version, a corrupt or incomplete version, or parameters that do
-    not match `cfg` (missing, unexpected, wrong shape or scale dtype), before or instead of returning anything.
+    mtp: restore the nextn layer's `mtp.*` parameters too (saved by `convert` from a checkpoint that has one; in
+    `dtype`, never quantised); without it a stored nextn layer is skipped.
+    Raises `CheckpointError` for no committed version, a corrupt or incomplete version, parameters that do not
+    match `cfg` (missing, unexpected, wrong shape or scale dtype), or `mtp` asked of a version without the layer,
+    before or instead of returning anything.
     """
     import orbax.checkpoint as ocp
 
@@ -352,6 +382,7 @@ def load_orbax_params(path: str | os.PathLike, cfg, *, dtype,
     version = meta["directory"]
     specs = param_specs(cfg)
     stored = meta["params"]
+    mtp_leaves = _mtp_leaves(meta, cfg) if mtp else {}
     stored_fp8 = frozenset(p for p in _stored_fp8(stored) if p in specs)
     leaves = _leaves(specs, stored_fp8, f"orbax checkpoint {version}")
     missing = [p for p in leaves if p not in stored]
@@ -408,4 +439,41 @@ def load_orbax_params(path: str | os.PathLike, cfg, *, dtype,
             out[p], out[s] = q, scale
         else:
             out[p] = restored.pop(p)
+    if mtp_leaves:  # its own orbax item, in `dtype` like the model's weights (float32 norms stay float32)
+        target = {p: jax.ShapeDtypeStruct(shape, np.dtype(np.float32) if kind == "fp32" else
+                                          (dtype or as_dtype(meta["mtp"][p]["dtype"])), sharding=placed(p, shape))
+                  for p, (shape, kind) in mtp_leaves.items()}
+        ckptr = ocp.StandardCheckpointer()
+        try:
+            out.update(ckptr.restore(os.path.join(version, MTP_ITEM), target))
+        except Exception as e:
+            raise CheckpointError(f"orbax checkpoint {version}: its MTP (nextn) layer could not be restored: "
+                                  f"{_short(e)}") from e
+        finally:
+            ckptr.close()
     return out
+
+
+def _mtp_leaves(meta: dict, cfg) -> dict:
+    """{path: (shape, kind)} of the nextn layer stored in the version `meta` describes, checked against `cfg`;
+    CheckpointError when the config declares none, the version holds none, or the stored one does not match."""
+    version = meta["directory"]
+    if not int(getattr(cfg, "num_nextn_predict_layers", 0) or 0):
+        raise CheckpointError(f"orbax checkpoint {version}: config.json declares no MTP (nextn) layer "
+                              "(num_nextn_predict_layers is 0); speculative decoding with MTP needs one")
+    stored = meta.get("mtp") or {}
+    if not stored:
+        raise CheckpointError(f"orbax checkpoint {version} has no MTP (nextn) layer (no 'mtp.*' parameters: it was "
+                              "converted from a checkpoint without one); load it with num_speculative_tokens=0")
+    leaves = stored_leaves(mtp_param_specs(cfg, shared_head=MTP_PREFIX + "head" in stored), frozenset())
+    for p, (shape, _) in leaves.items():
+        if p not in stored or tuple(stored[p].get("shape", ())) != shape:
+            raise CheckpointError(f"orbax checkpoint {version}: MTP parameter '{p}' is "
+                                  f"{'missing' if p not in stored else 'of shape ' + str(stored[p].get('shape'))}, "
+                                  f"the config needs {list(shape)}")
+    unexpected = sorted(set(stored) - set(leaves))
+    if unexpected:
+        raise CheckpointError(f"orbax checkpoint {version} has unexpected MTP parameter '{unexpected[0]}'")
+    if not os.path.exists(os.path.join(version, MTP_ITEM)):
+        raise CheckpointError(f"orbax checkpoint {version} is incomplete: '{MTP_ITEM}' is missing")
+    return leaves

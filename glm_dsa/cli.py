@@ -150,21 +150,23 @@ def cmd_convert(args) -> int:
     """HF safetensors (bf16 / fp32 / FP8 block-scaled) or orbax -> a new committed orbax version at --to. Across
     processes each reads and writes only its own devices' shards (--to on a filesystem they share)."""
     import checkpoints
-    from glm_dsa.params import load_params
+    from glm_dsa.params import has_mtp_layer, load_params
     from glm_dsa.text import TEXT_FILES
 
     src, dst = args.src, args.dst
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError(f"convert: --from and --to are the same directory ({src})")
     checkpoints.check_save_target(dst)  # before loading anything
+    mtp = has_mtp_layer(src)  # a nextn layer travels with the model (in the compute dtype)
     cfg, _, flat = load_params(src, parallel=_parallel(args), dtype=args.dtype, progress=not args.no_progress,
-                               quantization=args.quantization)
+                               quantization=args.quantization, mtp=mtp)
     extra = [os.path.join(src, f) for f in TEXT_FILES if os.path.isfile(os.path.join(src, f))]
     version = checkpoints.save_orbax_params(flat, cfg, dst, extra_files=extra, source=os.path.abspath(src),
                                             progress=not args.no_progress)
     fp8 = sum(1 for p in flat if checkpoints.scale_path(p) in flat)
     print(f"converted {src} -> {version}: {len(flat) - fp8} parameters in {args.dtype}"
           + (f" ({fp8} linear weights FP8 with their block scales)" if fp8 else "")
+          + (", the MTP (nextn) layer included" if mtp else "")
           + (f", with {', '.join(os.path.basename(f) for f in extra)}" if extra else ""))
     return 0
 

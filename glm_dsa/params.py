@@ -88,13 +88,22 @@ def load_params(path: str | os.PathLike, *, parallel: ParallelConfig | None = No
     read = checkpoints.load_orbax_params if orbax else checkpoints.load_hf_params
     extra = {}
     if mtp:  # the nextn layer's `mtp.*` parameters too (glm_dsa.mtp)
-        if orbax:
-            raise NotImplementedError(f"{path}: the MTP (nextn) layer loads from HF safetensors checkpoints only so "
-                                      "far (convert does not carry it); load the HF directory")
         extra["mtp"] = True
     flat = read(source, config, dtype=dtype, progress=progress, sharding_for=param_sharding(parallel, config),
                 quantization=quantization, **extra)
     return config, parallel, flat
+
+
+def has_mtp_layer(path: str | os.PathLike) -> bool:
+    """Whether the checkpoint directory `path` (HF or orbax) holds a nextn (MTP) layer that `load_params(...,
+    mtp=True)` can read: declared by its config and present (HF: the layer's `eh_proj` tensor; orbax: `mtp.*`)."""
+    source, orbax = checkpoint_source(path)
+    if orbax:
+        return checkpoints.stored_mtp(source)
+    config = GlmDsaConfig.from_pretrained(source)
+    if not int(getattr(config, "num_nextn_predict_layers", 0) or 0):
+        return False
+    return f"model.layers.{config.num_hidden_layers}.eh_proj.weight" in checkpoints.HFCheckpoint(source)
 
 
 def device_free_bytes() -> int | None:

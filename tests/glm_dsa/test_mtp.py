@@ -56,6 +56,31 @@ def test_asking_for_mtp_without_a_nextn_layer_is_a_clear_error(ckpt):
         glm_dsa.Engine(CFG, {}, num_speculative_tokens=2)
 
 
+def test_convert_carries_the_nextn_layer_to_orbax(mtp_ckpt, ckpt, reference, tmp_path, capsys):
+    """convert keeps the nextn layer: the orbax version restores it bit for bit (onto another mesh) and drafts as
+    the HF one does (same acceptance, same tokens); loading it without MTP skips the layer; a version converted
+    from a checkpoint without one is a clear error when MTP is asked of it."""
+    from glm_dsa.cli import main
+
+    out = tmp_path / "orbax"
+    assert main(["convert", "--from", str(mtp_ckpt), "--to", str(out), "--dtype", "float32", "--no-progress"]) == 0
+    assert "the MTP (nextn) layer included" in capsys.readouterr().out
+    hf, orb = _load(mtp_ckpt, k=2), _load(out, k=2, parallel=ParallelConfig(2, 2))
+    assert sorted(hf.spec.mtp_params) == sorted(orb.spec.mtp_params)
+    for a, b in zip(jax.tree_util.tree_leaves(hf.spec.mtp_params), jax.tree_util.tree_leaves(orb.spec.mtp_params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    got = [orb.generate(_prompts(), max_new_tokens=NEW, stop_token_ids=[]), orb.last_timings]
+    want = [hf.generate(_prompts(), max_new_tokens=NEW, stop_token_ids=[]), hf.last_timings]
+    assert got[0] == want[0] == reference
+    assert got[1]["spec_mean_accepted_length"] == want[1]["spec_mean_accepted_length"]
+    assert _load(out).generate(_prompts(), max_new_tokens=NEW, stop_token_ids=[]) == reference  # layer skipped
+    plain = tmp_path / "plain"
+    assert main(["convert", "--from", str(ckpt), "--to", str(plain), "--dtype", "float32", "--no-progress"]) == 0
+    assert "MTP" not in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match=r"has no MTP \(nextn\) layer \(no 'mtp\.\*' parameters"):
+        _load(plain, k=2)
+
+
 @pytest.mark.parametrize("tp,dcp,k", [(1, 1, 3), (2, 2, 2), (4, 4, 1)])
 def test_greedy_with_mtp_equals_greedy_without(mtp_ckpt, reference, tp, dcp, k):
     par = ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
