@@ -7,8 +7,10 @@ and peak device memory. Every impl runs in the same process on the same weights.
 the model's vocabulary. The step's collectives are not timed apart: the breakdown (each op alone on one
 device, at the shapes of one TP shard) lists them as not measured rather than as a number; `-tp` / `-dcp` run
 the end-to-end and decode steps on that mesh, and the distributed flags (`--coordinator-address HOST:PORT
---num-processes N --process-id I`, one process per host) run them across processes: process 0 reports, and
-the per-stage breakdown is skipped there (it is one device's, the same as a one-process run's).
+--num-processes N --process-id I`, one process per host) run them across processes: process 0 reports (peak
+memory is that of its first device), and the per-stage breakdown is skipped there (it is one device's, the same
+as a one-process run's). Every process makes the same sequence of device calls: nothing device-side is run by
+one process alone, and no loop count depends on a clock.
 
     python -m glm_dsa bench --help        # the command line
     PYTHONPATH=. python3 benchmarks/bench_engine.py --help      # the same flags
@@ -143,6 +145,27 @@ def stage_times(eng: Engine, batch: StepBatch) -> dict[str, float]:
     return out
 
 
+def decode_engine(cfg: GlmDsaConfig, params, parallel, dtype: str, impl: str, b: int, context: int) -> Engine:
+    """An engine of `b` sequences whose caches hold random rows, for `decode_ms_per_step` at `context`."""
+    eng = Engine(cfg, params, parallel=parallel, dtype=dtype, max_model_len=context + 1, max_num_seqs=b, impl=impl,
+                 block_size=64)
+    eng.caches = _random_caches(eng, jax.random.key(b))
+    return eng
+
+
+def decode_ms_per_step(eng: Engine, batch: StepBatch, steps: int = 10) -> float:
+    """Milliseconds per decode step of `batch` (`decode_batch`) on `eng`: 2 warm-up steps (the compile), then
+    one sample of `steps` consecutive steps blocked at the end, as a decode loop runs them. A fixed number of
+    calls, so every process of a multi-process run makes the same ones."""
+    run = jax.jit(functools.partial(step, config=eng.config, parallel=eng.parallel, impl=eng.impl),
+                  donate_argnums=(1,))
+
+    def decode_step():  # the caches are donated: each step feeds the next one's
+        logits, eng.caches = run(eng.params, eng.caches, batch)
+        return logits
+    return 1e3 * median_seconds(decode_step, warmup=2, reps=1, calls_per_rep=steps)
+
+
 @dataclasses.dataclass
 class BenchConfig:
     """What `run_bench` runs (the `python -m glm_dsa bench` flags)."""
@@ -172,14 +195,16 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
     if bc.num_layers:
         cfg = cfg.replace(num_hidden_layers=bc.num_layers, indexer_types=cfg.indexer_types[: bc.num_layers]
                           if len(cfg.indexer_types) >= bc.num_layers else ())
-    from sharding import ParallelConfig
+    from sharding import ParallelConfig, mesh_for
     parallel = ParallelConfig(tensor_parallel_size=bc.tensor_parallel_size,
                               decode_context_parallel_size=bc.decode_context_parallel_size)
+    from glm_dsa.distributed import check_mesh_spans_processes
+    check_mesh_spans_processes(mesh_for(parallel))  # before minutes of init and compiles, in every process
     params = init_params(cfg, seed=bc.seed, dtype=bc.dtype, parallel=parallel, quantization=bc.quantization)
     stages = bc.stages and jax.process_count() == 1  # one device's op times: a one-process run gives them
     ctx = bc.decode_context or bc.input_len
     rng = np.random.default_rng(bc.seed)
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]  # across processes jax.devices()[0] is process 0's: elsewhere unaddressable
     peaks = device_peaks(device)
     results = {"config": dataclasses.asdict(bc), "device": getattr(device, "device_kind", str(device)),
                "roofline": dataclasses.asdict(peaks), "layers": cfg.num_hidden_layers, "impls": {}}
@@ -205,17 +230,9 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
             del eng
         r["decode"] = {}
         for b in bc.decode_batches:
-            eng = Engine(cfg, params, parallel=parallel, dtype=bc.dtype, max_model_len=ctx + 1, max_num_seqs=b,
-                         impl=impl, block_size=64)
-            eng.caches = _random_caches(eng, jax.random.key(b))
+            eng = decode_engine(cfg, params, parallel, bc.dtype, impl, b, ctx)
             batch = decode_batch(b, ctx, eng.block_size, cfg.vocab_size, rng, dcp=eng.parallel.dcp)
-            run = jax.jit(functools.partial(step, config=cfg, parallel=eng.parallel, impl=impl), donate_argnums=(1,))
-
-            def decode_step(eng=eng):  # the caches are donated: each step feeds the next one's
-                logits, eng.caches = run(eng.params, eng.caches, batch)
-                return logits
-            # one sample of 10 consecutive steps blocked at the end, as a decode loop runs them
-            ms = 1e3 * median_seconds(decode_step, warmup=2, reps=1, calls_per_rep=10)
+            ms = decode_ms_per_step(eng, batch)
             item = jnp.dtype(eng.caches["mla"][0].dtype).itemsize
             attn_bytes = decode_attention_bytes(cfg, b, ctx, item)
             row = {"ms_per_step": ms, "attention_bytes": attn_bytes,
@@ -226,7 +243,7 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
             row["peak_bytes"] = peak_bytes(device)
             r["decode"][b] = row
             log(f"[{impl}] decode B={b}: {json.dumps(row)}")
-            del eng, decode_step  # the step closes over the engine: both go before the next B's caches
+            del eng  # before the next B's caches
         results["impls"][impl] = r
     log(format_results(results))
     return results
@@ -321,7 +338,15 @@ def main(argv=None) -> int:
     """The command line (the same as `python -m glm_dsa bench`)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
-    return run_from_args(ap.parse_args(argv), command=command_line(argv, script=__file__))
+    from glm_dsa import distributed
+    try:
+        return run_from_args(ap.parse_args(argv), command=command_line(argv, script=__file__))
+    except (Exception, KeyboardInterrupt):
+        if distributed.is_multiprocess():  # not through JAX's shutdown barrier: peers wait in a collective
+            import traceback
+            traceback.print_exc()
+            distributed.exit_now(1)
+        raise
 
 
 if __name__ == "__main__":

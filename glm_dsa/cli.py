@@ -454,6 +454,29 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        status = _run(args)
+    except (Exception, KeyboardInterrupt):
+        if _multiprocess():  # a peer waits in a collective for this process
+            import traceback
+            traceback.print_exc()
+            from .distributed import exit_now
+            exit_now(1)
+        raise
+    if status and _multiprocess():  # failed: not through JAX's shutdown barrier, where peers may wait long
+        from .distributed import exit_now
+        exit_now(status)
+    return status
+
+
+def _multiprocess() -> bool:
+    if "jax" not in sys.modules:  # nothing has started the runtime (and --help need not import jax)
+        return False
+    from .distributed import is_multiprocess
+    return is_multiprocess()
+
+
+def _run(args) -> int:
+    try:
         _start_distributed(args)
         return args.fn(args)
     except (ValueError, TypeError, OSError, NotImplementedError, ImportError, KeyError) as e:

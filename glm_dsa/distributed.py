@@ -134,3 +134,30 @@ def initialize_from_flags(args: argparse.Namespace) -> bool:
     """`initialize` with the `add_flags` flags of parsed `args`; True if this is a multi-process run."""
     return initialize(args.coordinator_address, args.num_processes, args.process_id,
                       init_timeout_s=args.distributed_timeout, heartbeat_timeout_s=args.distributed_heartbeat_timeout)
+
+
+def is_multiprocess() -> bool:
+    """Whether this process is one of several in JAX's multi-controller runtime."""
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def check_mesh_spans_processes(mesh: jax.sharding.Mesh) -> None:
+    """A ValueError unless every process holds at least one of `mesh`'s devices. A process left out has nothing
+    to run its part of the program on (and would wait at JAX's shutdown for the others), so every process says
+    so at once: the mesh takes the first tensor_parallel_size devices in process order."""
+    have = {d.process_index for d in mesh.devices.flat}
+    missing = sorted(set(range(jax.process_count())) - have)
+    if missing:
+        raise ValueError(f"the mesh of {mesh.devices.size} devices leaves out processes {missing} of "
+                         f"{jax.process_count()} ({jax.device_count()} devices in all, {jax.local_device_count()} in "
+                         "this process): across processes tensor_parallel_size must use every process's devices "
+                         f"(e.g. -tp {jax.device_count()})")
+
+
+def exit_now(status: int) -> None:
+    """End this process with `status` at once, skipping JAX's shutdown barrier. A process that fails in a
+    multi-process run must not wait there: its peers are inside a collective that needs it, and only its absence
+    (the coordination service's heartbeat, `--distributed-heartbeat-timeout`) ends them with an error."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

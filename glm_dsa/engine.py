@@ -23,6 +23,7 @@ from sharding import ParallelConfig, cache_spec, mesh_for
 from sharding.dcp import local_position
 
 from .config import GlmDsaConfig
+from .distributed import check_mesh_spans_processes
 from .model import StepBatch
 from .mtp import mtp_cache_bytes_per_token
 from .params import load_params, resolve_dtype
@@ -183,6 +184,7 @@ class Engine:
         n, inter = self.parallel.dcp, self.parallel.interleave
         self.pages_per_seq = pages_needed(self.max_model_len, block_size, n, inter)
         self.mesh = mesh_for(self.parallel)
+        check_mesh_spans_processes(self.mesh)
         # FP8 caches over 2 GiB per layer are misaddressed by the Triton kernels (32-bit offsets)
         max_pages = max_addressable_pages(config, block_size, kv_cache_dtype) if self.impl == "triton" else None
         if num_pages is not None:
