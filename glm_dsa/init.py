@@ -32,21 +32,28 @@ def init_params(config: GlmDsaConfig, *, seed: int = 0, dtype="bfloat16", parall
     specs = param_specs(config)
     plan = fp8_plan(specs, quantization or "none", lambda spec: False)  # a random model stores no FP8 itself
     key = jax.random.key(seed)
-    flat = {}
+    flat, programs = {}, {}
     for path, spec in specs.items():
         mean, std = init_stats(path)
         out_dtype = jnp.float32 if spec.fp32 else dt
         sharding = sharding_for(path, spec.shape)
         k = jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
-
-        def draw(k, shape=spec.shape, m=mean, s=std, d=out_dtype):
-            return (m + s * jax.random.normal(k, shape, jnp.float32)).astype(d)
-
-        if path in plan:  # drawn and quantised in one program: the wide draw never leaves the devices
-            scales = scale_path(path)
-            make = jax.jit(lambda k, draw=draw, grid=spec.fp8_grid: quantize_fp8(draw(k), grid),
-                           out_shardings=(sharding, sharding_for(scales, fp8_scale_shape(spec))))
-            flat[path], flat[scales] = make(k)
+        fp8 = path in plan
+        # one compiled generator per (shape, dtype, sharding): the layers' parameters share them, so a model
+        # compiles a few dozen small programs, not one per parameter (each costs ~0.2-0.5 s on a GPU)
+        sig = (spec.shape, out_dtype, sharding, spec.fp8_grid if fp8 else None)
+        if sig not in programs:
+            def draw(k, m, s, shape=spec.shape, d=out_dtype):
+                return (m + s * jax.random.normal(k, shape, jnp.float32)).astype(d)
+            if fp8:  # drawn and quantised in one program: the wide draw never leaves the devices
+                programs[sig] = jax.jit(lambda k, m, s, draw=draw, grid=spec.fp8_grid:
+                                        quantize_fp8(draw(k, m, s), grid),
+                                        out_shardings=(sharding, sharding_for(scale_path(path), fp8_scale_shape(spec))))
+            else:
+                programs[sig] = jax.jit(draw, out_shardings=sharding)
+        m, s = jnp.float32(mean), jnp.float32(std)
+        if fp8:
+            flat[path], flat[scale_path(path)] = programs[sig](k, m, s)
         else:
-            flat[path] = jax.jit(draw, out_shardings=sharding)(k)
+            flat[path] = programs[sig](k, m, s)
     return nest_params(flat)
