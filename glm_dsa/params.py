@@ -13,6 +13,7 @@ import checkpoints
 from sharding import ParallelConfig, mesh_for, param_spec
 
 from .config import GlmDsaConfig
+from .distributed import check_mesh_spans_processes
 from .placement import leaf_spec, param_bytes_per_device
 from .step import resolve_parallel
 
@@ -82,6 +83,8 @@ def load_params(path: str | os.PathLike, *, parallel: ParallelConfig | None = No
     source, orbax = checkpoint_source(path)
     config = GlmDsaConfig.from_pretrained(source)
     parallel = resolve_parallel(parallel, config)
+    # before any read: a process the mesh leaves out would fail placing its (absent) shards with JAX's own error
+    check_mesh_spans_processes(mesh_for(parallel))
     dtype = resolve_dtype(dtype)
     plan = checkpoint_fp8_plan(source, orbax, config, quantization)
     check_fits(config, parallel, dtype=dtype, plan=plan, mtp=mtp, device_memory=device_memory, what=source)
