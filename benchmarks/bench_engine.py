@@ -230,23 +230,38 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
             del eng
         r["decode"] = {}
         for b in bc.decode_batches:
-            eng = decode_engine(cfg, params, parallel, bc.dtype, impl, b, ctx)
-            batch = decode_batch(b, ctx, eng.block_size, cfg.vocab_size, rng, dcp=eng.parallel.dcp)
-            ms = decode_ms_per_step(eng, batch)
-            item = jnp.dtype(eng.caches["mla"][0].dtype).itemsize
-            attn_bytes = decode_attention_bytes(cfg, b, ctx, item)
-            row = {"ms_per_step": ms, "attention_bytes": attn_bytes,
-                   "attention_roofline_ms": 1e3 * attn_bytes / peaks.hbm_bytes_per_s}
-            if stages:
-                row["stages_ms"] = {k: 1e3 * v for k, v in stage_times(eng, batch).items()}
-                row["stages_not_measured"] = dict(NOT_MEASURED)
-            row["peak_bytes"] = peak_bytes(device)
+            try:
+                row = _decode_row(cfg, params, parallel, bc, impl, b, ctx, rng, stages, peaks, device)
+            except jax.errors.JaxRuntimeError as e:
+                # a batch whose caches do not fit (full-width layers at B = 128) is a result, not the end of the run;
+                # across processes every process must stop the same way, so there it is raised
+                if "RESOURCE_EXHAUSTED" not in str(e) or jax.process_count() > 1:
+                    raise
+                row = {"error": "out of memory: " + str(e).splitlines()[0][:300]}
             r["decode"][b] = row
             log(f"[{impl}] decode B={b}: {json.dumps(row)}")
-            del eng  # before the next B's caches
         results["impls"][impl] = r
     log(format_results(results))
     return results
+
+
+def _decode_row(cfg, params, parallel, bc, impl, b, ctx, rng, stages, peaks, device) -> dict:
+    """One decode batch's figures: ms per step, the attention bytes and their roofline, the stages, peak memory."""
+    eng = decode_engine(cfg, params, parallel, bc.dtype, impl, b, ctx)
+    try:
+        batch = decode_batch(b, ctx, eng.block_size, cfg.vocab_size, rng, dcp=eng.parallel.dcp)
+        ms = decode_ms_per_step(eng, batch)
+        item = jnp.dtype(eng.caches["mla"][0].dtype).itemsize
+        attn_bytes = decode_attention_bytes(cfg, b, ctx, item)
+        row = {"ms_per_step": ms, "attention_bytes": attn_bytes,
+               "attention_roofline_ms": 1e3 * attn_bytes / peaks.hbm_bytes_per_s}
+        if stages:
+            row["stages_ms"] = {k: 1e3 * v for k, v in stage_times(eng, batch).items()}
+            row["stages_not_measured"] = dict(NOT_MEASURED)
+        row["peak_bytes"] = peak_bytes(device)
+        return row
+    finally:
+        del eng  # before the next B's caches
 
 
 def format_results(res: dict) -> str:
@@ -259,6 +274,9 @@ def format_results(res: dict) -> str:
                          f"MFU {100 * r['prefill_mfu']:.1f}%; end-to-end {r['end_to_end_s']:.2f} s, "
                          f"decode {r['decode_ms_per_step_e2e']:.2f} ms/step")
         for b, row in r["decode"].items():
+            if "error" in row:
+                lines.append(f"[{impl}] decode B={b}: {row['error']}")
+                continue
             st = ", ".join([f"{k} {v:.3f}" for k, v in row.get("stages_ms", {}).items()]
                            + [f"{k} {why}" for k, why in row.get("stages_not_measured", {}).items()])
             lines.append(f"[{impl}] decode B={b}: {row['ms_per_step']:.3f} ms/step; attention bytes roofline "

@@ -73,3 +73,41 @@ def test_roofline_counts_by_hand():
     want = 128 * (78 * 2048 * 576 * 2 + 21 * 32768 * 128 * 2)
     assert decode_attention_bytes(cfg, 128, 32768, 2) == want
     assert 2 * 30e9 < flops_per_token(cfg, 1) < 2 * 50e9  # ~40B active parameters per token
+
+
+def test_a_decode_batch_out_of_memory_is_a_row_not_the_end(monkeypatch):
+    """A decode batch whose caches do not fit the device (RESOURCE_EXHAUSTED) is reported as that batch's row and
+    the run goes on to the next batch; any other error still ends the run."""
+    import argparse
+
+    import jax
+
+    from benchmarks import bench_engine
+
+    real = bench_engine._decode_row
+
+    def row(cfg, params, parallel, bc, impl, b, *rest):
+        if b == 2:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.5GiB")
+        return real(cfg, params, parallel, bc, impl, b, *rest)
+
+    monkeypatch.setattr(bench_engine, "_decode_row", row)
+    p = argparse.ArgumentParser()
+    bench_engine.add_arguments(p)
+    bc = bench_engine.config_from_args(p.parse_args(
+        ["--preset", "tiny", "--input-len", "16", "--output-len", "2", "--batch", "1", "--decode-batches", "2,1",
+         "--no-end-to-end", "--no-stages"]))
+    lines = []
+    res = bench_engine.run_bench(bc, log=lines.append)
+    decode = res["impls"]["xla"]["decode"]
+    assert decode[2] == {"error": "out of memory: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.5GiB"}
+    assert decode[1]["ms_per_step"] > 0
+    assert "decode B=2: out of memory" in lines[-1]
+    assert [r.get("error") is None for r in bench_engine.result_rows(res)] == [False, True]
+
+    def broken(*a):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    monkeypatch.setattr(bench_engine, "_decode_row", broken)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        bench_engine.run_bench(bc, log=lines.append)
