@@ -1,7 +1,7 @@
-"""One process of a multi-process MTP run (tests/multihost/test_mtp_processes.py): joins the runtime, loads the checkpoint's
-target and nextn layer on `tp,dcp` with k drafts per step, and generates greedily with the MTP drafts and with
-oracle drafts right up to each draft position m (from the MTP run's own tokens); process 0 saves each run's
-tokens and per-position acceptance to an .npz.
+"""One process of a multi-process MTP run (tests/multihost/test_mtp_processes.py): joins the runtime, loads the
+checkpoint's target and nextn layer on `tp,dcp` with k drafts per step, and generates greedily with the MTP
+drafts and with oracle drafts right up to each draft position m (from the MTP run's own tokens); process 0 saves
+each run's tokens and per-position acceptance to an .npz.
 
     python mtp_worker.py PORT NUM_PROCESSES PROCESS_ID DEVICES_PER_PROCESS CKPT OUT TP,DCP K
 

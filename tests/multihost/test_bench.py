@@ -7,51 +7,23 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from multihost_processes import free_port, run_processes  # noqa: E402
 #: the smallest run that still prefills, generates and times a decode step across the processes
 BENCH = ["bench", "--preset", "tiny", "--input-len", "16", "--output-len", "4", "--batch", "2",
          "--decode-batches", "2", "--decode-context", "32"]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_two(args, tmp_path, timeout):
-    """Both processes' (status, stdout, stderr); the test fails if they are not done within `timeout` s."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env.pop("GLM_DSA_DEBUG", None)
-    port = _port()
-    common = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--distributed-timeout", "60",
-              "--distributed-heartbeat-timeout", "15"]
-    procs = [subprocess.Popen([sys.executable, "-m", "glm_dsa", *args, *common, "--process-id", str(i)],
-                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    deadline = time.monotonic() + timeout
-    outs = []
-    for i, p in enumerate(procs):
-        try:
-            outs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1)))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            logs = [q.communicate()[0][-2000:] for q in procs]
-            pytest.fail(f"process {i} of the two-process bench did not finish within {timeout} s (a stall); "
-                        f"stdout of each: {logs}")
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+    """Both processes' (status, stdout, stderr) of `python -m glm_dsa *args` on one coordinator."""
+    common = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2", "--distributed-timeout",
+              "60", "--distributed-heartbeat-timeout", "15"]
+    return run_processes([[sys.executable, "-m", "glm_dsa", *args, *common, "--process-id", str(i)] for i in range(2)],
+                         tmp_path, timeout, "the two-process bench")
 
 
 def test_cli_bench_across_processes(tmp_path):

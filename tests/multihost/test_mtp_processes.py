@@ -7,11 +7,7 @@ fails the test at its timeout."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,17 +18,11 @@ from checkpoints.random import write_random_checkpoint
 from glm_dsa import ParallelConfig, configs
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 from multihost_cases import GEN_PROMPTS, NEW_TOKENS  # noqa: E402
+from multihost_processes import free_port, run_processes  # noqa: E402
 
 K = 2
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -51,28 +41,11 @@ def reference(ckpt):
 
 
 def _run_two(cmds, cwd, timeout):
-    """Both processes' (status, stdout, stderr) of cmds[i] (process i); the test fails past `timeout` s."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE), env.get("PYTHONPATH", "")])
-    procs = [subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for c in cmds]
-    deadline = time.monotonic() + timeout
-    outs = []
-    for i, p in enumerate(procs):
-        try:
-            outs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1)))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            logs = [q.communicate()[1][-2000:] for q in procs]
-            pytest.fail(f"process {i} of the two-process MTP run did not finish within {timeout} s (a stall); "
-                        f"stderr of each: {logs}")
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+    return run_processes(cmds, cwd, timeout, "the two-process MTP run")
 
 
 def _generate_cmds(ckpt, layout):
-    port = _port()
+    port = free_port()
     prompts = [a for p in GEN_PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]
     args = ["--checkpoint", str(ckpt), *prompts, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--dtype",
             "float32", "--max-model-len", "64", "--num-speculative-tokens", str(K), *layout,
@@ -95,7 +68,7 @@ def test_cli_generate_with_mtp_across_processes(ckpt, reference, tmp_path):
 def test_oracle_drafts_across_processes(ckpt, reference, tmp_path):
     """Drafts right up to draft position m (0..K) and wrong after it: every process accepts the same m drafts
     per verify row (the tokens unchanged), per-position acceptance 1 before m and 0 from m on."""
-    port, out = _port(), tmp_path / "out.npz"
+    port, out = free_port(), tmp_path / "out.npz"
     res = _run_two([[sys.executable, str(HERE / "mtp_worker.py"), str(port), "2", str(i), "2", str(ckpt), str(out),
                      "4,1", str(K)] for i in range(2)], tmp_path, timeout=120)
     for i, (rc, stdout, err) in enumerate(res):

@@ -6,7 +6,6 @@ checkpoint saved on another layout; a peer that never joins or dies ends the oth
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 from multihost_cases import GEN_PROMPTS, LOGIT_IDS, NEW_TOKENS  # noqa: E402
+from multihost_processes import free_port  # noqa: E402
 
 #: tiny's structure (dense + MoE, full and shared indexer layers) with 8 heads, so TP = 8 splits them
 CFG = configs.tiny.replace(num_attention_heads=8)
@@ -39,12 +39,6 @@ LAYOUTS = sorted(set(HALVES[0]) | set(HALVES[1]))
 assert len(LAYOUTS) == 1 + 2 * 2 * 2  # every combination
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env():
     env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE), env.get("PYTHONPATH", "")])
@@ -53,7 +47,7 @@ def _env():
 
 
 def _launch(n, k, ckpt, out, layouts, timeout=600):
-    port = _port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, str(HERE / "worker.py"), str(port), str(n), str(i), str(k),
                                str(ckpt), str(out), *layouts], env=_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(n)]
@@ -120,13 +114,13 @@ def _worker_cmd(port, n, i, mode):
 
 def test_a_peer_that_never_joins_is_a_clear_error():
     t0 = time.monotonic()
-    p = subprocess.run(_worker_cmd(_port(), 2, 0, "wait"), env=_env(), capture_output=True, text=True, timeout=120)
+    p = subprocess.run(_worker_cmd(free_port(), 2, 0, "wait"), env=_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and time.monotonic() - t0 < 60
     assert "not all 2 processes joined the coordinator at 127.0.0.1:" in p.stderr, p.stderr[-2000:]
 
 
 def test_a_peer_that_dies_ends_the_others():
-    port = _port()
+    port = free_port()
     procs = [subprocess.Popen(_worker_cmd(port, 2, i, "die" if i else "wait"), env=_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
     t0 = time.monotonic()
@@ -139,7 +133,7 @@ def test_a_peer_that_dies_ends_the_others():
 def test_cli_generate_across_processes(ckpts, tmp_path):
     """`python -m glm_dsa generate --coordinator-address ... --num-processes 2 --process-id I` in two processes,
     from a temporary directory: process 0 prints the single-process tokens, process 1 prints nothing."""
-    port = _port()
+    port = free_port()
     env = _env()
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     args = ["--checkpoint", str(ckpts[0]), "--prompt-ids", "5,6,7", "--max-new-tokens", "5", "--ignore-eos",

@@ -5,7 +5,6 @@ checkpoint's parameters exactly (float32). Run twice, the second save is version
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,17 +17,13 @@ from glm_dsa import ParallelConfig, configs
 from glm_dsa.pytree import flatten_params
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from multihost_processes import free_port  # noqa: E402
 CFG = configs.tiny.replace(num_attention_heads=8)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _convert(src, dst, cwd):
-    coordinator = f"127.0.0.1:{_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
                PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, "-m", "glm_dsa", "convert", "--from", str(src), "--to", str(dst),

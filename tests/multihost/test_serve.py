@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,16 +24,13 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from multihost_processes import free_port  # noqa: E402
+
 CFG = configs.tiny.replace(num_attention_heads=8)  # TP = 8 splits the heads
 LAYOUT = ["-tp", "8", "-dcp", "4"]
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
 MAX_LEN = 256
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +51,8 @@ class Servers:
     """Two serve processes (process 0 on an HTTP port), their logs, and a bounded wait for /health."""
 
     def __init__(self, ckpt, tmp_path, heartbeat_s=10):
-        self.base = f"http://127.0.0.1:{_port()}"
-        coordinator = f"127.0.0.1:{_port()}"
+        self.base = f"http://127.0.0.1:{free_port()}"
+        coordinator = f"127.0.0.1:{free_port()}"
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
                    PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         self.logs = [tmp_path / f"serve{i}.log" for i in range(2)]
