@@ -241,14 +241,17 @@ def quantize_weight_blocks(w, block: int = WEIGHT_BLOCK):
     return to_e4m3(exact_div(w, full)), scale
 
 
-def dequantize_weight_blocks(q, scale, row_offset=0, col_offset=0, dtype=jnp.float32, block: int = WEIGHT_BLOCK):
+def dequantize_weight_blocks(q, scale, row_offset=0, col_offset=0, dtype=jnp.float32, block: int = WEIGHT_BLOCK,
+                             convert: bool = False):
     """e4m3 [..., rows, cols] and its scale grid [..., row_blocks, col_blocks] -> ``q * scale`` in `dtype`
     (float32: exact). The local rows (columns) start at `row_offset` (`col_offset`) inside the grid's first block
-    (a TP shard that starts mid-block); offsets may be traced int32 scalars."""
+    (a TP shard that starts mid-block); offsets may be traced int32 scalars. The e4m3 values are decoded through
+    a table (`e4m3_to_f32`), which XLA cannot fold into a reduced-precision FP8 GEMM when the result feeds a dot;
+    `convert`: XLA's convert instead, one fused elementwise pass, for weights that go to a Pallas kernel."""
     rows, cols = q.shape[-2:]
     s = jnp.take(jnp.take(scale, block_index(rows, row_offset, block), axis=-2), block_index(cols, col_offset, block),
                  axis=-1)
-    return (e4m3_to_f32(q) * s).astype(dtype)
+    return ((q.astype(jnp.float32) if convert else e4m3_to_f32(q)) * s).astype(dtype)
 
 
 def quantize_activation_blocks(x, col_offset=0, n_blocks: int | None = None, block: int = WEIGHT_BLOCK):

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from . import registry
-from .fp8_formats import FP8, block_index, dequantize_weight_blocks
+from .fp8_formats import FP8, dequantize_weight_blocks
 from .fp8_linear import check_offset, check_scale_grid
 from .moe_tiles import tile_plan, tile_rows
 
@@ -149,7 +149,7 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: 
             # the barrier ties the weights to this layer's rows: without it XLA dequantises every layer's experts
             # at the start of the step (they depend on nothing), all alive at once (55 GiB at TP = 1: OOM)
             x, wg, wu, wd = jax.lax.optimization_barrier((x, wg, wu, wd))
-            wg, wu, wd = (_dequantize(w, fp8[n], r, c, x.dtype) for w, n, r, c in (
+            wg, wu, wd = (dequantize_weight_blocks(w, fp8[n], r, c, x.dtype, convert=True) for w, n, r, c in (
                 (wg, "wg_scale", 0, fp8["i_offset"]), (wu, "wu_scale", 0, fp8["i_offset"]),
                 (wd, "wd_scale", fp8["i_offset"], 0)))
             return registry.dispatch("moe", impl, x, experts, weights, wg, wu, wd, **kernel_options)
@@ -171,14 +171,6 @@ def fp8_form(t: int, k: int, n_exp: int, d: int, i: int, i_offset) -> str:
     if not aligned:
         return "w8a16"
     return "dequant" if tile_rows(t, k, n_exp) >= 64 else "w8a8"
-
-
-def _dequantize(q, scale, row_offset, col_offset, dtype):
-    """e4m3 weights [..., rows, cols] times their block scales, in `dtype`: XLA's convert (the weights go to a
-    Pallas kernel, not to a dot XLA could turn into an FP8 GEMM), one fused elementwise pass."""
-    rows, cols = q.shape[-2:]
-    s = jnp.take(jnp.take(scale, block_index(rows, row_offset), axis=-2), block_index(cols, col_offset), axis=-1)
-    return (q.astype(jnp.float32) * s).astype(dtype)
 
 
 def _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset) -> dict:

@@ -272,8 +272,8 @@ def _weight_block_fp8(ref, e, r0, nr, c0, nc, n_rows, n_cols, dtype):
 def _pair_block(ref, e, r0, nr, c0, nc, dtype):
     """(even, odd) columns of an e4m3 weight block stored as uint16 words (two e4m3 values each, the first in the
     low byte): words ref[e, r0:r0 + nr, c0:c0 + nc] -> two [nr, nc] blocks in `dtype` (exact; None: e4m3). Such a
-    view halves the element count: Pallas Triton computes the offsets of an array under 4 GiB in int32, which overflows past
-    2**31 elements (a 256 x 6144 x 2048 e4m3 expert stack is 3.2 GB)."""
+    view halves the element count: Pallas Triton computes the offsets of an array under 4 GiB in int32, which
+    overflows past 2**31 elements (a 256 x 6144 x 2048 e4m3 expert stack is 3.2 GB)."""
     words = ref[e, pl.ds(r0, nr), pl.ds(c0, nc)]
     lo = jax.lax.bitcast_convert_type((words & 0xFF).astype(jnp.uint8), FP8)
     hi = jax.lax.bitcast_convert_type((words >> 8).astype(jnp.uint8), FP8)
@@ -295,8 +295,7 @@ def _down_step_fp8(s, acc, *, fp8, e, m0, n0, tile, bn, bk, shift, h_ref, wd_ref
             h_even = h_ref[pl.ds(m0, tile), pl.ds(s * bk, half, stride=2)]
             h_odd = h_ref[pl.ds(m0, tile), pl.ds(s * bk + 1, half, stride=2)]
             lo, hi = _pair_block(wd_ref, e, n0, bn, s * half, half, None)
-            scale = fp8.refs[0][e, kb, n0 // FP8_BLOCK] if bn <= FP8_BLOCK else \
-                fp8.refs[0][e, kb, jnp.minimum(col_range(n0, bn) // FP8_BLOCK, fp8.refs[0].shape[2] - 1)][None, :]
+            scale = _down_scale(fp8, e, kb, n0, bn)
             return acc + (dot(h_even, lo, trans_b=True) + dot(h_odd, hi, trans_b=True)) * (sa * scale)
         h = h_ref[pl.ds(m0, tile), pl.ds(s * bk, bk)]
     if fp8.packed:  # shards on block boundaries (shift 0), words of two D columns
@@ -312,8 +311,7 @@ def _down_step_fp8(s, acc, *, fp8, e, m0, n0, tile, bn, bk, shift, h_ref, wd_ref
         return acc[0] + dot(h, w_even) * scales[0], acc[1] + dot(h, w_odd) * scales[1]
     if fp8.act:
         wd = wd_ref[e, pl.ds(n0, bn), pl.ds(s * bk, bk)] if fp8.nk else wd_ref[e, pl.ds(s * bk, bk), pl.ds(n0, bn)]
-        scale = fp8.refs[0][e, kb, n0 // FP8_BLOCK] if bn <= FP8_BLOCK else \
-            fp8.refs[0][e, kb, jnp.minimum(col_range(n0, bn) // FP8_BLOCK, fp8.refs[0].shape[2] - 1)][None, :]
+        scale = _down_scale(fp8, e, kb, n0, bn)
         return acc + dot(h, wd, trans_b=fp8.nk) * (sa * scale)
     if shift == 0:  # steps on block boundaries from column 0: the bf16 path's loads
         h = h_ref[pl.ds(m0, tile), pl.ds(s * bk, bk)]
@@ -323,11 +321,16 @@ def _down_step_fp8(s, acc, *, fp8, e, m0, n0, tile, bn, bk, shift, h_ref, wd_ref
         ok = (cols >= 0) & (cols < i)
         h = _cols(h_ref, m0, tile, cols, ok, interpret)
         wd = load_e4m3(wd_ref, (e,), cols, col_range(n0, bn), i, d, h.dtype)
-    if bn <= FP8_BLOCK:  # n0 is a multiple of bn, which divides 128: one hidden block
-        scale = fp8.refs[0][e, kb, n0 // FP8_BLOCK]
-    else:
-        scale = fp8.refs[0][e, kb, jnp.minimum(col_range(n0, bn) // FP8_BLOCK, fp8.refs[0].shape[2] - 1)][None, :]
-    return acc + dot(h, wd) * scale
+    return acc + dot(h, wd) * _down_scale(fp8, e, kb, n0, bn)
+
+
+def _down_scale(fp8, e, kb, n0, bn):
+    """The down weights' scales of output columns [n0, n0 + bn) at width block kb: a scalar when the columns lie in
+    one 128-block (n0 is a multiple of bn, which then divides 128), else [1, bn]."""
+    ref = fp8.refs[0]
+    if bn <= FP8_BLOCK:
+        return ref[e, kb, n0 // FP8_BLOCK]
+    return ref[e, kb, jnp.minimum(col_range(n0, bn) // FP8_BLOCK, ref.shape[2] - 1)][None, :]
 
 
 def _round_to(x, dtype):
