@@ -211,27 +211,10 @@ def save_orbax_params(params, cfg, path: str | os.PathLike, *, extra_files: Iter
     mtp_flat = {p: flat.pop(p) for p in [p for p in flat if p.startswith(MTP_PREFIX)]}
     mtp_leaves = stored_leaves(mtp_param_specs(cfg, shared_head=MTP_PREFIX + "head" in mtp_flat), frozenset()) \
         if mtp_flat else {}
-    if set(mtp_flat) != set(mtp_leaves):
-        raise CheckpointError(f"cannot save to {root}: the nextn layer's parameters {sorted(mtp_flat)[:5]} are not "
-                              f"the layout's {sorted(mtp_leaves)[:5]}")
-    for p, (shape, _) in mtp_leaves.items():
-        if tuple(mtp_flat[p].shape) != shape:
-            raise CheckpointError(f"cannot save parameter '{p}' to {root}: shape {list(mtp_flat[p].shape)}, "
-                                  f"expected {list(shape)}")
+    _check_leaves(mtp_flat, mtp_leaves, root)
     fp8 = frozenset(p for p in specs if p in flat and np.dtype(flat[p].dtype) == E4M3)
     leaves = _leaves(specs, fp8, f"cannot save to {root}")
-    missing = [p for p in leaves if p not in flat]
-    extra = [p for p in flat if p not in leaves]
-    if missing or extra:
-        raise CheckpointError(f"cannot save to {root}: missing parameters {missing[:5]}, unknown parameters "
-                              f"{extra[:5]}")
-    for p, (shape, kind) in leaves.items():
-        if tuple(flat[p].shape) != shape:
-            raise CheckpointError(f"cannot save parameter '{p}' to {root}: shape {list(flat[p].shape)}, "
-                                  f"expected {list(shape)}")
-        if kind == "scale" and np.dtype(flat[p].dtype) != np.float32:
-            raise CheckpointError(f"cannot save parameter '{p}' to {root}: FP8 scales are float32, got "
-                                  f"{np.dtype(flat[p].dtype)}")
+    _check_leaves(flat, leaves, root)
     check_save_target(root)
     lead = jax.process_index() == 0  # the one that numbers, stages, commits and cleans up
     if lead:
@@ -292,6 +275,23 @@ def save_orbax_params(params, cfg, path: str | os.PathLike, *, extra_files: Iter
     steps.update()
     _sync_processes(f"glm_dsa_commit_{number}_{owner}")
     return final
+
+
+def _check_leaves(flat: dict, leaves: dict, root: str) -> None:
+    """The parameters to save are exactly `leaves` ({path: (shape, kind)}) with those shapes and float32 scale
+    grids: CheckpointError naming the first that is not, before anything is written."""
+    missing = [p for p in leaves if p not in flat]
+    extra = [p for p in flat if p not in leaves]
+    if missing or extra:
+        raise CheckpointError(f"cannot save to {root}: missing parameters {missing[:5]}, unknown parameters "
+                              f"{extra[:5]}")
+    for p, (shape, kind) in leaves.items():
+        if tuple(flat[p].shape) != shape:
+            raise CheckpointError(f"cannot save parameter '{p}' to {root}: shape {list(flat[p].shape)}, "
+                                  f"expected {list(shape)}")
+        if kind == "scale" and np.dtype(flat[p].dtype) != np.float32:
+            raise CheckpointError(f"cannot save parameter '{p}' to {root}: FP8 scales are float32, got "
+                                  f"{np.dtype(flat[p].dtype)}")
 
 
 def _sync_processes(name: str) -> None:
