@@ -111,12 +111,17 @@ def bench_linear(args, peaks, rows):
 
 
 def bench_moe(args, peaks, rows):
-    """bf16 vs FP8 (W8A16) grouped-GEMM routed experts, the xla forms beside them."""
+    """bf16 vs FP8 grouped-GEMM routed experts (each form of --moe_forms), the xla forms beside them."""
     d, i, e = args.moe_dims
     keys = jax.random.split(jax.random.key(1), 3)
     fp8 = [random_fp8(kk, shape) for kk, shape in zip(keys, ((e, d, i), (e, d, i), (e, i, d)))]
     bf16 = [fp8_formats.dequantize_weight_blocks(q, s, dtype=jnp.bfloat16) for q, s in fp8]
+    stacks = {"kn": [q for q, _ in fp8]}
+    if "w8a8_nk" in args.moe_forms:  # K-major copies of the same bytes, made once
+        stacks["nk"] = [jnp.swapaxes(q, 1, 2) for q in stacks["kn"]]
     scales = dict(wg_scale=fp8[0][1], wu_scale=fp8[1][1], wd_scale=fp8[2][1])
+    # force the uint16-word form on or off (the kernels' option; the xla forms take none)
+    word_form = {} if args.moe_packed == "auto" else {"packed": args.moe_packed == "1"}
     rng = np.random.default_rng(0)
     for t in args.batches:
         x = jax.random.normal(jax.random.key(t), (t, d), jnp.bfloat16)
@@ -127,10 +132,10 @@ def bench_moe(args, peaks, rows):
         res = {"op": "moe", "T": t, "experts_used": used, "dims": [d, i, e], "packed": args.moe_packed}
 
         def run(impl, ws, **kw):
-            if kw.get("form") == "w8a8_nk":  # the kernel over K-major stacks (transposed copies of the same bytes)
+            if kw.get("form") == "w8a8_nk":  # the kernel over K-major stacks
                 f = functools.partial(moe_triton.grouped_swiglu, **dict(kw, form="w8a8", w_layout="nk"),
                                       interpret=impl.endswith("interpret"))
-                ws = [jnp.swapaxes(q, 1, 2) for q in ws]
+                ws = stacks["nk"]
             else:
                 f = functools.partial(moe.routed_experts, impl=impl, **kw)
             return op_device_time(lambda xx, e, ww, *a: f(xx, e, ww, *a), x, experts, w, *ws, iters=args.iters)
@@ -141,12 +146,10 @@ def bench_moe(args, peaks, rows):
             res["bf16_xla"] = _rates({}, run("xla", bf16), used * 3 * d * i * 2, flops, peaks)
         fp8_bytes = used * 3 * (d * i + 4 * fp8[0][1][0].size)
         for form in args.moe_forms:
-            if args.moe_packed != "auto":  # force the uint16-word form on or off
-                scales = dict(scales, packed=args.moe_packed == "1")
-            best = {"config": "default", "s": run(args.impl, [q for q, _ in fp8], form=form, **scales)}
+            best = {"config": "default", "s": run(args.impl, stacks["kn"], form=form, **scales, **word_form)}
             if args.moe_budget_s > 0:
-                sweep = budgeted_sweep(moe_configs(t), lambda cfg: run(args.impl, [q for q, _ in fp8], form=form,
-                                                                       **scales, **cfg),
+                sweep = budgeted_sweep(moe_configs(t), lambda cfg: run(args.impl, stacks["kn"], form=form,
+                                                                       **scales, **word_form, **cfg),
                                        args.moe_budget_s, label=f"moe {form} T={t}")
                 if sweep.measured and sweep.best()[1] < best["s"]:
                     best = {"config": sweep.best()[0], "s": sweep.best()[1]}
@@ -155,8 +158,7 @@ def bench_moe(args, peaks, rows):
                          "config": best["config"], **({"configs_measured": best["measured"]}
                                                       if "measured" in best else {})}
         if t <= 128 and not args.no_xla:
-            res["xla_fp8"] = _rates({}, run("xla", [q for q, _ in fp8], **{k: v for k, v in scales.items()
-                                                                           if k != "packed"}), fp8_bytes, flops, peaks)
+            res["xla_fp8"] = _rates({}, run("xla", stacks["kn"], **scales), fp8_bytes, flops, peaks)
         print(json.dumps(res), flush=True)
         rows.append(res)
 
