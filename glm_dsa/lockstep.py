@@ -152,9 +152,10 @@ def _exit_now(message: str) -> None:
 
 
 class LeaderLoop(BackgroundLoop):
-    """Process 0's engine loop when serving across processes (a `streaming.BackgroundLoop` that publishes). Publishes each step's events on `channel` before the step (see the module doc). A step that raises
-    is fatal, since the processes can no longer be assumed to agree: the requests in flight fail with the reason,
-    and `on_fatal(message)` runs (default: print `error: message` and end the process with status 1)."""
+    """Process 0's engine loop when serving across processes (a `streaming.BackgroundLoop` that publishes).
+    Publishes each step's events on `channel` before the step (see the module doc). A step that raises is fatal,
+    since the processes can no longer be assumed to agree: the requests in flight fail with the reason, and
+    `on_fatal(message)` runs (default: print `error: message` and end the process with status 1)."""
 
     def __init__(self, engine, channel: Channel, *, idle_wait_s: float = 0.05, on_fatal=None):
         super().__init__(engine, idle_wait_s)
