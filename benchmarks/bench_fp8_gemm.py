@@ -9,9 +9,11 @@ dequantises every expert to float32).
 
 Rows T in --batches (decode 1, 32, 128; prefill 8192). Each row: device time of one op (harness.op_device_time:
 the op looped in one executable, so dispatch costs cancel), TB/s over the weight bytes read (the experts actually
-used for the MoE; FP8: the e4m3 bytes plus scales) and % of the HBM peak, TFLOP/s, and the speed-up of each FP8 form over bf16. The Triton FP8 linear kernel
-runs its default config and a small budgeted config sweep (--budget_s per shape and form; 0: defaults only);
-the best is reported with its config. Prints one JSON line per measurement and writes the record to --out.
+used for the MoE; FP8: the e4m3 bytes plus scales) and % of the HBM peak, TFLOP/s, and the speed-up of each FP8
+form over bf16. The Triton FP8 linear kernel runs its default config and a small budgeted config sweep (--budget_s
+per shape and form; 0: defaults only); the best is reported with its config. MoE form "w8a8_nk": W8A8 over K-major
+stacks (each expert [out, in], the scale grids in the same orientation: the model's stored form). Prints one
+JSON line per measurement and writes the record to --out.
 
     PYTHONPATH=. python benchmarks/bench_fp8_gemm.py --out bench_fp8_gemm.json        # over 5 min on one H200
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/bench_fp8_gemm.py --impl triton_interpret --batches 1,16 \\
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness import budgeted_sweep, command_line, device_peaks, op_device_time, record, write_json
-from kernels import fp8_formats, fp8_linear, fp8_linear_triton, moe, moe_triton
+from kernels import fp8_formats, fp8_linear, fp8_linear_triton, moe
 
 LINEAR = {"q_a": (2048, 6144), "q_b": (2048, 2048), "o_proj": (6144, 2048)}  # name: (N, K) at TP = 8
 K_TOP = 8
@@ -117,9 +119,10 @@ def bench_moe(args, peaks, rows):
     fp8 = [random_fp8(kk, shape) for kk, shape in zip(keys, ((e, d, i), (e, d, i), (e, i, d)))]
     bf16 = [fp8_formats.dequantize_weight_blocks(q, s, dtype=jnp.bfloat16) for q, s in fp8]
     stacks = {"kn": [q for q, _ in fp8]}
-    if "w8a8_nk" in args.moe_forms:  # K-major copies of the same bytes, made once
-        stacks["nk"] = [jnp.swapaxes(q, 1, 2) for q in stacks["kn"]]
     scales = dict(wg_scale=fp8[0][1], wu_scale=fp8[1][1], wd_scale=fp8[2][1])
+    if "w8a8_nk" in args.moe_forms:  # K-major copies of the same bytes and their grids (the stored form), made once
+        stacks["nk"] = [jnp.swapaxes(q, 1, 2) for q in stacks["kn"]]
+        nk_scales = {n: jnp.swapaxes(s, 1, 2) for n, s in scales.items()}
     # force the uint16-word form on or off (the kernels' option; the xla forms take none)
     word_form = {} if args.moe_packed == "auto" else {"packed": args.moe_packed == "1"}
     rng = np.random.default_rng(0)
@@ -132,9 +135,9 @@ def bench_moe(args, peaks, rows):
         res = {"op": "moe", "T": t, "experts_used": used, "dims": [d, i, e], "packed": args.moe_packed}
 
         def run(impl, ws, **kw):
-            if kw.get("form") == "w8a8_nk":  # the kernel over K-major stacks
-                f = functools.partial(moe_triton.grouped_swiglu, **dict(kw, form="w8a8", w_layout="nk"),
-                                      interpret=impl.endswith("interpret"))
+            if kw.get("form") == "w8a8_nk":  # the W8A8 kernels over K-major stacks, grids in the same orientation
+                f = functools.partial(moe.routed_experts, impl=impl,
+                                      **dict(kw, form="w8a8", w_layout="nk", **nk_scales))
                 ws = stacks["nk"]
             else:
                 f = functools.partial(moe.routed_experts, impl=impl, **kw)
@@ -146,17 +149,18 @@ def bench_moe(args, peaks, rows):
             res["bf16_xla"] = _rates({}, run("xla", bf16), used * 3 * d * i * 2, flops, peaks)
         fp8_bytes = used * 3 * (d * i + 4 * fp8[0][1][0].size)
         for form in args.moe_forms:
-            best = {"config": "default", "s": run(args.impl, stacks["kn"], form=form, **scales, **word_form)}
+            default_s = run(args.impl, stacks["kn"], form=form, **scales, **word_form)
+            best = {"config": "default", "s": default_s}
             if args.moe_budget_s > 0:
                 sweep = budgeted_sweep(moe_configs(t), lambda cfg: run(args.impl, stacks["kn"], form=form,
                                                                        **scales, **word_form, **cfg),
                                        args.moe_budget_s, label=f"moe {form} T={t}")
                 if sweep.measured and sweep.best()[1] < best["s"]:
                     best = {"config": sweep.best()[0], "s": sweep.best()[1]}
-                best["measured"] = len(sweep.measured)
+                best["measured"] = [[cfg, round(1e6 * s, 1)] for cfg, s in sweep.measured]  # [config, us]
             res[form] = {**_rates({}, best["s"], fp8_bytes, flops, peaks), "speedup_vs_bf16": base / best["s"],
-                         "config": best["config"], **({"configs_measured": best["measured"]}
-                                                      if "measured" in best else {})}
+                         "config": best["config"], "default_us": 1e6 * default_s,
+                         **({"configs_measured": best["measured"]} if "measured" in best else {})}
         if t <= 128 and not args.no_xla:
             res["xla_fp8"] = _rates({}, run("xla", stacks["kn"], **scales), fp8_bytes, flops, peaks)
         print(json.dumps(res), flush=True)
@@ -175,7 +179,7 @@ def main(argv=None):
     ap.add_argument("--budget_s", type=float, default=4.0, help="config sweep budget per shape, T and form")
     ap.add_argument("--impl", default="triton", help="triton_interpret for a CPU smoke run")
     ap.add_argument("--moe_forms", default="w8a16,w8a8",
-                    help="FP8 expert forms (moe_triton.grouped_swiglu form; w8a8_nk: W8A8 over K-major stacks)")
+                    help="FP8 expert forms (moe.routed_experts form; w8a8_nk: W8A8 over K-major stacks)")
     ap.add_argument("--moe_budget_s", type=float, default=0.0, help="FP8 expert config sweep budget per T and form")
     ap.add_argument("--no_xla", action="store_true", help="skip the xla rows (slow compiles)")
     ap.add_argument("--moe_packed", default="auto", choices=["auto", "0", "1"],

@@ -21,7 +21,7 @@ _EXPORTS = {
     "quantize_fp8": "fp8_device", "dequantize_fp8": "fp8_device",
     "quantize_blocks": "fp8_blocks", "write_fp8_release": "fp8_blocks",
     "fp8_plan": "quantization", "scale_path": "quantization", "stored_leaves": "quantization",
-    "check_quantization": "quantization", "fp8_scale_shape": "layout",
+    "check_quantization": "quantization", "fp8_scale_shape": "layout", "kept_fp8_spec": "layout",
 }
 # submodules, reachable as attributes (`checkpoints.orbax_io`) even before anything imported them
 _SUBMODULES = ("fp8_blocks", "fp8_device", "layout", "loader", "orbax_io", "quantization", "random",

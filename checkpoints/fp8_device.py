@@ -5,6 +5,8 @@ The arithmetic of `fp8_codec.quantize_blocks` / `dequantize_blocks_np` (docs/mat
 where the HF release blocks [OUT, IN]. The amax of a block is symmetric under that transpose, so the e4m3 bytes are
 those of the release transposed, and the scale grid is `layout.fp8_scale_shape`. The one device-side quantiser:
 orbax restores (`orbax_io`) and random benchmark parameters (`glm_dsa.init`) both call it, so the two never differ.
+`quantize_kept` / `dequantize_kept` go between a weight in our layout and its kept form (`layout.kept_fp8_spec`:
+K-major for expert stacks, blocked as stored, which is the same blocking transposed).
 """
 
 from __future__ import annotations
@@ -59,3 +61,17 @@ def _expand(scale, rows: int, cols: int, block: int):
     """A [*lead, rb, cb] scale grid repeated over its blocks and cut to [*lead, rows, cols]."""
     full = jnp.repeat(jnp.repeat(scale, block, axis=-2), block, axis=-1)
     return full[..., :rows, :cols]
+
+
+def quantize_kept(w, grid: tuple[int, int, int], kmajor: bool, block: int = FP8_BLOCK):
+    """A weight in our layout -> its kept FP8 leaves (`layout.kept_fp8_spec`, whose `fp8_grid` and `kmajor` are
+    the arguments): (e4m3 in the stored form, float32 scale grid of that form). A K-major stack is transposed
+    first, then blocked as stored."""
+    return quantize_fp8(jnp.swapaxes(w, -1, -2) if kmajor else w, grid, block)
+
+
+def dequantize_kept(q, scale, grid: tuple[int, int, int], kmajor: bool, dtype, block: int = FP8_BLOCK):
+    """Kept FP8 leaves (`layout.kept_fp8_spec`'s `fp8_grid` and `kmajor`) -> the weight in our layout, in `dtype`
+    (K-major stacks transposed back)."""
+    w = dequantize_fp8(q, scale, grid, dtype, block)
+    return jnp.swapaxes(w, -1, -2) if kmajor else w

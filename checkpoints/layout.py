@@ -42,6 +42,12 @@ class ParamSpec:
     # output axis. Kept in FP8, its scale grid is [*lead, ceil(in / 128), ceil(out / 128)] (`fp8_scale_shape`):
     # the HF `weight_scale_inv` grids transposed (and stacked). None: never FP8 (norms, embeddings, router, ...).
     fp8_grid: tuple[int, int, int] | None = None
+    # Kept FP8, this weight is stored K-major: its last two axes swapped to the release's [*lead, out, in] (routed
+    # expert stacks, whose grouped-GEMM kernel feeds Hopper's fp8 MMA, which takes a K-major B operand without a
+    # transpose: BENCHMARKS.md, FP8 weights). `kept_fp8_spec` gives that stored form.
+    fp8_kmajor: bool = False
+    # This spec *is* a stored K-major form (`kept_fp8_spec`): its shape, hf_axes and scale grid are the release's.
+    kmajor: bool = False
 
 
 #: The LM head's columns are padded to a multiple of this: every power-of-two TP size up to 128 divides the padded
@@ -127,8 +133,9 @@ def param_specs(cfg) -> dict[str, ParamSpec]:
     Is = Im * cfg.n_shared_experts
     specs: dict[str, ParamSpec] = {}
 
-    def add(path, shape, hf_keys, conv, fp32=False, fp8=None):
-        specs[path] = ParamSpec(path, tuple(shape), tuple(hf_keys), fp32=fp32, fp8_grid=fp8, **conv)
+    def add(path, shape, hf_keys, conv, fp32=False, fp8=None, kmajor=False):
+        specs[path] = ParamSpec(path, tuple(shape), tuple(hf_keys), fp32=fp32, fp8_grid=fp8, fp8_kmajor=kmajor,
+                                **conv)
 
     col, heads_out, heads_in, experts = (0, 1, 1), (0, 1, 2), (0, 2, 1), (1, 1, 1)  # fp8_grid of each kind
 
@@ -165,9 +172,9 @@ def param_specs(cfg) -> dict[str, ParamSpec]:
             add(m + "router_bias", (E,), [hm + "gate.e_score_correction_bias"], _identity((E,)), fp32=True)
             for name in ("gate", "up"):
                 add(m + f"experts_{name}", (E, D, Im), [hm + f"experts.{e}.{name}_proj.weight" for e in range(E)],
-                    _stacked_experts(E, D, Im), fp8=experts)
+                    _stacked_experts(E, D, Im), fp8=experts, kmajor=True)
             add(m + "experts_down", (E, Im, D), [hm + f"experts.{e}.down_proj.weight" for e in range(E)],
-                _stacked_experts(E, Im, D), fp8=experts)
+                _stacked_experts(E, Im, D), fp8=experts, kmajor=True)
             if Is:
                 add(m + "shared_gate", (D, Is), [hm + "shared_experts.gate_proj.weight"], _linear(D, Is), fp8=col)
                 add(m + "shared_up", (D, Is), [hm + "shared_experts.up_proj.weight"], _linear(D, Is), fp8=col)
@@ -187,6 +194,26 @@ def fp8_scale_shape(spec: ParamSpec, block: int = 128) -> tuple[int, ...]:
     lead, n_in, _ = spec.fp8_grid
     ins, outs = spec.shape[lead:lead + n_in], spec.shape[lead + n_in:]
     return (*spec.shape[:lead], -(-math.prod(ins) // block), -(-math.prod(outs) // block))
+
+
+def kept_fp8_spec(spec: ParamSpec) -> ParamSpec:
+    """The spec of `spec`'s weight as stored when kept FP8: `spec` itself, or for a K-major weight
+    (`fp8_kmajor`: routed experts [E, in, out]) the release's per-expert tensors stacked as they are,
+    [E, out, in], whose scale grid (`fp8_scale_shape`) is then [E, out-blocks, in-blocks]: the HF
+    `weight_scale_inv` grids stacked, untransposed. Its `fp8_grid` counts the stored axes in order (lead, then
+    the out axis, then the in axis). Idempotent."""
+    if not spec.fp8_kmajor or spec.kmajor:
+        return spec
+    lead, n_in, n_out = spec.fp8_grid
+    if (lead, n_in, n_out) != (1, 1, 1) or len(spec.hf_keys) != spec.shape[0]:
+        raise ValueError(f"parameter '{spec.path}': only stacks of [out, in] tensors can be kept K-major")
+    e, k, n = spec.shape
+
+    def to_hf(a):
+        return tuple(np.ascontiguousarray(a[i]) for i in range(e))
+
+    return dataclasses.replace(spec, shape=(e, n, k), from_hf=lambda *ws: np.stack(ws), to_hf=to_hf,
+                               hf_axes=((1,), (2,)), kmajor=True)
 
 
 def is_mtp_key(key: str, cfg) -> bool:

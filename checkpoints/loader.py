@@ -30,8 +30,8 @@ import numpy as np
 from tqdm import tqdm
 
 from .fp8_codec import FP8_BLOCK, dequantize_blocks_np, quantize_blocks
-from .layout import (ParamSpec, assemble_shard, fp8_scale_shape, hf_index, is_mtp_key, ours_from_hf_blocks,
-                     param_specs)
+from .layout import (ParamSpec, assemble_shard, fp8_scale_shape, hf_index, is_mtp_key, kept_fp8_spec,
+                     ours_from_hf_blocks, param_specs)
 from .mtp_layout import mtp_layer_index, mtp_param_specs
 from .quantization import fp8_plan, scale_path
 from .safetensors_io import INDEX, SINGLE, CheckpointError, SafetensorsFile, as_dtype
@@ -184,11 +184,14 @@ def load_hf_params(path: str | os.PathLike, cfg, *, dtype,
         layout marks fp32, which stay float32. None keeps each tensor's stored dtype (FP8 block-scaled
         weights: float32). Block-scaled FP8 weights are dequantised on the device, in float32, then cast.
     sharding_for(path, global_shape): the `jax.sharding.Sharding` to place a parameter with (each device
-        receives only its own shard), or None for the default device.
+        receives only its own shard), or None for the default device; a weight kept FP8 is asked for as
+        `sharding_for(path, shape, kept=True)`.
     progress: show a tqdm bar over parameters.
     quantization: None | "fp8" | "none" (`checkpoints.quantization`): the weights of its plan (`hf_fp8_plan`) are
-        kept FP8: `path` float8_e4m3fn in our layout, each device sent only its slice of the e4m3 bytes, and
-        `path + "_scale"` float32 (the HF grids transposed), placed by `sharding_for(path + "_scale", shape)`.
+        kept FP8: `path` float8_e4m3fn in its stored form (`layout.kept_fp8_spec`: our layout, K-major for expert
+        stacks), each device sent only its slice of the e4m3 bytes, placed by `sharding_for(path, shape,
+        kept=True)`, and `path + "_scale"` float32 (the HF grids in that form's orientation), placed by
+        `sharding_for(path + "_scale", shape)`.
         Stored bf16/fp32 weights in the plan ("fp8") are quantised on the host, one parameter at a time.
 
     Raises `CheckpointError` (before anything is placed on a device) for a missing or unreadable checkpoint,
@@ -206,13 +209,14 @@ def load_hf_params(path: str | os.PathLike, cfg, *, dtype,
     params: dict[str, jax.Array] = {}
     for name, spec in tqdm(specs.items(), desc="loading", unit="param", disable=not progress):
         target = np.dtype(np.float32) if spec.fp32 else dtype
-        sharding = (sharding_for(name, spec.shape) if sharding_for else None) or default
         if name in plan:
-            scales = scale_path(name)
-            scale_sharding = (sharding_for(scales, fp8_scale_shape(spec)) if sharding_for else None) or default
+            kept, scales = kept_fp8_spec(spec), scale_path(name)
+            sharding = (sharding_for(name, kept.shape, kept=True) if sharding_for else None) or default
+            scale_sharding = (sharding_for(scales, fp8_scale_shape(kept)) if sharding_for else None) or default
             src = ckpt if all(ckpt.is_block_scaled(k) for k in spec.hf_keys) else _QuantizedView(ckpt)
-            params[name], params[scales] = _load_fp8_kept(src, spec, sharding, scale_sharding)
+            params[name], params[scales] = _load_fp8_kept(src, kept, sharding, scale_sharding)
             continue
+        sharding = (sharding_for(name, spec.shape) if sharding_for else None) or default
         # A layout without hf_axes (the padded LM head of an odd vocabulary) cannot be read shard by shard: an FP8
         # one is dequantised on the host by `ckpt.read` below, like any whole tensor.
         if spec.hf_axes is not None and any(ckpt.is_block_scaled(k) for k in spec.hf_keys):
@@ -259,12 +263,14 @@ class _QuantizedView:
 
 
 def _load_fp8_kept(ckpt, spec: ParamSpec, sharding, scale_sharding) -> tuple[jax.Array, jax.Array]:
-    """(e4m3 weight in our layout, float32 scale grid) of a parameter kept FP8. Each of this process's devices is
-    sent only the e4m3 bytes of its own shard (read from the memory maps, laid out in our layout on the host:
-    1-byte moves), replicas of one slice read once; the scale grid (1/16384 of the weight) is the HF grids
-    transposed ([in-blocks, out-blocks], stacked for experts), each device given its `scale_sharding` part."""
+    """(e4m3 weight, float32 scale grid) of a parameter kept FP8, `spec` its stored form (`kept_fp8_spec`). Each of
+    this process's devices is sent only the e4m3 bytes of its own shard (read from the memory maps, laid out as
+    stored on the host: 1-byte moves), replicas of one slice read once; the scale grid (1/16384 of the weight) is
+    the HF grids transposed ([in-blocks, out-blocks]), or for K-major expert stacks the HF grids as they are
+    (stacked), each device given its `scale_sharding` part."""
     weight = _place_local_slices(lambda key: _fp8_view(ckpt.raw(key)), spec, sharding)  # uint8 bytes read as e4m3
-    grids = [np.asarray(ckpt.scale_inv(k), np.float32).T for k in spec.hf_keys]
+    grids = [np.asarray(ckpt.scale_inv(k), np.float32) for k in spec.hf_keys]
+    grids = grids if spec.kmajor else [g.T for g in grids]
     grid = np.ascontiguousarray(np.stack(grids) if spec.fp8_grid[0] else grids[0])
     if grid.shape != fp8_scale_shape(spec):
         raise CheckpointError(f"parameter '{spec.path}': scale grid {list(grid.shape)} from "

@@ -45,14 +45,15 @@ import numpy as np
 from tqdm import tqdm
 
 from .fp8_codec import E4M3
-from .fp8_device import dequantize_fp8, quantize_fp8
-from .layout import fp8_scale_shape, param_specs
+from .fp8_device import dequantize_kept, quantize_kept
+from .layout import fp8_scale_shape, kept_fp8_spec, param_specs
 from .mtp_layout import mtp_param_specs
 from .quantization import check_quantization, fp8_plan, scale_path, stored_leaves
 from .safetensors_io import CheckpointError, as_dtype, fsync_dir, pid_alive, write_json_atomic
 
 FORMAT = "glm_dsa.orbax"
-FORMAT_VERSION = 1
+# 2: FP8 expert stacks kept K-major ([E, out, in], `layout.kept_fp8_spec`); version 1 stored them [E, in, out]
+FORMAT_VERSION = 2
 META = "glm_dsa.json"
 PARAMS = "params"
 CONFIG = "config.json"
@@ -143,11 +144,16 @@ def read_orbax_metadata(path: str | os.PathLike) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         got = meta.get("format") if isinstance(meta, dict) else meta
         raise CheckpointError(f"{meta_file}: field 'format' is {got!r}, expected {FORMAT!r}")
-    if meta.get("version") != FORMAT_VERSION:
+    if meta.get("version") not in (1, FORMAT_VERSION):
         raise CheckpointError(f"{meta_file}: field 'version' is {meta.get('version')!r}; this glm_dsa reads "
-                              f"version {FORMAT_VERSION}")
+                              f"versions 1 and {FORMAT_VERSION}")
     if not isinstance(meta.get("params"), dict):
         raise CheckpointError(f"{meta_file}: field 'params' (parameter -> shape and dtype) is missing")
+    old_fp8 = sorted(p for p in _stored_fp8(meta["params"]) if ".experts_" in p) if meta["version"] == 1 else []
+    if old_fp8:  # version 1 differs only there; its bf16 and other FP8 leaves read as version 2's
+        raise CheckpointError(f"{meta_file}: format version 1 stores FP8 expert stacks [E, in, out] (e.g. "
+                              f"'{old_fp8[0]}'); this glm_dsa keeps them K-major (version {FORMAT_VERSION}): "
+                              "convert the HF checkpoint again (python -m glm_dsa convert)")
     for name in (PARAMS, CONFIG):
         if not os.path.exists(os.path.join(version, name)):
             raise CheckpointError(f"orbax checkpoint {version} is incomplete: '{name}' is missing")
@@ -339,16 +345,17 @@ def _stored_fp8(stored: dict) -> frozenset[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _quantizer(grid: tuple, weight_sharding, scale_sharding):
-    """quantize_fp8 for `grid`, jitted onto the shardings of the weight and its scale grid (one compile for the
-    weights of one shape and placement: the layers share it)."""
-    return jax.jit(functools.partial(quantize_fp8, grid=grid), out_shardings=(weight_sharding, scale_sharding))
+def _quantizer(grid: tuple, kmajor: bool, weight_sharding, scale_sharding):
+    """quantize_kept for a kept form (`grid`, `kmajor`), jitted onto the shardings of the kept weight and its
+    scale grid (one compile for the weights of one shape and placement: the layers share it)."""
+    return jax.jit(functools.partial(quantize_kept, grid=grid, kmajor=kmajor),
+                   out_shardings=(weight_sharding, scale_sharding))
 
 
 @functools.lru_cache(maxsize=None)
-def _dequantizer(grid: tuple, dtype: np.dtype, sharding):
-    """dequantize_fp8 for `grid` and `dtype`, jitted onto the weight's sharding."""
-    return jax.jit(functools.partial(dequantize_fp8, grid=grid, dtype=dtype), out_shardings=sharding)
+def _dequantizer(grid: tuple, kmajor: bool, dtype: np.dtype, sharding):
+    """dequantize_kept for a kept form and `dtype`, jitted onto the weight's sharding."""
+    return jax.jit(functools.partial(dequantize_kept, grid=grid, kmajor=kmajor, dtype=dtype), out_shardings=sharding)
 
 
 def stored_mtp(path: str | os.PathLike) -> bool:
@@ -364,7 +371,9 @@ def load_orbax_params(path: str | os.PathLike, cfg, *, dtype,
     dtype: compute dtype for every parameter except those the layout keeps in float32 and FP8 weights kept FP8
     (None: as stored; dequantised FP8 weights: float32).
     sharding_for(path, global_shape): each leaf's target sharding (None: the default device), FP8 scale grids
-    ('<path>_scale') included; orbax reads only each device's slice, so the saving mesh does not matter.
+    ('<path>_scale') included; a weight kept FP8 is asked for as `sharding_for(path, shape, kept=True)` (its
+    stored form: K-major for expert stacks). Orbax reads only each device's slice, so the saving mesh does not
+    matter.
     quantization (`checkpoints.quantization`): None keeps the checkpoint's form (its FP8 weights restored as
     float8_e4m3fn plus float32 '<path>_scale' grids); "none" dequantises FP8 weights to `dtype` on the devices;
     "fp8" also quantises its bf16 / fp32 linear weights on the devices (128 x 128 blocks, `fp8_device`). The
@@ -404,8 +413,10 @@ def load_orbax_params(path: str | os.PathLike, cfg, *, dtype,
     dtype = None if dtype is None else as_dtype(dtype)
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
-    def placed(p: str, shape: tuple):
-        return (sharding_for(p, shape) if sharding_for else None) or default
+    def placed(p: str, shape: tuple, kept: bool = False):
+        if not sharding_for:
+            return default
+        return (sharding_for(p, shape, kept=True) if kept else sharding_for(p, shape)) or default
 
     target = {}
     for p, (shape, kind) in leaves.items():
@@ -415,7 +426,7 @@ def load_orbax_params(path: str | os.PathLike, cfg, *, dtype,
             dt = as_dtype(stored[p]["dtype"])
         else:
             dt = dtype or as_dtype(stored[p]["dtype"])
-        target[p] = jax.ShapeDtypeStruct(shape, dt, sharding=placed(p, shape))
+        target[p] = jax.ShapeDtypeStruct(shape, dt, sharding=placed(p, shape, kind == "fp8"))
     with tqdm(total=len(target), desc="restoring", unit="param", disable=not progress) as bar:
         ckptr = ocp.StandardCheckpointer()
         try:
@@ -431,11 +442,13 @@ def load_orbax_params(path: str | os.PathLike, cfg, *, dtype,
         if p in plan and p in stored_fp8:  # kept as stored
             out[p], out[s] = restored.pop(p), restored.pop(s)
         elif p in stored_fp8:  # dequantised: quantization "none", or a stored FP8 weight no plan keeps (kv_b_proj)
-            to = dtype or np.dtype(np.float32)
-            out[p] = _dequantizer(spec.fp8_grid, to, placed(p, spec.shape))(restored.pop(p), restored.pop(s))
+            to, kept = dtype or np.dtype(np.float32), kept_fp8_spec(spec)
+            out[p] = _dequantizer(kept.fp8_grid, kept.kmajor, to, placed(p, spec.shape))(restored.pop(p),
+                                                                                         restored.pop(s))
         elif p in plan:  # quantised: quantization "fp8" of a bf16 / fp32 weight
-            q, scale = _quantizer(spec.fp8_grid, placed(p, spec.shape),
-                                  placed(s, fp8_scale_shape(spec)))(restored.pop(p))
+            kept = kept_fp8_spec(spec)
+            q, scale = _quantizer(kept.fp8_grid, kept.kmajor, placed(p, kept.shape, True),
+                                  placed(s, fp8_scale_shape(kept)))(restored.pop(p))
             out[p], out[s] = q, scale
         else:
             out[p] = restored.pop(p)

@@ -2,7 +2,9 @@
 
 A weight kept in FP8 is two flat parameters: `path` (float8_e4m3fn, our layout and shape, sharded as the bf16
 weight would be) and `path + "_scale"` (float32 block scales over its flattened input and output axes:
-`layout.fp8_scale_shape`). The plan is a frozenset of the kept paths, decided from `quantization`:
+`layout.fp8_scale_shape`). Routed expert stacks are the exception: kept FP8 they are stored K-major, the
+release's [E, out, in] with its scale grids [E, out-blocks, in-blocks] (`layout.kept_fp8_spec`), sharded as the
+bf16 stack with its last two axes swapped. The plan is a frozenset of the kept paths, decided from `quantization`:
   None:   the checkpoint's own form: the linear weights it stores block-scaled stay FP8, the rest as stored;
   "fp8":  every linear weight is quantised at load (128 x 128 blocks, the release's choice of tensors: all
           linear layers but embeddings, lm_head, router gate and indexer weights_proj, which have no FP8 form);
@@ -17,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from .layout import ParamSpec, fp8_scale_shape
+from .layout import ParamSpec, fp8_scale_shape, kept_fp8_spec
 
 QUANTIZATIONS = ("fp8", "none")
 SCALE_SUFFIX = "_scale"
@@ -54,13 +56,15 @@ def fp8_plan(specs: dict[str, ParamSpec], quantization, block_scaled: Callable[[
 
 
 def stored_leaves(specs: dict[str, ParamSpec], plan: frozenset[str]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every flat leaf the model holds under `plan`: path -> (shape, kind) with kind "fp8" (an e4m3 weight),
-    "scale" (its float32 grid), "fp32" (kept float32) or "weight" (the compute dtype)."""
+    """Every flat leaf the model holds under `plan`: path -> (shape, kind) with kind "fp8" (an e4m3 weight, in its
+    stored form `layout.kept_fp8_spec`), "scale" (its float32 grid), "fp32" (kept float32) or "weight" (the
+    compute dtype)."""
     out = {}
     for path, spec in specs.items():
         if path in plan:
-            out[path] = (spec.shape, "fp8")
-            out[scale_path(path)] = (fp8_scale_shape(spec), "scale")
+            kept = kept_fp8_spec(spec)
+            out[path] = (kept.shape, "fp8")
+            out[scale_path(path)] = (fp8_scale_shape(kept), "scale")
         else:
             out[path] = (spec.shape, "fp32" if spec.fp32 else "weight")
     return out

@@ -7,8 +7,8 @@ import zlib
 import jax
 import jax.numpy as jnp
 
-from checkpoints.fp8_device import quantize_fp8
-from checkpoints.layout import fp8_scale_shape, param_specs
+from checkpoints.fp8_device import quantize_kept
+from checkpoints.layout import fp8_scale_shape, kept_fp8_spec, param_specs
 from checkpoints.quantization import fp8_plan, scale_path
 from checkpoints.random import init_stats
 
@@ -36,19 +36,20 @@ def init_params(config: GlmDsaConfig, *, seed: int = 0, dtype="bfloat16", parall
     for path, spec in specs.items():
         mean, std = init_stats(path)
         out_dtype = jnp.float32 if spec.fp32 else dt
-        sharding = sharding_for(path, spec.shape)
-        k = jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
         fp8 = path in plan
+        kept = kept_fp8_spec(spec) if fp8 else None  # the stored form: K-major for expert stacks
+        sharding = sharding_for(path, kept.shape, kept=True) if fp8 else sharding_for(path, spec.shape)
+        k = jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
         # one compiled generator per (shape, dtype, sharding): the layers' parameters share them, so a model
         # compiles a few dozen small programs, not one per parameter (each costs ~0.2-0.5 s on a GPU)
-        sig = (spec.shape, out_dtype, sharding, spec.fp8_grid if fp8 else None)
+        sig = (spec.shape, out_dtype, sharding, (kept.fp8_grid, kept.kmajor) if fp8 else None)
         if sig not in programs:
             def draw(k, m, s, shape=spec.shape, d=out_dtype):
                 return (m + s * jax.random.normal(k, shape, jnp.float32)).astype(d)
             if fp8:  # drawn and quantised in one program: the wide draw never leaves the devices
-                programs[sig] = jax.jit(lambda k, m, s, draw=draw, grid=spec.fp8_grid:
-                                        quantize_fp8(draw(k, m, s), grid),
-                                        out_shardings=(sharding, sharding_for(scale_path(path), fp8_scale_shape(spec))))
+                programs[sig] = jax.jit(lambda k, m, s, draw=draw, kept=kept:
+                                        quantize_kept(draw(k, m, s), kept.fp8_grid, kept.kmajor),
+                                        out_shardings=(sharding, sharding_for(scale_path(path), fp8_scale_shape(kept))))
             else:
                 programs[sig] = jax.jit(draw, out_shardings=sharding)
         m, s = jnp.float32(mean), jnp.float32(std)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from checkpoints.layout import fp8_scale_shape, param_specs
+from checkpoints.layout import fp8_scale_shape, kept_fp8_spec, param_specs
 from kernels import fused_norm_rope, indexer, moe, rope, sparse_mla
 from kernels.chunking import map_row_chunks
 from kernels.norms import rms_norm
@@ -86,8 +86,9 @@ def _declare(module: nnx.Module, prefix: str, names, specs: ModelSpecs, dtype) -
     for name in names:
         spec = specs[prefix + name]
         if prefix + name in getattr(specs, "fp8", ()):
-            setattr(module, name, nnx.Param(jnp.zeros(spec.shape, jnp.float8_e4m3fn)))
-            setattr(module, name + "_scale", nnx.Param(jnp.zeros(fp8_scale_shape(spec), jnp.float32)))
+            kept = kept_fp8_spec(spec)  # the stored form: K-major for expert stacks
+            setattr(module, name, nnx.Param(jnp.zeros(kept.shape, jnp.float8_e4m3fn)))
+            setattr(module, name + "_scale", nnx.Param(jnp.zeros(fp8_scale_shape(kept), jnp.float32)))
             continue
         setattr(module, name, nnx.Param(jnp.zeros(spec.shape, jnp.float32 if spec.fp32 else dtype)))
 
@@ -262,15 +263,17 @@ class MoE(nnx.Module):
         return experts, w * cfg.routed_scaling_factor
 
     def expert_scales(self) -> dict:
-        """The FP8 experts' scale grids for `moe.routed_experts` (this device's blocks of the expert width and the
-        width slice's offset in its first block: glm_dsa.linear.local_grid), or {} for bf16 experts."""
+        """The FP8 experts' keywords for `moe.routed_experts`: their scale grids (this device's blocks of the expert
+        width and the width slice's offset in its first block: glm_dsa.linear.local_grid) and their K-major layout
+        (kept FP8 the stacks are the release's [E, out, in]: gate/up [E, I, D] with grids [E, I-blocks, D-blocks],
+        down [E, D, I] with [E, D-blocks, I-blocks]; checkpoints.layout.kept_fp8_spec); {} for bf16 experts."""
         if linear.scale_of(self, "experts_gate") is None:
             return {}
-        width = self.experts_gate.shape[2]
-        wg, off = linear.local_grid(self.experts_gate_scale[...], width, 2, TP_AXES)
-        wu, _ = linear.local_grid(self.experts_up_scale[...], width, 2, TP_AXES)
-        wd, _ = linear.local_grid(self.experts_down_scale[...], width, 1, TP_AXES)
-        return dict(wg_scale=wg, wu_scale=wu, wd_scale=wd, i_offset=off)
+        width = self.experts_gate.shape[1]
+        wg, off = linear.local_grid(self.experts_gate_scale[...], width, 1, TP_AXES)
+        wu, _ = linear.local_grid(self.experts_up_scale[...], width, 1, TP_AXES)
+        wd, _ = linear.local_grid(self.experts_down_scale[...], width, 2, TP_AXES)
+        return dict(wg_scale=wg, wu_scale=wu, wd_scale=wd, i_offset=off, w_layout="nk")
 
     def __call__(self, x, cfg: GlmDsaConfig, options: StepOptions | None = None, tracer: Tracer = NO_TRACE):
         """The MoE output [T, hidden] summed over the TP devices; `options` picks the experts' impl and form."""

@@ -37,12 +37,13 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 def param_sharding(parallel: ParallelConfig, config: GlmDsaConfig | None = None
                    ) -> Callable[[str, tuple], NamedSharding]:
-    """`sharding_for(path, shape)`: each parameter's sharding on the mesh of a resolved `parallel`, from the one
-    partition table (`sharding.param_spec`); with `config`, FP8 scale grids too (`leaf_spec`)."""
+    """`sharding_for(path, shape, kept=False)`: each parameter's sharding on the mesh of a resolved `parallel`,
+    from the one partition table (`sharding.param_spec`); with `config`, FP8 scale grids and weights kept FP8
+    (`kept`: their stored form, K-major for expert stacks) too (`leaf_spec`)."""
     mesh = mesh_for(parallel)
     if config is None:
-        return lambda path, shape: NamedSharding(mesh, param_spec(path, parallel.q_replicate))
-    return lambda path, shape: NamedSharding(mesh, leaf_spec(path, shape, config, parallel))
+        return lambda path, shape, kept=False: NamedSharding(mesh, param_spec(path, parallel.q_replicate))
+    return lambda path, shape, kept=False: NamedSharding(mesh, leaf_spec(path, shape, config, parallel, kept=kept))
 
 
 def checkpoint_source(path: str | os.PathLike) -> tuple[str, bool]:

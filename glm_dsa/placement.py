@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import functools
 
+import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 import checkpoints
-from sharding import ParallelConfig, fp8_scale_spec, param_partition_specs, param_spec
+from sharding import ParallelConfig, fp8_scale_spec, param_partition_specs, param_spec, path_str
 from sharding.specs import SCALE_SUFFIX
 
 from .config import GlmDsaConfig
@@ -30,19 +32,31 @@ def fp8_grids(config: GlmDsaConfig) -> dict[str, tuple[int, int, int]]:
     return {p: s.fp8_grid for p, s in _specs(config).items() if s.fp8_grid is not None}
 
 
-def leaf_spec(path: str, shape: tuple, config: GlmDsaConfig, parallel: ParallelConfig) -> PartitionSpec:
-    """The PartitionSpec of the parameter leaf `path` (of global `shape`) on the mesh of a resolved `parallel`."""
+def _kmajor(path: str, config: GlmDsaConfig) -> bool:
+    """Whether the weight at `path`, kept FP8, is stored K-major (`checkpoints.layout.kept_fp8_spec`)."""
+    spec = _specs(config).get(path)
+    return spec is not None and spec.fp8_kmajor
+
+
+def leaf_spec(path: str, shape: tuple, config: GlmDsaConfig, parallel: ParallelConfig, *,
+              kept: bool = False) -> PartitionSpec:
+    """The PartitionSpec of the parameter leaf `path` (of global `shape`) on the mesh of a resolved `parallel`.
+    `kept`: the leaf is a weight kept FP8 (its stored form may be K-major); a scale grid implies it."""
     weight = path[: -len(SCALE_SUFFIX)]
     if path.endswith(SCALE_SUFFIX) and weight in fp8_grids(config):
-        return fp8_scale_spec(param_spec(weight, parallel.q_replicate), _specs(config)[weight].shape,
-                              fp8_grids(config)[weight], parallel.mesh_shape)
-    return param_spec(path, parallel.q_replicate)
+        stored = checkpoints.kept_fp8_spec(_specs(config)[weight])
+        return fp8_scale_spec(param_spec(weight, parallel.q_replicate, stored.kmajor), stored.shape,
+                              stored.fp8_grid, parallel.mesh_shape)
+    return param_spec(path, parallel.q_replicate, kept and _kmajor(path, config))
 
 
 def partition_specs(params, config: GlmDsaConfig, parallel: ParallelConfig):
-    """PartitionSpecs of a params pytree (bf16 and FP8 leaves) on the mesh of a resolved `parallel`."""
+    """PartitionSpecs of a params pytree (bf16 and FP8 leaves) on the mesh of a resolved `parallel`: a float8
+    leaf is a weight kept FP8, K-major where the layout says so."""
+    kept = {path_str(p) for p, leaf in jax.tree_util.tree_leaves_with_path(params)
+            if jnp.dtype(leaf.dtype) == jnp.float8_e4m3fn}
     return param_partition_specs(params, parallel.q_replicate, axis_sizes=parallel.mesh_shape,
-                                 fp8_grids=fp8_grids(config))
+                                 fp8_grids=fp8_grids(config), kmajor={p for p in kept if _kmajor(p, config)})
 
 
 def local_shape(shape: tuple, spec: PartitionSpec, axis_sizes: dict[str, int]) -> tuple[int, ...]:
@@ -74,7 +88,8 @@ def param_bytes_per_device(config: GlmDsaConfig, parallel: ParallelConfig, *, dt
     total = 0
     for path, (shape, kind) in leaves.items():
         n = 1
-        for d in local_shape(shape, leaf_spec(path, shape, config, parallel), parallel.mesh_shape):
+        spec = leaf_spec(path, shape, config, parallel, kept=kind == "fp8")
+        for d in local_shape(shape, spec, parallel.mesh_shape):
             n *= d
         total += n * itemsize[kind]
     return total

@@ -14,7 +14,8 @@ impl="triton" runs the same tile layout (kernels/moe_tiles.py) as one grouped-GE
 each non-empty tile reads its expert's weights once, so a decode step reads only the experts it uses.
 FP8 experts (e4m3 weights with float32 128 x 128 block scales, docs/math.md §11): `routed_experts(...,
 wg_scale=, wu_scale=, wd_scale=, i_offset=)`; the kernels read the e4m3 bytes (W8A16: each tile dequantised in
-registers), the xla forms run over the experts dequantised to float32 (the reference).
+registers), the xla forms run over the experts dequantised to float32 (the reference). `w_layout="nk"`: FP8
+experts stored K-major (each expert in the release's [out, in] form, the scale grids untransposed).
 """
 
 from __future__ import annotations
@@ -112,15 +113,15 @@ def experts_xla(x, experts, weights, wg, wu, wd, *, mode: str | None = None, wg_
 
 
 def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: str | None = None,
-                   wg_scale=None, wu_scale=None, wd_scale=None, i_offset=0, **kernel_options):
+                   wg_scale=None, wu_scale=None, wd_scale=None, i_offset=0, w_layout: str = "kn", **kernel_options):
     """float32 [T, D]: the routed SwiGLU experts of rows `x` [T, D] at `experts` [T, k] (int) with routing
     `weights` [T, k]; gate/up [E, D, I], down [E, I, D].
 
     impl (`kernels.registry`): "xla" (the forms above), "triton" (the grouped-GEMM Pallas kernel, any widths),
     "triton_interpret" (that kernel interpreted: CPU tests). `mode` forces one xla form whatever `impl` says
     (the model's switch for comparing forms). `kernel_options` go to `moe_triton.grouped_swiglu` (config, tile,
-    bn_up, bk_up, bn_down, bk_down, num_warps, num_stages, k_split; for FP8 experts `form`, one of `FP8_FORMS`,
-    default `fp8_form` by shape).
+    bn_up, bk_up, bn_down, bk_down, num_warps, num_stages, k_split, packed; for FP8 experts `form`, one of
+    `FP8_FORMS`, default `fp8_form` by shape).
 
     FP8 experts (docs/math.md §11): gate/up/down float8_e4m3fn in the layout above (the HF [out, in] experts
     transposed and stacked, as `checkpoints.layout` does) with float32 block scales in the same orientation:
@@ -128,33 +129,80 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: 
     128), ceil(D / 128)] (the HF `weight_scale_inv` grids transposed and stacked). `i_offset` (an int in [0, 128)
     or a traced int32 scalar): where this TP shard's expert-width slice starts inside its first scale block.
     The kernels read the e4m3 bytes (`fp8_form`: W8A8 or W8A16 per shape) or, for prefill, run over the experts
-    dequantised in x's dtype; "xla" is the float32 reference."""
-    e, d, i = wg.shape
-    if x.shape[-1] != d or wu.shape != wg.shape or wd.shape != (e, i, d):
+    dequantised in x's dtype; "xla" is the float32 reference.
+
+    `w_layout` "nk" (FP8 experts only; bf16/float32 experts are always "kn"): K-major stacks, each expert in the
+    HF release's [out, in] form, gate/up [E, I, D] and down [E, D, I], with their scale grids in the same
+    orientation (the HF grids stacked, not transposed): `wg_scale`, `wu_scale` [E, ceil((i_offset + I) / 128),
+    ceil(D / 128)], `wd_scale` [E, ceil(D / 128), ceil((i_offset + I) / 128)]; `i_offset` as above (on the width
+    axis, wherever it lies). The result is the same function of the same dequantised experts. Per path:
+      xla (impl "xla" or a forced `mode`): the reference, over the stacks and grids swapped back to "kn";
+      form "w8a8" (decode tiles of whole blocks): the kernels read the K-major bytes and grids as given (Hopper's
+        fp8 MMA takes K-major B without a transpose);
+      form "dequant" (prefill tiles): the experts dequantised in x's dtype in their stored orientation and
+        swapped to "kn" (behind the same barrier as "kn" experts), then the bf16 kernels;
+      form "w8a16" (ragged widths, a shard starting mid-block, or asked for): a "kn" copy of the stacks and grids
+        per call, then the W8A16 kernels (see `_nk_to_kn`)."""
+    if w_layout not in ("kn", "nk"):
+        raise ValueError(f"moe: w_layout {w_layout!r} is not one of 'kn', 'nk'")
+    nk = w_layout == "nk"
+    if nk:
+        e, i, d = wg.shape
+        want = "gate/up [E, I, D], down [E, D, I] (w_layout 'nk')"
+    else:
+        e, d, i = wg.shape
+        want = "gate/up [E, D, I], down [E, I, D]"
+    if x.shape[-1] != d or wu.shape != wg.shape or wd.shape != ((e, d, i) if nk else (e, i, d)):
         raise ValueError(f"moe: x {x.shape}, gate {wg.shape}, up {wu.shape}, down {wd.shape} do not agree "
-                         "(want x [T, D], gate/up [E, D, I], down [E, I, D])")
+                         f"(want x [T, D], {want})")
     if experts.shape != weights.shape or experts.shape[0] != x.shape[0]:
         raise ValueError(f"moe: experts {experts.shape} and weights {weights.shape} must both be [T={x.shape[0]}, k]")
-    fp8 = _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset)
+    fp8 = _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset, nk)
     if mode is not None:
         if kernel_options:
             raise ValueError(f"moe: mode {mode!r} forces an xla form, which takes no kernel options "
                              f"({sorted(kernel_options)})")
         registry.get("moe", impl)  # an unknown impl is an error even when `mode` overrides it
+        if nk:
+            wg, wu, wd, fp8 = _nk_to_kn(wg, wu, wd, fp8)
         return experts_xla(x, experts, weights, wg, wu, wd, mode=mode, **fp8)
     if fp8 and impl != "xla":
         form = kernel_options.pop("form", None) or fp8_form(experts.shape[0], experts.shape[1], e, d, i,
                                                             fp8["i_offset"])
+        if form not in FP8_FORMS:
+            raise ValueError(f"moe: form {form!r} is not one of {', '.join(map(repr, FP8_FORMS))}")
         if form == "dequant":  # prefill: the bf16 kernels over the experts dequantised in x's dtype
             # the barrier ties the weights to this layer's rows: without it XLA dequantises every layer's experts
             # at the start of the step (they depend on nothing), all alive at once (55 GiB at TP = 1: OOM)
             x, wg, wu, wd = jax.lax.optimization_barrier((x, wg, wu, wd))
-            wg, wu, wd = (dequantize_weight_blocks(w, fp8[n], r, c, x.dtype, convert=True) for w, n, r, c in (
-                (wg, "wg_scale", 0, fp8["i_offset"]), (wu, "wu_scale", 0, fp8["i_offset"]),
-                (wd, "wd_scale", fp8["i_offset"], 0)))
+            off = fp8["i_offset"]
+            # (row, column) offsets of each grid: the width axis is I, columns of gate/up and rows of down in
+            # "kn", the other way round in "nk"
+            offsets = ((off, 0), (off, 0), (0, off)) if nk else ((0, off), (0, off), (off, 0))
+            wg, wu, wd = (dequantize_weight_blocks(w, fp8[n], r, c, x.dtype, convert=True) for w, n, (r, c) in
+                          zip((wg, wu, wd), ("wg_scale", "wu_scale", "wd_scale"), offsets))
+            if nk:  # the bf16 kernels take [E, K, N] stacks (a swap XLA can fuse into the dequantising pass)
+                wg, wu, wd = (jnp.swapaxes(w, 1, 2) for w in (wg, wu, wd))
             return registry.dispatch("moe", impl, x, experts, weights, wg, wu, wd, **kernel_options)
+        if nk and form == "w8a8":
+            kernel_options["w_layout"] = "nk"
+        elif nk:  # W8A16 reads [E, K, N] stacks only
+            wg, wu, wd, fp8 = _nk_to_kn(wg, wu, wd, fp8)
         kernel_options["form"] = form
+    elif nk:  # the xla reference
+        wg, wu, wd, fp8 = _nk_to_kn(wg, wu, wd, fp8)
     return registry.dispatch("moe", impl, x, experts, weights, wg, wu, wd, **fp8, **kernel_options)
+
+
+def _nk_to_kn(wg, wu, wd, fp8: dict):
+    """K-major FP8 stacks (gate/up [E, I, D], down [E, D, I]) and their grids -> the [E, K, N] form (gate/up
+    [E, D, I], down [E, I, D], grids swapped alike). A full transposed copy of every expert per call: only the
+    xla reference and the W8A16 kernels take it, and W8A16 is picked for ragged widths or a shard starting
+    mid-block only (the test models, GLM-5.2 at TP >= 32), where that cost is accepted; the production shapes run
+    W8A8 on the K-major bytes (decode) or dequantise in one pass (prefill)."""
+    wg, wu, wd = (jnp.swapaxes(w, 1, 2) for w in (wg, wu, wd))
+    fp8 = dict(fp8, **{n: jnp.swapaxes(fp8[n], 1, 2) for n in ("wg_scale", "wu_scale", "wd_scale")})
+    return wg, wu, wd, fp8
 
 
 FP8_FORMS = ("w8a8", "w8a16", "dequant")
@@ -173,12 +221,16 @@ def fp8_form(t: int, k: int, n_exp: int, d: int, i: int, i_offset) -> str:
     return "dequant" if tile_rows(t, k, n_exp) >= 64 else "w8a8"
 
 
-def _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset) -> dict:
+def _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset, nk: bool = False) -> dict:
     """{} for bf16/float32 experts; the scale keywords for FP8 ones, after checking every weight is e4m3 with its
-    float32 scale grid of the right shape (TypeError / ValueError naming the tensor)."""
+    float32 scale grid of the right shape for the layout (`nk`: K-major stacks and grids) (TypeError /
+    ValueError naming the tensor)."""
     names = ("gate", "up", "down")
     ws, scales = (wg, wu, wd), (wg_scale, wu_scale, wd_scale)
     is_fp8 = [jnp.dtype(w.dtype) == FP8 for w in ws]
+    if nk and not any(is_fp8):
+        raise ValueError(f"moe: w_layout 'nk' is for FP8 experts (float8_e4m3fn); these are {wg.dtype}, "
+                         "which take the 'kn' layout")
     if not any(is_fp8):
         given = [f"{n}_scale" for n, s in zip(names, scales) if s is not None]
         if given:
@@ -196,9 +248,12 @@ def _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset) -> dict:
     if missing:
         raise ValueError(f"moe: FP8 experts without their block scales: {', '.join(missing)} missing")
     check_offset("i_offset", i_offset, "moe")
-    e, d, i = wg.shape
+    e = wg.shape[0]
     for n, w, s in zip(names, ws, scales):
-        rows, cols, roff, coff = (i, d, i_offset, 0) if n == "down" else (d, i, 0, i_offset)
+        # the offset sits on the width axis: gate/up columns and down rows in "kn", the other way round in "nk"
+        width_rows = (n == "down") != nk
+        rows, cols = w.shape[1:]
+        roff, coff = (i_offset, 0) if width_rows else (0, i_offset)
         check_scale_grid(f"moe: {n}_scale", s, rows, cols, roff, coff, lead=(e,))
     return dict(wg_scale=wg_scale, wu_scale=wu_scale, wd_scale=wd_scale, i_offset=i_offset)
 

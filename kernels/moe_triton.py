@@ -108,18 +108,8 @@ def _gate_up_step_w8a8(acc, fp8, x_ref, token, cols, wg_ref, wu_ref, e, c0, bk, 
     partials), each partial scaled by its row's activation scale and the weight block's scale. Widths are whole
     128-blocks (checked by the caller), so every load is a plain one."""
     sa = fp8.refs[2][kb, token][:, None]  # [tile, 1]
-    if fp8.packed and fp8.nk:  # words of two K values: even and odd columns of x against the low and high bytes
-        half = bk // 2
-        x_even = x_ref[token[:, None], col_range(c0, half, 2)[None, :]]
-        x_odd = x_ref[token[:, None], col_range(c0 + 1, half, 2)[None, :]]
-        parts = []
-        for w_ref, s_ref, a in ((wg_ref, fp8.refs[0], acc[0]), (wu_ref, fp8.refs[1], acc[1])):
-            lo, hi = _pair_block(w_ref, e, n0, bn, c0 // 2, half, None)
-            part = dot(x_even, lo, trans_b=True) + dot(x_odd, hi, trans_b=True)
-            parts.append(a + part * (sa * fp8.out_scales(s_ref, e, kb, n0, bn)))
-        return tuple(parts)
     xq = x_ref[token[:, None], cols[None, :]]  # [tile, bk] e4m3; padding rows read row 0 and are never stored
-    if fp8.packed:
+    if fp8.packed and not fp8.nk:
         h = bn // 2
         parts = []
         for w_ref, s_ref, a_even, a_odd in ((wg_ref, fp8.refs[0], acc[0], acc[1]),
@@ -128,7 +118,9 @@ def _gate_up_step_w8a8(acc, fp8, x_ref, token, cols, wg_ref, wu_ref, e, c0, bk, 
             parts += [a_even + dot(xq, w_even) * (sa * fp8.out_scales(s_ref, e, kb, n0, h, 2)),
                       a_odd + dot(xq, w_odd) * (sa * fp8.out_scales(s_ref, e, kb, n0 + 1, h, 2))]
         return tuple(parts)
-    if fp8.nk:  # K-major stacks [E, I, D]: the [bn, bk] tile is the fp8 MMA's native B operand
+    if fp8.nk and fp8.packed:  # K-major words of two K values: back into K order in registers
+        wg, wu = (_kmajor_words(w_ref, e, n0, bn, c0 // 2, bk // 2) for w_ref in (wg_ref, wu_ref))
+    elif fp8.nk:  # K-major stacks [E, I, D]: the [bn, bk] tile is the fp8 MMA's native B operand
         wg, wu = (w_ref[e, pl.ds(n0, bn), pl.ds(c0, bk)] for w_ref in (wg_ref, wu_ref))
     else:
         wg, wu = (w_ref[e, pl.ds(c0, bk), pl.ds(n0, bn)] for w_ref in (wg_ref, wu_ref))
@@ -138,10 +130,12 @@ def _gate_up_step_w8a8(acc, fp8, x_ref, token, cols, wg_ref, wu_ref, e, c0, bk, 
 
 @dataclasses.dataclass(frozen=True)
 class _Fp8Scales:
-    """In-kernel view of the FP8 experts' block scales: `refs` (the scale grids the kernel reads), `i_off` (the
-    expert-width slice's offset inside its first block: an int, or a traced scalar read from the offsets ref)
-    and whether the width axis is the grid's last axis (gate/up [E, D-blocks, I-blocks]) or its middle one
-    (down [E, I-blocks, D-blocks])."""
+    """In-kernel view of the FP8 experts' block scales: `refs` (the scale grids the kernel reads, weights' grids
+    first, then W8A8's activation scales), `i_off` (the expert-width slice's offset inside its first block: an
+    int, or a traced scalar read from the offsets ref). A weight grid is [E, K-blocks, N-blocks] for [E, K, N]
+    stacks (gate/up [E, D-blocks, I-blocks], down [E, I-blocks, D-blocks]) and [E, N-blocks, K-blocks] for
+    K-major ones (`nk`: the stored orientation, gate/up [E, I-blocks, D-blocks], down [E, D-blocks, I-blocks]);
+    `weight_scale` and `k_blocks` read either by (K block, N blocks)."""
     refs: tuple
     i_off: object
     scalar: bool  # one scale per step and column block (offset 0 and blocks within one 128-block)
@@ -152,16 +146,29 @@ class _Fp8Scales:
     @property
     def split_out(self) -> bool:
         """Words of two output columns ([E, K, N] stacks as words): even and odd columns accumulate apart. K-major
-        words pair two K values instead, which two dots sum into one accumulator."""
+        words pair two K values instead, interleaved back into K order in registers (`_kmajor_words`)."""
         return self.packed and not self.nk
+
+    def weight_scale(self, ref, e, kb, nb):
+        """The scale(s) of weight grid `ref` at K block `kb` (a scalar) and N block(s) `nb` (a scalar or a vector),
+        in either orientation."""
+        return ref[e, nb, kb] if self.nk else ref[e, kb, nb]
+
+    def k_blocks(self, ref) -> int:
+        """The K-block extent of weight grid `ref`."""
+        return ref.shape[2 if self.nk else 1]
+
+    def n_blocks(self, ref) -> int:
+        """The N-block extent of weight grid `ref`."""
+        return ref.shape[1 if self.nk else 2]
 
     def out_scales(self, ref, e, kb, n0, bn, stride: int = 1):
         """Scales of gate/up output columns n0, n0 + stride, ... (bn of them; the expert width) at hidden block
         kb: [1, bn] or a scalar."""
         if self.scalar:
-            return ref[e, kb, n0 // FP8_BLOCK]
-        blocks = jnp.minimum((self.i_off + col_range(n0, bn, stride)) // FP8_BLOCK, ref.shape[2] - 1)
-        return ref[e, kb, blocks][None, :]
+            return self.weight_scale(ref, e, kb, n0 // FP8_BLOCK)
+        blocks = jnp.minimum((self.i_off + col_range(n0, bn, stride)) // FP8_BLOCK, self.n_blocks(ref) - 1)
+        return self.weight_scale(ref, e, kb, blocks)[None, :]
 
 
 def _up_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, h_ref, *, k, bk, steps, interpret, fp8=None):
@@ -282,35 +289,41 @@ def _pair_block(ref, e, r0, nr, c0, nc, dtype):
     return lo.astype(dtype), hi.astype(dtype)
 
 
+def _kmajor_words(ref, e, r0, nr, w0, nw):
+    """e4m3 [nr, 2 * nw] from a K-major stack read as uint16 words of two consecutive K values (the first in the low
+    byte): words ref[e, r0:r0 + nr, w0:w0 + nw] split into their bytes and interleaved back into K order in
+    registers (a join and a reshape), so one fp8 dot takes the tile against contiguous activation columns."""
+    words = ref[e, pl.ds(r0, nr), pl.ds(w0, nw)]
+    lo = (words & 0xFF).astype(jnp.uint8)
+    hi = (words >> 8).astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(jnp.stack([lo, hi], axis=-1).reshape(nr, 2 * nw), FP8)
+
+
 def _down_step_fp8(s, acc, *, fp8, e, m0, n0, tile, bn, bk, shift, h_ref, wd_ref, interpret):
     """One K step of the FP8 down projection: h [tile, bk] @ e4m3 down rows [bk, bn] (as h.dtype), the partial
     scaled by its (width block, hidden block) scale."""
     i, d = wd_ref.shape[1], wd_ref.shape[2]
     r = shift if shift is not None else fp8.i_off % bk
-    kb = jnp.minimum((fp8.i_off - r + s * bk) // FP8_BLOCK, fp8.refs[0].shape[1] - 1)
+    kb = jnp.minimum((fp8.i_off - r + s * bk) // FP8_BLOCK, fp8.k_blocks(fp8.refs[0]) - 1)
     if fp8.act:  # W8A8 (whole 128-blocks, shift 0): e4m3 h rows with their per-row block scales
         sa = fp8.refs[1][(s * bk) // FP8_BLOCK, pl.ds(m0, tile)][:, None]  # [tile, 1]
-        if fp8.packed and fp8.nk:  # words of two I values: even and odd h columns against the two bytes
-            half = bk // 2
-            h_even = h_ref[pl.ds(m0, tile), pl.ds(s * bk, half, stride=2)]
-            h_odd = h_ref[pl.ds(m0, tile), pl.ds(s * bk + 1, half, stride=2)]
-            lo, hi = _pair_block(wd_ref, e, n0, bn, s * half, half, None)
-            scale = _down_scale(fp8, e, kb, n0, bn)
-            return acc + (dot(h_even, lo, trans_b=True) + dot(h_odd, hi, trans_b=True)) * (sa * scale)
         h = h_ref[pl.ds(m0, tile), pl.ds(s * bk, bk)]
-    if fp8.packed:  # shards on block boundaries (shift 0), words of two D columns
+    if fp8.packed and not fp8.nk:  # shards on block boundaries (shift 0), words of two D columns
         if not fp8.act:
             h = h_ref[pl.ds(m0, tile), pl.ds(s * bk, bk)]
         half = bn // 2
         w_even, w_odd = _pair_block(wd_ref, e, s * bk, bk, n0 // 2, half, None if fp8.act else h.dtype)
-        scales = [fp8.refs[0][e, kb, n0 // FP8_BLOCK]] * 2 if bn <= FP8_BLOCK else [
-            fp8.refs[0][e, kb, jnp.minimum(col_range(n0 + j, half, 2) // FP8_BLOCK, fp8.refs[0].shape[2] - 1)][None, :]
-            for j in range(2)]
+        scales = [_down_scale(fp8, e, kb, n0, bn, half, 2), _down_scale(fp8, e, kb, n0 + 1, bn, half, 2)]
         if fp8.act:
             scales = [sa * sc for sc in scales]
         return acc[0] + dot(h, w_even) * scales[0], acc[1] + dot(h, w_odd) * scales[1]
     if fp8.act:
-        wd = wd_ref[e, pl.ds(n0, bn), pl.ds(s * bk, bk)] if fp8.nk else wd_ref[e, pl.ds(s * bk, bk), pl.ds(n0, bn)]
+        if fp8.nk and fp8.packed:  # K-major words of two I values: back into K order in registers
+            wd = _kmajor_words(wd_ref, e, n0, bn, s * (bk // 2), bk // 2)
+        elif fp8.nk:
+            wd = wd_ref[e, pl.ds(n0, bn), pl.ds(s * bk, bk)]
+        else:
+            wd = wd_ref[e, pl.ds(s * bk, bk), pl.ds(n0, bn)]
         scale = _down_scale(fp8, e, kb, n0, bn)
         return acc + dot(h, wd, trans_b=fp8.nk) * (sa * scale)
     if shift == 0:  # steps on block boundaries from column 0: the bf16 path's loads
@@ -324,13 +337,15 @@ def _down_step_fp8(s, acc, *, fp8, e, m0, n0, tile, bn, bk, shift, h_ref, wd_ref
     return acc + dot(h, wd) * _down_scale(fp8, e, kb, n0, bn)
 
 
-def _down_scale(fp8, e, kb, n0, bn):
-    """The down weights' scales of output columns [n0, n0 + bn) at width block kb: a scalar when the columns lie in
-    one 128-block (n0 is a multiple of bn, which then divides 128), else [1, bn]."""
+def _down_scale(fp8, e, kb, n0, bn, count=None, stride: int = 1):
+    """The down weights' scales of output columns n0, n0 + stride, ... (`count` of them, default bn) of the column
+    block [n0 - n0 % bn, + bn) at width block kb: a scalar when the block lies in one 128-block (the block start is
+    a multiple of bn, which then divides 128), else [1, count]."""
     ref = fp8.refs[0]
     if bn <= FP8_BLOCK:
-        return ref[e, kb, n0 // FP8_BLOCK]
-    return ref[e, kb, jnp.minimum(col_range(n0, bn) // FP8_BLOCK, ref.shape[2] - 1)][None, :]
+        return fp8.weight_scale(ref, e, kb, n0 // FP8_BLOCK)
+    blocks = jnp.minimum(col_range(n0, count or bn, stride) // FP8_BLOCK, fp8.n_blocks(ref) - 1)
+    return fp8.weight_scale(ref, e, kb, blocks)[None, :]
 
 
 def _round_to(x, dtype):
@@ -370,15 +385,19 @@ class MoEConfig:
             raise ValueError(f"MoEConfig: num_stages {self.num_stages!r} must be an int >= 1")
 
 
-def default_config(t: int, k: int, n_exp: int, d: int, i: int, itemsize: int = 2, form: str | None = None) -> MoEConfig:
+def default_config(t: int, k: int, n_exp: int, d: int, i: int, itemsize: int = 2, form: str | None = None,
+                   w_layout: str = "kn") -> MoEConfig:
     """Tile rows and block widths: decode-sized tiles stream weights (wide K steps, deep pipelines); prefill
     tiles of 128 rows feed the tensor cores. float32 weights (`itemsize` 4: the reference models) take 64 x 32
     blocks in 2 stages, since the bf16 blocks would ask for more shared memory than a CTA has. `form` "w8a8"
     (FP8 experts, whole blocks) at decode: 128-wide column blocks, the bytes per K step of the bf16 blocks, from
     the launch-config sweeps on the H200 (BENCHMARKS.md, FP8 weights, session 7: 64-wide K steps in 3 stages
-    from T = 16, 128-wide steps in 3 stages over 8 warps, split-K 4, below)."""
+    from T = 16, 128-wide steps in 3 stages over 8 warps, split-K 4, below); over K-major stacks (`w_layout` "nk")
+    128-wide K steps in 4 stages over 4 warps from T = 16 (session 8 sweeps, T = 32 and 128)."""
     tile = tile_rows(t, k, n_exp)
     if form == "w8a8" and itemsize < 4 and tile < 64 and i % 128 == 0 and d % 128 == 0:
+        if t >= 16 and w_layout == "nk":
+            return MoEConfig(tile=tile, bn_up=128, bk_up=128, bn_down=128, bk_down=128, num_warps=4, num_stages=4)
         if t < 16:
             return MoEConfig(tile=tile, bn_up=128, bk_up=128, bn_down=128, bk_down=128, num_warps=8, num_stages=3,
                              k_split=4 if (d // 128) % 4 == 0 else 1)
@@ -438,8 +457,10 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     the rows are quantised too (`fp8_formats.quantize_activation_blocks`: x before the up kernel, h between the
     kernels, per row and 128-block) and both GEMMs run e4m3 x e4m3 on the fp8 tensor cores, each K step's float32
     partial scaled by the row's and the weight block's scales (docs/math.md §11). `w_layout` "nk" (W8A8 only):
-    K-major stacks, gate/up [E, I, D] and down [E, D, I] (each expert in the release's [out, in] form; the scale
-    grids keep the orientation above), the B operand Hopper's fp8 MMA takes without a transpose."""
+    K-major stacks, gate/up [E, I, D] and down [E, D, I] (each expert in the release's [out, in] form), the B
+    operand Hopper's fp8 MMA takes without a transpose, with their scale grids in the same orientation as the
+    stacks (the HF `weight_scale_inv` grids stacked, no transpose): `wg_scale`, `wu_scale` [E, I-blocks,
+    D-blocks], `wd_scale` [E, D-blocks, I-blocks], i.e. [E, N-blocks, K-blocks] for every projection."""
     t, k = experts.shape
     if w_layout not in ("kn", "nk"):
         raise ValueError(f"moe triton: w_layout {w_layout!r} is not one of 'kn', 'nk'")
@@ -463,7 +484,8 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     if act:
         x, x_scale = quantize_activation_blocks(x)
         x_scale = x_scale.T  # [D-blocks, T]: one contiguous row of scales per block
-    cfg = config or default_config(t, k, n_exp, d, i, jnp.dtype(out_dtype if fp8 else wg.dtype).itemsize, form)
+    cfg = config or default_config(t, k, n_exp, d, i, jnp.dtype(out_dtype if fp8 else wg.dtype).itemsize, form,
+                                  w_layout)
     cfg = with_options(cfg, overrides, "moe")
     if act and (i % cfg.bn_up or d % cfg.bn_down or d % cfg.bk_up or i % cfg.bk_down):
         raise ValueError(f"moe triton: form 'w8a8' reads whole blocks: the blocks of {cfg} must divide the widths "
@@ -475,9 +497,6 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     if packed is None:
         packed = fp8 and max(wg.size, wd.size) >= 2 ** 31
     if packed and nk:  # words of two K values (act: whole blocks checked above)
-        if min(cfg.bk_up, cfg.bk_down) < 64:
-            raise ValueError(f"moe triton: K-major FP8 experts as uint16 words need K steps of 64 or more (each "
-                             f"byte half feeds an fp8 dot of K >= 32); got {cfg}")
         wg, wu = (jax.lax.bitcast_convert_type(w.reshape(n_exp, i, d // 2, 2), jnp.uint16) for w in (wg, wu))
         wd = jax.lax.bitcast_convert_type(wd.reshape(n_exp, d, i // 2, 2), jnp.uint16)
     elif packed:

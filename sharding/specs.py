@@ -36,19 +36,26 @@ _MTP_BLOCK = "mtp.block."
 _QREP = re.compile(r"layers\.\d+\.attn\.(q_b_proj|kv_b_proj)$")
 
 
-def param_spec(path: str, q_replicate: bool = False) -> P:
+def param_spec(path: str, q_replicate: bool = False, kmajor: bool = False) -> P:
     """The PartitionSpec of the parameter at `path`; an unknown path is an error, not a silent replicate.
 
     With query replication each DCP rank holds q_b_proj and kv_b_proj (W_UK, W_UV) for all heads of its DCP
-    group: split over 'tp' only."""
+    group: split over 'tp' only. `kmajor`: the leaf is stored with its last two axes swapped (an FP8 expert stack
+    kept K-major, `checkpoints.layout.kept_fp8_spec`), so its spec is the table's with those two swapped."""
     if path.startswith(_MTP_BLOCK):  # the nextn layer's decoder block: partitioned as every decoder layer
         path = "layers.0." + path[len(_MTP_BLOCK):]
     if q_replicate and _QREP.match(path):
-        return P(None, TP, None)
+        return _swap_last(P(None, TP, None)) if kmajor else P(None, TP, None)
     for pat, spec in _COMPILED:
         if pat.match(path):
-            return spec
+            return _swap_last(spec) if kmajor else spec
     raise KeyError(f"no partition spec for parameter {path!r}")
+
+
+def _swap_last(spec: P) -> P:
+    """`spec` of a 3-axis leaf with its last two entries swapped."""
+    axes = tuple(spec) + (None,) * (3 - len(spec))
+    return P(axes[0], axes[2], axes[1])
 
 
 def cache_spec() -> P:
@@ -91,17 +98,17 @@ def fp8_scale_spec(weight_spec: P, weight_shape, fp8_grid: tuple[int, int, int],
 
 
 def param_partition_specs(params, q_replicate: bool = False, *, axis_sizes: dict[str, int] | None = None,
-                          fp8_grids: dict[str, tuple[int, int, int]] | None = None):
+                          fp8_grids: dict[str, tuple[int, int, int]] | None = None, kmajor=frozenset()):
     """PartitionSpecs for a params pytree (nested dicts keyed as `checkpoints.layout` names), from the table. FP8
     scale leaves ('<weight>_scale') take `fp8_scale_spec` of their weight, from `fp8_grids` (weight path ->
-    fp8_grid) and the mesh's `axis_sizes`."""
+    fp8_grid) and the mesh's `axis_sizes`; weights in `kmajor` are stored with their last two axes swapped."""
     flat = {path_str(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params)}
 
     def spec_of(p, _):
         path = path_str(p)
         weight = path[: -len(SCALE_SUFFIX)]
         if path.endswith(SCALE_SUFFIX) and weight in flat and fp8_grids and weight in fp8_grids:
-            return fp8_scale_spec(param_spec(weight, q_replicate), flat[weight].shape, fp8_grids[weight],
-                                  axis_sizes or {})
-        return param_spec(path, q_replicate)
+            return fp8_scale_spec(param_spec(weight, q_replicate, weight in kmajor), flat[weight].shape,
+                                  fp8_grids[weight], axis_sizes or {})
+        return param_spec(path, q_replicate, path in kmajor)
     return jax.tree_util.tree_map_with_path(spec_of, params)

@@ -11,7 +11,7 @@ import glm_dsa
 from checkpoints import CheckpointError, load_hf_params, load_orbax_params, orbax_io, save_orbax_params
 from checkpoints.fp8_blocks import write_fp8_release
 from checkpoints.fp8_codec import dequantize_blocks_np, quantize_blocks
-from checkpoints.layout import fp8_scale_shape, param_specs
+from checkpoints.layout import fp8_scale_shape, kept_fp8_spec, param_specs
 from checkpoints.loader import HFCheckpoint
 from checkpoints.quantization import fp8_eligible, scale_path
 from checkpoints.random import write_random_checkpoint
@@ -44,7 +44,11 @@ def _flat2d(a, spec):
 
 
 def _np_dequantize(q, scale, spec):
-    """numpy float32 oracle of one FP8 leaf: `dequantize_blocks_np` per [IN, OUT] matrix (blocks are symmetric)."""
+    """numpy float32 oracle of one FP8 leaf in its kept form, back in our layout: `dequantize_blocks_np` per HF
+    [OUT, IN] matrix (K-major expert stacks are those, stacked) or per [IN, OUT] one (blocks are symmetric)."""
+    if spec.fp8_kmajor:
+        q, scale = np.asarray(q), np.asarray(scale)
+        return np.stack([dequantize_blocks_np(q[e], scale[e]).T for e in range(q.shape[0])])
     q2, s2 = _flat2d(q, spec), np.asarray(scale)
     if spec.fp8_grid[0]:
         return np.stack([dequantize_blocks_np(q2[e], s2[e]) for e in range(q2.shape[0])]).reshape(spec.shape)
@@ -52,15 +56,23 @@ def _np_dequantize(q, scale, spec):
 
 
 def _np_quantize(w, spec):
-    """numpy oracle: `quantize_blocks` of the HF [OUT, IN] form, transposed back to ours."""
+    """numpy oracle of the kept form: `quantize_blocks` of the HF [OUT, IN] form, transposed back to ours, or for
+    K-major expert stacks left as the release's [E, OUT, IN] with its [E, OUT-blocks, IN-blocks] grids."""
     w2 = _flat2d(np.asarray(w, np.float32), spec)
     mats = list(w2) if spec.fp8_grid[0] else [w2]
     out = [quantize_blocks(m.T) for m in mats]
+    if spec.fp8_kmajor:
+        return np.stack([o[0] for o in out]), np.stack([o[1] for o in out])
     q = [o[0].T for o in out]
     s = [o[1].T for o in out]
     if spec.fp8_grid[0]:
         return np.stack(q).reshape(spec.shape), np.stack(s)
     return q[0].reshape(spec.shape), s[0]
+
+
+def _spec_of(p, a, cfg, par):
+    """leaf_spec of the restored leaf `p` (FP8 weights in their kept form)."""
+    return leaf_spec(p, a.shape, cfg, par, kept=a.dtype == E4M3)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +120,7 @@ def test_fp8_round_trip_bytes_and_shardings(release, kept, mesh):
         assert a.dtype == kept[p].dtype, p
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(kept[p]).view(np.uint8), err_msg=p)
         if par:
-            want = leaf_spec(p, a.shape, CFG, par)
+            want = _spec_of(p, a, CFG, par)
             assert a.sharding.spec == want, (p, a.sharding.spec, want)
 
 
@@ -154,11 +166,11 @@ def test_fp8_quantises_a_bf16_checkpoint(tmp_path):
     for p, spec in SPECS.items():
         if p in plan:
             q, s = _np_quantize(flat[p], spec)
-            assert got[p].dtype == E4M3 and got[scale_path(p)].shape == fp8_scale_shape(spec), p
+            assert got[p].dtype == E4M3 and got[scale_path(p)].shape == fp8_scale_shape(kept_fp8_spec(spec)), p
             np.testing.assert_array_equal(np.asarray(got[p]).view(np.uint8), q.view(np.uint8), err_msg=p)
             np.testing.assert_array_equal(np.asarray(got[scale_path(p)]), s, err_msg=p)
             for leaf in (p, scale_path(p)):
-                assert got[leaf].sharding.spec == leaf_spec(leaf, got[leaf].shape, CFG, par), leaf
+                assert got[leaf].sharding.spec == _spec_of(leaf, got[leaf], CFG, par), leaf
         else:
             np.testing.assert_array_equal(np.asarray(got[p]), flat[p], err_msg=p)
     assert np.all(np.asarray(got[scale_path("layers.0.attn.q_a_proj")])[0] == 1.0)
@@ -177,16 +189,18 @@ def test_init_params_fp8_is_the_bf16_draw_quantised(tmp_path):
         assert fp8[scale_path(p)].sharding.spec == leaf_spec(scale_path(p), s.shape, WIDE, par)
     assert fp8["layers.0.attn.kv_b_proj"].dtype == np.dtype(ml_dtypes.bfloat16)
     assert scale_path("embed") not in fp8
-    split = fp8[scale_path("layers.0.moe.experts_up")]  # [8, 2, 4]: one out-block per TP shard
-    assert split.sharding.spec == PartitionSpec(None, None, ("tp", "dcp"))
-    assert split.addressable_shards[0].data.shape == (8, 2, 1)
+    up = fp8["layers.0.moe.experts_up"]  # K-major [8, 512, 200]: the expert width split over TP on axis 1
+    assert up.shape == (8, 512, 200) and up.sharding.spec == PartitionSpec(None, ("tp", "dcp"), None)
+    split = fp8[scale_path("layers.0.moe.experts_up")]  # [8, 4, 2]: one out-block per TP shard
+    assert split.sharding.spec == PartitionSpec(None, ("tp", "dcp"), None)
+    assert split.addressable_shards[0].data.shape == (8, 1, 2)
     save_orbax_params(fp8, WIDE, tmp_path)
     other = resolve_parallel(ParallelConfig(2), WIDE)
     got = load_orbax_params(tmp_path, WIDE, dtype="bfloat16", progress=False, sharding_for=param_sharding(other, WIDE))
     assert got.keys() == fp8.keys()
     for p, a in got.items():
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(fp8[p]).view(np.uint8), err_msg=p)
-        assert a.sharding.spec == leaf_spec(p, a.shape, WIDE, other), p
+        assert a.sharding.spec == _spec_of(p, a, WIDE, other), p
 
 
 def test_bad_fp8_leaves_are_named(release, kept, tmp_path):
@@ -204,3 +218,28 @@ def test_bad_fp8_leaves_are_named(release, kept, tmp_path):
     half = dict(kept, **{scale_path(q_a): np.ones((2, 2), np.float16)})
     with pytest.raises(CheckpointError, match=f"'{q_a}_scale'.*float32, got float16"):
         save_orbax_params(half, CFG, tmp_path / "d")
+
+
+def test_format_version_1_fp8_experts_are_refused(release, kept, tmp_path):
+    """Version 1 stored FP8 expert stacks [E, in, out]: such a checkpoint is refused with the way out (convert
+    again), before any restore; a version 1 checkpoint without FP8 experts reads as version 2 does."""
+    import json
+    import shutil
+
+    def as_version_1(src, dst):
+        shutil.copytree(src, dst)
+        meta_file = orbax_io.committed_checkpoint(dst) + "/" + orbax_io.META
+        meta = json.load(open(meta_file))
+        meta["version"] = 1
+        json.dump(meta, open(meta_file, "w"))
+
+    as_version_1(release / "orbax", tmp_path / "old")
+    with pytest.raises(CheckpointError, match=r"version 1 stores FP8 expert stacks.*'layers\.\d\.moe\.experts_"
+                                              r"\w+'.*convert the HF checkpoint again"):
+        load_orbax_params(tmp_path / "old", CFG, dtype="bfloat16", progress=False)
+    bf16 = {p: np.asarray(a) for p, a in load_hf_params(release / "hf", CFG, dtype="bfloat16", progress=False,
+                                                        quantization="none").items()}
+    save_orbax_params(bf16, CFG, tmp_path / "bf16")
+    as_version_1(tmp_path / "bf16", tmp_path / "old_bf16")
+    got = load_orbax_params(tmp_path / "old_bf16", CFG, dtype="bfloat16", progress=False)
+    np.testing.assert_array_equal(np.asarray(got["layers.1.moe.experts_up"]), bf16["layers.1.moe.experts_up"])

@@ -64,9 +64,13 @@ def test_quantization_fp8_at_load_matches_the_numpy_block_quantiser(dirs):
     eng = glm_dsa.load(dirs / "hf", dtype="float32", quantization="fp8", progress=False, max_model_len=32)
     ck = HFCheckpoint(dirs / "hf")
     q, s = quantize_blocks(ck.read("model.layers.1.mlp.experts.3.down_proj.weight"))  # HF [out, in]
-    got = _leaf(eng.params, "layers.1.moe.experts_down")  # ours [E, in, out]
-    np.testing.assert_array_equal(np.asarray(got[3]).view(np.uint8), q.T.view(np.uint8))
-    np.testing.assert_array_equal(np.asarray(_leaf(eng.params, "layers.1.moe.experts_down_scale")[3]), s.T)
+    got = _leaf(eng.params, "layers.1.moe.experts_down")  # kept FP8: K-major, the release's [E, out, in]
+    np.testing.assert_array_equal(np.asarray(got[3]).view(np.uint8), q.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(_leaf(eng.params, "layers.1.moe.experts_down_scale")[3]), s)
+    q, s = quantize_blocks(ck.read("model.layers.1.self_attn.o_proj.weight"))  # HF [out, in]
+    got = np.asarray(_leaf(eng.params, "layers.1.attn.o_proj")).reshape(-1, q.shape[0])  # ours [in, out]
+    np.testing.assert_array_equal(got.view(np.uint8), q.T.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(_leaf(eng.params, "layers.1.attn.o_proj_scale")), s.T)
     ref = glm_dsa.load(dirs / "hf", dtype="float32", progress=False, max_model_len=32).logits(IDS)
     err = np.linalg.norm(eng.logits(IDS) - ref) / np.linalg.norm(ref)
     assert 1e-5 < err < 3e-2  # e4m3 weights: close to the float model, not equal to it

@@ -3,6 +3,7 @@ narrow expert widths (a tiny model's TP shard) in the kernel itself, the lowerin
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -339,13 +340,14 @@ def test_fp8_w8a8_matches_oracle(kernel_impl, t, options):
     (5, {"packed": True, "k_split": 2, "bk_up": 64, "bk_down": 64}),
 ])
 def test_fp8_w8a8_k_major_stacks(kernel_impl, on_gpu, t, options):
-    """W8A8 over K-major stacks (w_layout "nk": each expert [out, in] as released), plain and as uint16 words of
-    two K values (the form of 2**31+ element stacks), gives the W8A8 oracle; W8A16 refuses that layout."""
+    """W8A8 over K-major stacks (w_layout "nk": each expert [out, in] as released, the scale grids in the same
+    orientation), plain and as uint16 words of two K values (the form of 2**31+ element stacks), gives the W8A8
+    oracle; W8A16 refuses that layout."""
     args, scales, deq = _fp8_inputs(t, 4, 8, 256, 256, 0, seed=31 + t, dtype=jnp.bfloat16)
     x, e, w, qg, qu, qd = args
     want = _oracle_w8a8(*args, scales["wg_scale"], scales["wu_scale"], scales["wd_scale"], ml_dtypes.bfloat16)
     t_ = lambda q: jnp.swapaxes(q, 1, 2)  # noqa: E731
-    sc = {k: v for k, v in scales.items() if k != "i_offset"}
+    sc = {k: t_(v) for k, v in scales.items() if k != "i_offset"}  # the grids in the stacks' orientation
     with jax.default_matmul_precision("highest"):
         got = moe_triton.grouped_swiglu(x, e, w, t_(qg), t_(qu), t_(qd), form="w8a8", w_layout="nk",
                                         interpret=kernel_impl.endswith("interpret"), **sc, **options)
@@ -354,9 +356,109 @@ def test_fp8_w8a8_k_major_stacks(kernel_impl, on_gpu, t, options):
     assert _rel(got, want) < (1e-2 if on_gpu else 5e-3)
     with pytest.raises(ValueError, match="for form 'w8a8'"):
         moe_triton.grouped_swiglu(x, e, w, t_(qg), t_(qu), t_(qd), w_layout="nk", interpret=True, **sc)
-    with pytest.raises(ValueError, match="K steps of 64 or more"):
-        moe_triton.grouped_swiglu(x, e, w, t_(qg), t_(qu), t_(qd), form="w8a8", w_layout="nk", packed=True,
-                                  bk_up=32, interpret=True, **sc)
+
+
+def _k_major(args, scales):
+    """The FP8 inputs of `_fp8_inputs` as K-major stacks (gate/up [E, I, D], down [E, D, I]) with their scale grids
+    in the same orientation, as the model stores them (w_layout "nk")."""
+    t_ = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
+    return ((*args[:3], *(t_(q) for q in args[3:])),
+            dict(scales, **{n: t_(scales[n]) for n in ("wg_scale", "wu_scale", "wd_scale")}))
+
+
+def _f8_transposes(fn, *args) -> int:
+    """How many e4m3 transposes the jaxpr of `fn(*args)` holds (the "nk" -> "kn" copies)."""
+    return len(re.findall(r"f8_e4m3fn\[[0-9,]*\] = transpose", str(jax.make_jaxpr(fn)(*args))))
+
+
+@pytest.mark.parametrize("t,d,i,i_off,mode", [
+    (3, 256, 256, 0, None),       # whole blocks
+    (5, 130, 40, 100, None),      # ragged hidden, a width shard across a block boundary
+    (5, 130, 40, 100, "gather"),  # a forced form
+])
+def test_fp8_k_major_xla(t, d, i, i_off, mode):
+    """routed_experts(w_layout="nk") by the xla reference: the float64 oracle of the same dequantised experts."""
+    args, scales, deq = _fp8_inputs(t, 2, 8, d, i, i_off, seed=41 + t + i_off)
+    nk_args, nk_scales = _k_major(args, scales)
+    got = moe.routed_experts(*nk_args, mode=mode, w_layout="nk", **nk_scales)
+    assert _rel(got, _oracle(args[0], args[1], args[2], *deq)) < 2e-6
+
+
+def test_fp8_k_major_traced_offset(impl):
+    """A traced i_offset with K-major stacks and worst-case grids: the xla reference, and the kernels by the
+    W8A16 path (a traced offset is not known to be on a block boundary)."""
+    args, scales, deq = _fp8_inputs(6, 2, 4, 130, 40, 100, seed=3)
+    nk_args, nk_scales = _k_major(args, scales)
+    f = jax.jit(lambda off, *a: moe.routed_experts(*a, impl=impl, w_layout="nk", **dict(nk_scales, i_offset=off)))
+    assert _rel(f(jnp.int32(100), *nk_args), _oracle(args[0], args[1], args[2], *deq)) < 2e-6
+
+
+def test_fp8_k_major_w8a8_decode(kernel_impl):
+    """Decode tiles of whole blocks: fp8_form's W8A8 runs on the K-major bytes (no e4m3 transpose in the
+    program), the W8A8 oracle; an explicit form="w8a8" the same program. D != I, so grids read on the wrong axes
+    fail."""
+    args, scales, deq = _fp8_inputs(5, 4, 8, 256, 384, 0, seed=5, dtype=jnp.bfloat16)
+    assert moe.fp8_form(5, 4, 8, 256, 384, 0) == "w8a8"
+    want = _oracle_w8a8(*args, scales["wg_scale"], scales["wu_scale"], scales["wd_scale"], ml_dtypes.bfloat16)
+    nk_args, nk_scales = _k_major(args, scales)
+    assert _rel(_run(kernel_impl, nk_args, w_layout="nk", **nk_scales), want) < 5e-3
+    programs = [str(jax.make_jaxpr(functools.partial(moe.routed_experts, impl=kernel_impl, w_layout="nk",
+                                                     **nk_scales, **form))(*nk_args))
+                for form in ({}, {"form": "w8a8"})]
+    assert programs[0] == programs[1]
+    assert not re.search(r"f8_e4m3fn\[[0-9,]*\] = transpose", programs[0])
+
+
+@pytest.mark.parametrize("t,d,i,i_off,dtype,form,tol", [
+    (80, 256, 384, 0, jnp.bfloat16, {}, 1e-2),               # 40 rows per expert: fp8_form's pick
+    (13, 130, 40, 100, jnp.float32, {"form": "dequant"}, 2e-6),  # asked for: ragged, a mid-block shard
+])
+def test_fp8_k_major_dequant_prefill(kernel_impl, t, d, i, i_off, dtype, form, tol):
+    """Prefill tiles: the K-major experts dequantised in x's dtype and swapped to [E, K, N] for the bf16
+    kernels (no e4m3 transpose, no e4m3 into the kernels), within x's rounding of the float64 oracle."""
+    args, scales, deq = _fp8_inputs(t, 4, 8, d, i, i_off, seed=6 + t, dtype=dtype)
+    assert form or moe.fp8_form(t, 4, 8, d, i, i_off) == "dequant"
+    nk_args, nk_scales = _k_major(args, scales)
+    got = _run(kernel_impl, nk_args, w_layout="nk", **nk_scales, **form)
+    assert _rel(got, _oracle(args[0], args[1], args[2], *deq)) < tol
+    fn = functools.partial(moe.routed_experts, impl=kernel_impl, w_layout="nk", **nk_scales, **form)
+    assert _f8_transposes(fn, *nk_args) == 0
+    assert "float8_e4m3fn" not in str(jax.make_jaxpr(fn)(*nk_args)).split("pallas_call")[1]
+
+
+@pytest.mark.parametrize("t,d,i,i_off,form", [
+    (13, 130, 40, 100, {}),                  # ragged widths, a shard starting mid-block: fp8_form's W8A16
+    (3, 256, 256, 0, {"form": "w8a16"}),     # asked for on whole blocks
+])
+def test_fp8_k_major_w8a16(kernel_impl, t, d, i, i_off, form):
+    """W8A16 over K-major stacks: a [E, K, N] copy of the stacks, then the W8A16 kernels; float32 rows within
+    float32 rounding of the float64 oracle."""
+    args, scales, deq = _fp8_inputs(t, 4, 8, d, i, i_off, seed=51 + t)
+    assert form or moe.fp8_form(t, 4, 8, d, i, i_off) == "w8a16"
+    nk_args, nk_scales = _k_major(args, scales)
+    got = _run(kernel_impl, nk_args, w_layout="nk", **nk_scales, **form)
+    assert _rel(got, _oracle(args[0], args[1], args[2], *deq)) < 2e-6
+    fn = functools.partial(moe.routed_experts, impl=kernel_impl, w_layout="nk", **nk_scales, **form)
+    assert _f8_transposes(fn, *nk_args) == 3
+
+
+def test_fp8_k_major_bad_inputs_are_named():
+    args, scales, _ = _fp8_inputs(3, 2, 4, 130, 40, 0, seed=0)
+    nk_args, nk_scales = _k_major(args, scales)
+    x, e, w, qg, qu, qd = nk_args
+    with pytest.raises(ValueError, match="w_layout 'nk' is for FP8 experts"):
+        moe.routed_experts(x, e, w, *(a.astype(jnp.bfloat16) for a in (qg, qu, qd)), w_layout="nk")
+    with pytest.raises(ValueError, match=r"w_layout 'ik' is not one of"):
+        moe.routed_experts(*nk_args, w_layout="ik", **nk_scales)
+    with pytest.raises(ValueError, match=r"gate/up \[E, I, D\], down \[E, D, I\] \(w_layout 'nk'\)"):
+        moe.routed_experts(*args, w_layout="nk", **nk_scales)  # [E, K, N] stacks called K-major
+    # the [E, K-blocks, N-blocks] grids with K-major stacks: gate [4, 40, 130] needs [4, 1, 2], not [4, 2, 1]
+    with pytest.raises(ValueError, match=r"gate_scale: scale grid \(4, 2, 1\) has 2 row blocks; 40 rows"):
+        moe.routed_experts(*nk_args, w_layout="nk", **scales)
+    with pytest.raises(ValueError, match=r"down_scale: scale grid \(4, 1, 2\) has 1 row blocks; 130 rows"):
+        moe.routed_experts(*nk_args, w_layout="nk", **dict(nk_scales, wd_scale=scales["wd_scale"]))
+    with pytest.raises(ValueError, match="form 'w4a4' is not one of"):
+        moe.routed_experts(*nk_args, impl="triton_interpret", w_layout="nk", form="w4a4", **nk_scales)
 
 
 def test_fp8_form_dispatch(kernel_impl):
@@ -415,9 +517,10 @@ def test_fp8_full_width_stack_lowers_as_packed_words(t, form):
     f8 = jnp.float8_e4m3fn
     nk = form == "w8a8_nk"  # K-major stacks: gate/up [E, I, D], down [E, D, I]
     gu, dn = ((256, 2048, 6144), (256, 6144, 2048)) if nk else ((256, 6144, 2048), (256, 2048, 6144))
+    # scale grids in the stacks' orientation: nk gate/up [E, I-blocks 16, D-blocks 48], down [E, 48, 16]
+    sgu, sdn = ((256, 16, 48), (256, 48, 16)) if nk else ((256, 48, 16), (256, 16, 48))
     args = (s((t, 6144), jnp.bfloat16), s((t, 8), jnp.int32), s((t, 8), jnp.float32),
-            s(gu, f8), s(gu, f8), s(dn, f8),
-            s((256, 48, 16), jnp.float32), s((256, 48, 16), jnp.float32), s((256, 16, 48), jnp.float32))
+            s(gu, f8), s(gu, f8), s(dn, f8), s(sgu, jnp.float32), s(sgu, jnp.float32), s(sdn, jnp.float32))
 
     def fn(x, e, w, g, u, d, sg, su, sd):
         return moe_triton.grouped_swiglu(x, e, w, g, u, d, wg_scale=sg, wu_scale=su, wd_scale=sd,
@@ -425,6 +528,23 @@ def test_fp8_full_width_stack_lowers_as_packed_words(t, form):
     text = lower_for_gpu(fn, *args)
     assert "ui16" in text or "u16" in text  # the words the kernels read
     assert {c.name for c in triton_calls(text)} >= {"moe_down"}
+
+
+def test_fp8_k_major_wide_blocks_lower():
+    """K-major W8A8 with column blocks wider than one scale block (each column's scale gathered from the grid's
+    middle axis, [E, N-blocks, K-blocks]) lowers at GLM-5.2 TP = 8 widths, plain and as uint16 words."""
+    s = jax.ShapeDtypeStruct
+    f8 = jnp.float8_e4m3fn
+    args = (s((32, 6144), jnp.bfloat16), s((32, 8), jnp.int32), s((32, 8), jnp.float32),
+            s((256, 256, 6144), f8), s((256, 256, 6144), f8), s((256, 6144, 256), f8),
+            s((256, 2, 48), jnp.float32), s((256, 2, 48), jnp.float32), s((256, 48, 2), jnp.float32))
+    for packed in (False, True):
+        def fn(x, e, w, g, u, d, sg, su, sd):
+            return moe_triton.grouped_swiglu(x, e, w, g, u, d, wg_scale=sg, wu_scale=su, wd_scale=sd, form="w8a8",
+                                             w_layout="nk", packed=packed, bn_up=256, bn_down=256, bk_up=64,
+                                             bk_down=64)
+        calls = triton_calls(lower_for_gpu(fn, *args))
+        assert [c.name for c in calls] == ["moe_up", "moe_down"]
 
 
 def test_fp8_lowers_at_glm52_shapes():
