@@ -11,11 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 import glm_dsa
 from checkpoints import save_orbax_params
+from checkpoints.fp8_blocks import write_fp8_release
 from checkpoints.random import write_random_checkpoint
 from glm_dsa import ParallelConfig, configs
 from glm_dsa.pytree import flatten_params
@@ -99,6 +101,26 @@ def test_processes_match_one_process(n, k, source, layouts, ckpts, reference, tm
         np.testing.assert_allclose(got[f"{layout}/logits"], reference[f"{layout}/logits"], atol=1e-5, rtol=0,
                                    err_msg=layout)
         np.testing.assert_array_equal(got[f"{layout}/tokens"], reference[f"{layout}/tokens"], err_msg=layout)
+
+
+def test_fp8_release_across_processes(ckpts, tmp_path):
+    """An FP8 release (block-scaled e4m3, experts kept K-major) loaded in its own form by 2 processes x 4 devices
+    gives the single-process run's float32 logits and greedy tokens, with the same FP8 leaves."""
+    fp8 = tmp_path / "fp8"
+    write_fp8_release(ckpts[0], fp8)
+    layouts = ["8,1,0,a2a", "8,4,1,ag_rs"]
+    got = _launch(2, 4, fp8, tmp_path / "out.npz", layouts)
+    for layout in layouts:
+        tp, dcp, qrep, backend = layout.split(",")
+        par = ParallelConfig(tensor_parallel_size=int(tp), decode_context_parallel_size=int(dcp),
+                             dcp_q_replicate=qrep == "1", dcp_comm_backend=backend)
+        eng = glm_dsa.load(fp8, parallel=par, dtype="float32", max_model_len=64, progress=False)
+        kept = sum(str(a.dtype) == "float8_e4m3fn" for a in jax.tree_util.tree_leaves(eng.params))
+        assert kept > 10 and int(got[f"{layout}/fp8_leaves"]) == kept, layout
+        np.testing.assert_allclose(got[f"{layout}/logits"], eng.logits(np.asarray(LOGIT_IDS)), atol=1e-5, rtol=0,
+                                   err_msg=layout)
+        want = eng.generate(GEN_PROMPTS, max_new_tokens=NEW_TOKENS, stop_token_ids=[])
+        np.testing.assert_array_equal(got[f"{layout}/tokens"], np.asarray(want), err_msg=layout)
 
 
 def _worker_cmd(port, n, i, mode):

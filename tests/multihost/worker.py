@@ -17,6 +17,7 @@ def main(argv):
     from glm_dsa import distributed
     assert distributed.initialize(f"127.0.0.1:{port}", int(n), int(pid), init_timeout_s=120,
                                   heartbeat_timeout_s=20)
+    import jax
     import numpy as np
 
     import glm_dsa
@@ -29,6 +30,9 @@ def main(argv):
         par = ParallelConfig(tensor_parallel_size=int(tp), decode_context_parallel_size=int(dcp),
                              dcp_q_replicate=qrep == "1", dcp_comm_backend=backend)
         eng = glm_dsa.load(ckpt, parallel=par, dtype="float32", max_model_len=64, progress=False)
+        # FP8 weights kept as such (a release's own form), each process having read only its devices' slices
+        results[f"{layout}/fp8_leaves"] = np.asarray(sum(str(a.dtype) == "float8_e4m3fn"
+                                                         for a in jax.tree_util.tree_leaves(eng.params)))
         results[f"{layout}/logits"] = eng.logits(np.asarray(LOGIT_IDS))
         gen = eng.generate(GEN_PROMPTS, max_new_tokens=NEW_TOKENS, stop_token_ids=[])
         results[f"{layout}/tokens"] = np.asarray(gen)
