@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import sys
 
 import jax
@@ -34,8 +35,10 @@ from glm_dsa.config import GlmDsaConfig
 from glm_dsa.engine import Engine
 from glm_dsa.init import init_params
 from glm_dsa.model import StepBatch
+from glm_dsa.paged_cache import KV_CACHE_DTYPES
 from glm_dsa.step import step
 from kernels import fused_norm_rope, indexer, sparse_mla
+from kernels.fp8_formats import quantize_index_rows, quantize_mla_rows
 
 #: stages of a decode step that `stage_times` does not time, and why (reported so, never as a number)
 NOT_MEASURED = {"collectives": "not measured (the step's all-gathers and psums are not timed apart)"}
@@ -64,21 +67,40 @@ def flops_per_token(cfg: GlmDsaConfig, context: int) -> float:
     return 2.0 * (total + d * cfg.vocab_size / max(context, 1))  # lm_head only for the last row of a prompt
 
 
-def decode_attention_bytes(cfg: GlmDsaConfig, batch: int, context: int, cache_itemsize: int) -> int:
-    """Bytes a decode step's attention must read: top-k MLA rows per layer, the indexer keys on full layers."""
+def decode_attention_bytes(cfg: GlmDsaConfig, batch: int, context: int, cache_itemsize: int, *,
+                           mla_row_bytes: int | None = None, index_row_bytes: int | None = None) -> int:
+    """Bytes a decode step's attention must read: top-k MLA rows per layer, the indexer keys on full layers. Rows
+    are `cache_itemsize` bytes per element unless their byte widths are given (fp8_ds_mla caches: 656 and 132)."""
     k = min(cfg.index_topk, context)
-    mla = cfg.num_hidden_layers * k * cfg.mla_row_dim * cache_itemsize
-    idx = len(cfg.full_layers) * context * cfg.index_head_dim * cache_itemsize
+    mla = cfg.num_hidden_layers * k * (mla_row_bytes or cfg.mla_row_dim * cache_itemsize)
+    idx = len(cfg.full_layers) * context * (index_row_bytes or cfg.index_head_dim * cache_itemsize)
     return batch * (mla + idx)
 
 
 def _random_caches(eng: Engine, key):
-    def fill(c, k):
-        return jax.random.normal(k, c.shape, jnp.float32).astype(c.dtype)
-    leaves, tree = jax.tree.flatten(eng.caches)
-    keys = jax.random.split(key, len(leaves))
-    return jax.tree.unflatten(tree, [jax.jit(fill, donate_argnums=0, out_shardings=c.sharding)(c, k)
-                                     for c, k in zip(leaves, keys)])
+    """Every cache of `eng` filled with random rows: normal values in a float cache; in an fp8_ds_mla (uint8) cache,
+    valid quantised rows of normal values (finite scales: random bytes would give NaN attention, NaN hidden
+    states and a degenerate routing that reads a few experts), 65536 distinct rows repeated."""
+    cfg = eng.config
+
+    def fill(c, k, kind):
+        if c.dtype != jnp.uint8:
+            return jax.random.normal(k, c.shape, jnp.float32).astype(c.dtype)
+        total = math.prod(c.shape[:-1])  # [pages, block, row bytes]
+        n, (k1, k2) = min(total, 65536), jax.random.split(k)
+        if kind == "mla":
+            rows = quantize_mla_rows(jax.random.normal(k1, (n, cfg.kv_lora_rank)),
+                                     jax.random.normal(k2, (n, cfg.qk_rope_head_dim)))
+        else:
+            rows = quantize_index_rows(jax.random.normal(k1, (n, cfg.index_head_dim)))
+        return jnp.tile(rows, (-(-total // n), 1))[:total].reshape(c.shape)
+    out = {}
+    for i, (kind, layers) in enumerate(eng.caches.items()):
+        keys = jax.random.split(jax.random.fold_in(key, i), len(layers))
+        out[kind] = type(layers)(
+            jax.jit(functools.partial(fill, kind=kind), donate_argnums=0, out_shardings=c.sharding)(c, k)
+            for c, k in zip(layers, keys))
+    return out
 
 
 def decode_batch(b: int, context: int, block_size: int, vocab_size: int, rng, dcp: int = 1) -> StepBatch:
@@ -145,10 +167,11 @@ def stage_times(eng: Engine, batch: StepBatch) -> dict[str, float]:
     return out
 
 
-def decode_engine(cfg: GlmDsaConfig, params, parallel, dtype: str, impl: str, b: int, context: int) -> Engine:
+def decode_engine(cfg: GlmDsaConfig, params, parallel, dtype: str, impl: str, b: int, context: int,
+                  kv_cache_dtype: str = "auto") -> Engine:
     """An engine of `b` sequences whose caches hold random rows, for `decode_ms_per_step` at `context`."""
     eng = Engine(cfg, params, parallel=parallel, dtype=dtype, max_model_len=context + 1, max_num_seqs=b, impl=impl,
-                 block_size=64)
+                 block_size=64, kv_cache_dtype=kv_cache_dtype)
     eng.caches = _random_caches(eng, jax.random.key(b))
     return eng
 
@@ -186,6 +209,7 @@ class BenchConfig:
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     quantization: str | None = None  # "fp8": the same random model with its linear weights quantised on device
+    kv_cache_dtype: str = "auto"  # paged_cache.KV_CACHE_DTYPES ("fp8_ds_mla": 656-byte MLA rows)
 
 
 def run_bench(bc: BenchConfig, log=print) -> dict:
@@ -212,7 +236,8 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
         r: dict = {}
         if bc.end_to_end:
             eng = Engine(cfg, params, parallel=parallel, dtype=bc.dtype, max_model_len=bc.input_len + bc.output_len,
-                         max_num_seqs=bc.batch, max_num_batched_tokens=bc.max_num_batched_tokens, impl=impl)
+                         max_num_seqs=bc.batch, max_num_batched_tokens=bc.max_num_batched_tokens, impl=impl,
+                         kv_cache_dtype=bc.kv_cache_dtype)
             prompts = [rng.integers(0, cfg.vocab_size, bc.input_len).tolist() for _ in range(bc.batch)]
             eng.warmup(bc.batch, bc.input_len, bc.output_len)
             total = median_seconds(functools.partial(eng.generate, prompts, bc.output_len, stop_token_ids=[]),
@@ -247,12 +272,12 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
 
 def _decode_row(cfg, params, parallel, bc, impl, b, ctx, rng, stages, peaks, device) -> dict:
     """One decode batch's figures: ms per step, the attention bytes and their roofline, the stages, peak memory."""
-    eng = decode_engine(cfg, params, parallel, bc.dtype, impl, b, ctx)
+    eng = decode_engine(cfg, params, parallel, bc.dtype, impl, b, ctx, bc.kv_cache_dtype)
     try:
         batch = decode_batch(b, ctx, eng.block_size, cfg.vocab_size, rng, dcp=eng.parallel.dcp)
         ms = decode_ms_per_step(eng, batch)
-        item = jnp.dtype(eng.caches["mla"][0].dtype).itemsize
-        attn_bytes = decode_attention_bytes(cfg, b, ctx, item)
+        rows = [c[0].shape[-1] * jnp.dtype(c[0].dtype).itemsize for c in (eng.caches["mla"], eng.caches["indexer"])]
+        attn_bytes = decode_attention_bytes(cfg, b, ctx, 0, mla_row_bytes=rows[0], index_row_bytes=rows[1])
         row = {"ms_per_step": ms, "attention_bytes": attn_bytes,
                "attention_roofline_ms": 1e3 * attn_bytes / peaks.hbm_bytes_per_s}
         if stages:
@@ -320,6 +345,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fp8: the random model's linear weights quantised on device to FP8 (128x128 block scales) "
                         "and computed from; none / default: all in --dtype")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="paged cache dtype (fp8_ds_mla: 656-byte MLA rows, as vLLM serves GLM-5.x)")
     p.add_argument("--no-end-to-end", action="store_true", help="skip the prefill + generate run")
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage breakdown")
     p.add_argument("--seed", type=int, default=0)
@@ -339,7 +366,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        max_num_batched_tokens=args.max_num_batched_tokens, end_to_end=not args.no_end_to_end,
                        stages=not args.no_stages, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
                        decode_context_parallel_size=args.decode_context_parallel_size,
-                       quantization=args.quantization)
+                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def run_from_args(args: argparse.Namespace, command: str | None = None) -> int:

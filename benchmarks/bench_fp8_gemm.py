@@ -73,6 +73,15 @@ def moe_configs(t: int):
     return sorted(cfgs, key=lambda c: sum(c[f] != cfgs[0][f] for f in c))
 
 
+def moe_untied_configs(t: int):
+    """Decode launch configs whose up and down kernels take different blocks (the up kernel streams D-long K
+    loops, the down kernel I-long ones), around the K-major W8A8 default (128 x 128 blocks, 4 warps, 4 stages)."""
+    grid = itertools.product((128, 64, 256), (128,), (128, 256, 64), (128, 64), (4, 8), (4, 3))
+    cfgs = [dict(bn_up=bu, bk_up=ku, bn_down=bd, bk_down=kd, num_warps=w, num_stages=st, k_split=1)
+            for bu, ku, bd, kd, w, st in grid]
+    return sorted(cfgs, key=lambda c: sum(c[f] != cfgs[0][f] for f in c))
+
+
 def _rates(res, s, wbytes, flops, peaks):
     return dict(us=1e6 * s, tb_s=wbytes / s / 1e12, pct_hbm=100 * wbytes / s / peaks.hbm_bytes_per_s,
                 tflops=flops / s / 1e12)
@@ -152,8 +161,9 @@ def bench_moe(args, peaks, rows):
             default_s = run(args.impl, stacks["kn"], form=form, **scales, **word_form)
             best = {"config": "default", "s": default_s}
             if args.moe_budget_s > 0:
-                sweep = budgeted_sweep(moe_configs(t), lambda cfg: run(args.impl, stacks["kn"], form=form,
-                                                                       **scales, **word_form, **cfg),
+                configs = moe_untied_configs(t) if args.moe_untied else moe_configs(t)
+                sweep = budgeted_sweep(configs, lambda cfg: run(args.impl, stacks["kn"], form=form, **scales,
+                                                                **word_form, **cfg),
                                        args.moe_budget_s, label=f"moe {form} T={t}")
                 if sweep.measured and sweep.best()[1] < best["s"]:
                     best = {"config": sweep.best()[0], "s": sweep.best()[1]}
@@ -182,6 +192,8 @@ def main(argv=None):
                     help="FP8 expert forms (moe.routed_experts form; w8a8_nk: W8A8 over K-major stacks)")
     ap.add_argument("--moe_budget_s", type=float, default=0.0, help="FP8 expert config sweep budget per T and form")
     ap.add_argument("--no_xla", action="store_true", help="skip the xla rows (slow compiles)")
+    ap.add_argument("--moe_untied", action="store_true",
+                    help="sweep up and down kernel blocks separately (decode configs, moe_untied_configs)")
     ap.add_argument("--moe_packed", default="auto", choices=["auto", "0", "1"],
                     help="FP8 experts as uint16 words of two columns: auto (stacks of 2**31+ elements), 1, 0")
     ap.add_argument("--out", default=None)

@@ -72,6 +72,9 @@ def test_roofline_counts_by_hand():
     # B=128 at 32K: 78 layers x 2048 rows x 576 x 2 B + 21 full layers x 32768 keys x 128 x 2 B, per sequence
     want = 128 * (78 * 2048 * 576 * 2 + 21 * 32768 * 128 * 2)
     assert decode_attention_bytes(cfg, 128, 32768, 2) == want
+    # fp8_ds_mla: 656-byte MLA rows (512 e4m3 + 4 tile scales + 64 bf16 rope) and 132-byte FP8 indexer keys
+    want = 128 * (78 * 2048 * 656 + 21 * 32768 * 132)
+    assert decode_attention_bytes(cfg, 128, 32768, 0, mla_row_bytes=656, index_row_bytes=132) == want
     assert 2 * 30e9 < flops_per_token(cfg, 1) < 2 * 50e9  # ~40B active parameters per token
 
 
@@ -111,3 +114,23 @@ def test_a_decode_batch_out_of_memory_is_a_row_not_the_end(monkeypatch):
     monkeypatch.setattr(bench_engine, "_decode_row", broken)
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         bench_engine.run_bench(bc, log=lines.append)
+
+
+def test_random_fp8_caches_hold_valid_rows():
+    """The decode benchmark's fp8_ds_mla caches hold quantised rows of normal values (finite, unit spread): random
+    bytes would decode to NaN attention and a degenerate expert routing, timing a different step."""
+    import jax.numpy as jnp
+
+    from benchmarks.bench_engine import decode_engine
+    from glm_dsa.init import init_params
+    from kernels.fp8_formats import dequantize_index_rows, dequantize_mla_rows
+
+    cfg = configs.tiny
+    eng = decode_engine(cfg, init_params(cfg), None, "bfloat16", "xla", 2, 64, "fp8_ds_mla")
+    mla, index = eng.caches["mla"][0], eng.caches["indexer"][0]
+    assert mla.dtype == index.dtype == jnp.uint8
+    kv, k_pe = dequantize_mla_rows(mla.reshape(-1, mla.shape[-1]), cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    keys = dequantize_index_rows(index.reshape(-1, index.shape[-1]), cfg.index_head_dim)
+    for x in (kv, k_pe, keys):
+        x = np.asarray(x, np.float32)
+        assert np.isfinite(x).all() and 0.8 < x.std() < 1.2
