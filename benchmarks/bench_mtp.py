@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness import command_line, median_seconds, record, write_json
-from glm_dsa.engine import Engine, pack_step_inputs
+from glm_dsa import host_buffer
+from glm_dsa.engine import Engine
 from glm_dsa.init import init_params
 from glm_dsa.mtp import init_mtp_params
 from glm_dsa.paged_cache import pages_needed
@@ -132,9 +133,9 @@ def _plain_call(eng: Engine, rows, plan_rows, resets, su):
     prev = jax.device_put(np.zeros(nr, np.int32), eng._tables.sharding)
 
     def call():
-        buffers, sizes = pack_step_inputs(rows, plan_rows, upd, resets, su, sf)
-        out, eng.caches, eng._tables = eng._serve_step(eng.params, eng.caches, eng._tables, *buffers, prev,
-                                                       width=eng.pages_per_seq, greedy=True, sizes=sizes)
+        packed, layout = host_buffer.pack(rows, plan_rows, upd, resets, su, sf)
+        out, eng.caches, eng._tables = eng._serve_step(eng.params, eng.caches, eng._tables, packed, prev,
+                                                       width=eng.pages_per_seq, greedy=True, layout=layout)
         return out
     return call
 

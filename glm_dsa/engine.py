@@ -22,6 +22,7 @@ from kernels import default_impl
 from sharding import ParallelConfig, cache_spec, mesh_for
 from sharding.dcp import local_position
 
+from . import host_buffer
 from .config import GlmDsaConfig
 from .distributed import check_mesh_spans_processes
 from .model import StepBatch
@@ -81,29 +82,12 @@ def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_re
     return jnp.zeros(n_out, jnp.int32).at[: ids.shape[0]].set(ids), caches, tables
 
 
-def _serve_step_packed(params, caches, tables, packed, prev_ids, *, sizes: tuple[int, int, int, int], **kw):
-    """`_serve_step` with its host inputs in one uint32 buffer, so a step makes one host-to-device transfer instead
-    of six (each costs tens of microseconds of the loop's host time): the int32 `rows` [4, T], `plan_rows` [R],
-    `table_updates` [3, T] and `table_resets` [S + 1], `samp_u32` [5, L] and the float32 `samp_f32` [2, L], the
-    signed and float ones as bit patterns. `sizes` (static): (T, R, S + 1, L)."""
-    t, r, s, n = sizes
-    cuts = np.cumsum([4 * t, r, 3 * t, s, 5 * n])
-    parts = jnp.split(packed, cuts)
-    as_i32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
-    rows, plan_rows = as_i32(parts[0]).reshape(4, t), as_i32(parts[1])
-    updates, resets = as_i32(parts[2]).reshape(3, t), as_i32(parts[3])
-    floats = jax.lax.bitcast_convert_type(parts[5], jnp.float32).reshape(2, n)
-    return _serve_step(params, caches, tables, rows, plan_rows, updates, resets, parts[4].reshape(5, n), floats,
-                       prev_ids, **kw)
-
-
-def pack_step_inputs(rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32):
-    """The host inputs of one serving step (see `_serve_step`) as the buffers the compiled step takes (one), and
-    its static `sizes` (see `_serve_step_packed`)."""
-    ints = np.concatenate([rows.ravel(), plan_rows, table_updates.ravel(), table_resets]).astype(np.int32)
-    packed = np.concatenate([ints.view(np.uint32), samp_u32.ravel().astype(np.uint32),
-                             samp_f32.ravel().astype(np.float32).view(np.uint32)])
-    return (packed,), (rows.shape[1], len(plan_rows), len(table_resets), samp_u32.shape[1])
+def _serve_step_packed(params, caches, tables, packed, prev_ids, *, layout: host_buffer.Layout, **kw):
+    """`_serve_step` with its host inputs in one uint32 buffer (`host_buffer.pack` of the int32 `rows` [4, T],
+    `plan_rows` [R], `table_updates` [3, T], `table_resets` [S + 1], `samp_u32` [5, L] and `samp_f32` [2, L]), so
+    a step makes one host-to-device transfer instead of six; `layout` (static) is the pack's."""
+    rows, plan_rows, updates, resets, samp_u32, samp_f32 = host_buffer.unpack(packed, layout)
+    return _serve_step(params, caches, tables, rows, plan_rows, updates, resets, samp_u32, samp_f32, prev_ids, **kw)
 
 
 def _bucket(n: int, minimum: int, factor: int = 2) -> int:
@@ -223,7 +207,7 @@ class Engine:
         out_shardings = (replicated, jax.tree.map(lambda c: c.sharding, self.caches), replicated)
         self._serve_step = jax.jit(functools.partial(_serve_step_packed, config=config, parallel=self.parallel,
                                                      impl=self.impl, n_out=self._n_out, block_size=self.block_size),
-                                   static_argnames=("width", "greedy", "sizes"), donate_argnums=(1, 2),
+                                   static_argnames=("width", "greedy", "layout"), donate_argnums=(1, 2),
                                    out_shardings=out_shardings)
         self._prev_ids = None  # device ids sampled by the last dispatched step
         self._pending = None  # (plan, device ids) of the dispatched step whose ids are not processed yet
@@ -635,10 +619,9 @@ class Engine:
         for j, r in enumerate(plan.sample_reqs):
             su[1, j], su[2, j], su[4, j] = r.params.seed >> 32, r.params.seed & 0xFFFFFFFF, r.prompt_index
             sf[0, j], sf[1, j] = r.params.temperature, r.params.top_p
-        arrays, sizes = pack_step_inputs(row_arr, plan_rows, upd, resets, su, sf)
-        nbytes = sum(a.nbytes for a in arrays)
-        self.stats.h2d_bytes += nbytes
-        self.stats.last_h2d_bytes = nbytes
+        packed, layout = host_buffer.pack(row_arr, plan_rows, upd, resets, su, sf)
+        self.stats.h2d_bytes += packed.nbytes
+        self.stats.last_h2d_bytes = packed.nbytes
         if self._dry is not None:
             shape = (t, nr, width)
             if shape in self._dry:
@@ -649,8 +632,8 @@ class Engine:
             prev = jax.device_put(np.zeros(self._n_out, np.int32), NamedSharding(self.mesh, P()))
         t_launch = time.perf_counter()
         greedy = bool(np.all(sf[0, :k] < GREEDY_BELOW))  # static: no device-side branch (see sampling.sample)
-        out, self.caches, self._tables = self._serve_step(self.params, self.caches, self._tables, *arrays, prev,
-                                                          width=width, greedy=greedy, sizes=sizes)
+        out, self.caches, self._tables = self._serve_step(self.params, self.caches, self._tables, packed, prev,
+                                                          width=width, greedy=greedy, layout=layout)
         self._launch_s = time.perf_counter() - t_launch
         self._prev_ids = out
         return out

@@ -26,7 +26,8 @@ from sharding import cache_spec
 from .mtp import allocate_mtp_caches
 from .paged_cache import cache_dtype
 from .scheduler import Request, StepPlan
-from .speculative import pack_spec_inputs, spec_serve_step_packed
+from . import host_buffer
+from .speculative import spec_serve_step_packed
 
 
 class SpecDecoder:
@@ -49,7 +50,7 @@ class SpecDecoder:
         # never shapes, so turns with different acceptance reuse it (tests/glm_dsa/test_mtp_turn.py)
         self._step = jax.jit(functools.partial(spec_serve_step_packed, config=cfg, parallel=eng.parallel,
                                                impl=eng.impl, k=k, block_size=eng.block_size),
-                             static_argnames=("width", "greedy", "sizes"), donate_argnums=(2, 3, 4, 5),
+                             static_argnames=("width", "greedy", "layout"), donate_argnums=(2, 3, 4, 5),
                              out_shardings=shardings)
         # acceptance statistics since the engine was made
         self.steps = 0  # speculative steps run
@@ -130,17 +131,16 @@ class SpecDecoder:
         return np.asarray(self.launch(arrays, width=width, greedy=greedy))
 
     def launch(self, arrays: tuple, *, width: int, greedy: bool):
-        """Send one step's host inputs (`speculative.spec_serve_step`'s eight arrays, packed into two transfers)
+        """Send one step's host inputs (`speculative.spec_serve_step`'s eight arrays, packed into one transfer)
         and launch it; returns its device results int32 [G, 2k + 2] (the caches, tables and draft distributions
         are replaced in place). Benchmarks call this with inputs they build."""
         eng = self.eng
-        buffers, sizes = pack_spec_inputs(*arrays)
-        nbytes = sum(a.nbytes for a in buffers)
-        eng.stats.h2d_bytes += nbytes
-        eng.stats.last_h2d_bytes = nbytes
+        packed, layout = host_buffer.pack(*arrays)
+        eng.stats.h2d_bytes += packed.nbytes
+        eng.stats.last_h2d_bytes = packed.nbytes
         out, eng.caches, self.caches, eng._tables, self.draft_probs = self._step(
-            eng.params, self.mtp_params, eng.caches, self.caches, eng._tables, self.draft_probs, *buffers,
-            width=width, greedy=greedy, sizes=sizes)
+            eng.params, self.mtp_params, eng.caches, self.caches, eng._tables, self.draft_probs, packed,
+            width=width, greedy=greedy, layout=layout)
         return out
 
     def turn(self, plan: StepPlan | None, t0: float) -> bool:

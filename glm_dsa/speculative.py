@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from sharding.dcp import local_position
 
+from . import host_buffer
 from .model import StepBatch, StepContext
 from .mtp import run_mtp
 from .options import StepOptions
@@ -218,27 +218,11 @@ def spec_serve_step(params, mtp_params, caches, mtp_caches, tables, draft_probs,
     return out, caches, mtp_caches, tables, draft_probs
 
 
-def pack_spec_inputs(rows, plan_rows, table_updates, table_resets, vrows, gmeta, samp_u32, samp_f32):
-    """The host inputs of one speculative step (see `spec_serve_step`) as the two buffers the compiled step takes
-    (so a turn makes two host-to-device transfers, not eight: each costs tens of microseconds before the step can
-    start, and the turn waits for its step): `ints` uint32, the bit patterns of the int32 rows [4, T], plan_rows
-    [R], table_updates [3, T], table_resets [S + 1], vrows [G, k + 1] and gmeta [3, G], then samp_u32 [4, G];
-    `floats` float32 samp_f32 [2, G]. Returns ((ints, floats), sizes): sizes (static) = (T, R, S + 1, G, k + 1)."""
-    ints = np.concatenate([rows.ravel(), plan_rows, table_updates.ravel(), table_resets, vrows.ravel(),
-                           gmeta.ravel()]).astype(np.int32)
-    buffers = (np.concatenate([ints.view(np.uint32), samp_u32.ravel().astype(np.uint32)]),
-               np.ascontiguousarray(samp_f32, np.float32))
-    return buffers, (rows.shape[1], len(plan_rows), len(table_resets), vrows.shape[0], vrows.shape[1])
-
-
-def spec_serve_step_packed(params, mtp_params, caches, mtp_caches, tables, draft_probs, ints, floats, *,
-                           sizes: tuple[int, int, int, int, int], **kw):
-    """`spec_serve_step` with its host inputs in the two buffers of `pack_spec_inputs` (`sizes` static)."""
-    t, r, s, g, k1 = sizes
-    cuts = np.cumsum([4 * t, r, 3 * t, s, g * k1, 3 * g])
-    parts = jnp.split(ints, cuts)
-    i32 = [jax.lax.bitcast_convert_type(x, jnp.int32) for x in parts[:-1]]
-    rows, plan_rows, updates, resets = i32[0].reshape(4, t), i32[1], i32[2].reshape(3, t), i32[3]
-    vrows, gmeta = i32[4].reshape(g, k1), i32[5].reshape(3, g)
-    return spec_serve_step(params, mtp_params, caches, mtp_caches, tables, draft_probs, rows, plan_rows, updates,
-                           resets, vrows, gmeta, parts[-1].reshape(4, g), floats, **kw)
+def spec_serve_step_packed(params, mtp_params, caches, mtp_caches, tables, draft_probs, packed, *,
+                           layout: host_buffer.Layout, **kw):
+    """`spec_serve_step` with its eight host inputs in one uint32 buffer (`host_buffer.pack` of rows [4, T],
+    plan_rows [R], table_updates [3, T], table_resets [S + 1], vrows [G, k + 1], gmeta [3, G], samp_u32 [4, G]
+    and samp_f32 [2, G]): a turn makes one host-to-device transfer, not eight (each costs tens of microseconds
+    before the step can start, and the turn waits for its step); `layout` (static) is the pack's."""
+    return spec_serve_step(params, mtp_params, caches, mtp_caches, tables, draft_probs,
+                           *host_buffer.unpack(packed, layout), **kw)
