@@ -174,10 +174,11 @@ class HFCheckpoint:
                                           f"{FP8_BLOCK}x{FP8_BLOCK} block) is supported")
 
 
-def load_hf_params(path: str | os.PathLike, cfg, *, dtype,
+def load_hf_params(path: str | os.PathLike | HFCheckpoint, cfg, *, dtype,
                    sharding_for: Callable[[str, tuple[int, ...]], jax.sharding.Sharding | None] | None = None,
                    progress: bool = True, mtp: bool = False, quantization=None) -> dict[str, jax.Array]:
-    """Load the HF checkpoint directory `path` as our flat parameters {path: jax.Array}; with `mtp`, the nextn
+    """Load the HF checkpoint directory `path` (or an `HFCheckpoint` already open on it: its headers are not parsed
+    again) as our flat parameters {path: jax.Array}; with `mtp`, the nextn
     layer's too (`mtp.*`, `checkpoints.mtp_layout`; a checkpoint without one is a CheckpointError).
 
     dtype: the compute dtype ("bfloat16", jnp.bfloat16, ...) every parameter is cast to, except those the
@@ -197,7 +198,7 @@ def load_hf_params(path: str | os.PathLike, cfg, *, dtype,
     Raises `CheckpointError` (before anything is placed on a device) for a missing or unreadable checkpoint,
     a missing shard, a truncated or corrupt file, a missing or unexpected tensor or a wrong shape.
     """
-    ckpt = HFCheckpoint(path)
+    ckpt = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
     specs = param_specs(cfg)
     if mtp:
         specs = {**specs, **mtp_specs(ckpt, cfg)}

@@ -60,13 +60,14 @@ def checkpoint_source(path: str | os.PathLike) -> tuple[str, bool]:
     return path, False
 
 
-def checkpoint_fp8_plan(source: str, orbax: bool, config: GlmDsaConfig, quantization) -> frozenset[str]:
-    """The weights loading the checkpoint directory `source` (from `checkpoint_source`) keeps FP8 under
-    `quantization` (`checkpoints.quantization`), known before anything is read but headers and metadata."""
+def checkpoint_fp8_plan(source, orbax: bool, config: GlmDsaConfig, quantization) -> frozenset[str]:
+    """The weights loading the checkpoint directory `source` (from `checkpoint_source`; an HF one may be given as an
+    open `checkpoints.HFCheckpoint`) keeps FP8 under `quantization` (`checkpoints.quantization`), known before
+    anything is read but headers and metadata."""
     if orbax:
         return checkpoints.orbax_io.stored_fp8_plan(source, quantization, config)
-    return checkpoints.loader.hf_fp8_plan(checkpoints.HFCheckpoint(source), checkpoints.param_specs(config),
-                                          quantization)
+    ckpt = source if isinstance(source, checkpoints.HFCheckpoint) else checkpoints.HFCheckpoint(source)
+    return checkpoints.loader.hf_fp8_plan(ckpt, checkpoints.param_specs(config), quantization)
 
 
 def load_params(path: str | os.PathLike, *, parallel: ParallelConfig | None = None, dtype="bfloat16",
@@ -87,13 +88,15 @@ def load_params(path: str | os.PathLike, *, parallel: ParallelConfig | None = No
     # before any read: a process the mesh leaves out would fail placing its (absent) shards with JAX's own error
     check_mesh_spans_processes(mesh_for(parallel))
     dtype = resolve_dtype(dtype)
-    plan = checkpoint_fp8_plan(source, orbax, config, quantization)
+    # an HF checkpoint's headers are parsed once: for the plan and then for the read
+    opened = source if orbax else checkpoints.HFCheckpoint(source)
+    plan = checkpoint_fp8_plan(opened, orbax, config, quantization)
     check_fits(config, parallel, dtype=dtype, plan=plan, mtp=mtp, device_memory=device_memory, what=source)
     read = checkpoints.load_orbax_params if orbax else checkpoints.load_hf_params
     extra = {}
     if mtp:  # the nextn layer's `mtp.*` parameters too (glm_dsa.mtp)
         extra["mtp"] = True
-    flat = read(source, config, dtype=dtype, progress=progress, sharding_for=param_sharding(parallel, config),
+    flat = read(opened, config, dtype=dtype, progress=progress, sharding_for=param_sharding(parallel, config),
                 quantization=quantization, **extra)
     return config, parallel, flat
 

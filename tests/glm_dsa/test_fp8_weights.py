@@ -127,3 +127,17 @@ def test_an_fp8_release_with_a_nextn_layer_speculates(tmp_path):
     spec = glm_dsa.load(tmp_path / "fp8", dtype="float32", progress=False, max_model_len=32, num_speculative_tokens=2)
     assert _leaf(spec.params, "layers.0.attn.q_a_proj").dtype == jnp.float8_e4m3fn
     assert plain.generate(prompts, 6, stop_token_ids=[]) == spec.generate(prompts, 6, stop_token_ids=[])
+
+
+def test_load_parses_the_headers_once(dirs, monkeypatch):
+    """`glm_dsa.load` opens an HF checkpoint (every safetensors header) once, for the FP8 plan and the read."""
+    opened = []
+    init = HFCheckpoint.__init__
+
+    def counting(self, path):
+        opened.append(path)
+        init(self, path)
+    monkeypatch.setattr(HFCheckpoint, "__init__", counting)
+    eng = glm_dsa.load(dirs / "fp8", dtype="float32", progress=False, max_model_len=32)
+    assert len(opened) == 1
+    assert any(str(a.dtype) == "float8_e4m3fn" for a in jax.tree_util.tree_leaves(eng.params))
