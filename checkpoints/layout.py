@@ -1,4 +1,4 @@
-"""The parameter layout: our flat parameter paths and shapes, and how each maps to HF safetensors keys (docs/math.md §8).
+"""The parameter layout: our flat parameter paths and shapes, and how each maps to HF safetensors keys (math.md §8).
 
 A parameter path is a dot-separated string (`layers.3.attn.q_b_proj`). Every entry knows its global shape,
 whether it stays float32 whatever the compute dtype, and how to build it from HF tensors (`from_hf`) or

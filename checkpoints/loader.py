@@ -33,7 +33,7 @@ from .fp8_codec import FP8_BLOCK, dequantize_blocks_np, quantize_blocks
 from .layout import (ParamSpec, assemble_shard, fp8_scale_shape, hf_index, is_mtp_key, kept_fp8_spec,
                      ours_from_hf_blocks, param_specs)
 from .mtp_layout import mtp_layer_index, mtp_param_specs
-from .quantization import fp8_plan, scale_path
+from .quantization import fp8_plan, kept_sharding, scale_path
 from .safetensors_io import INDEX, SINGLE, CheckpointError, SafetensorsFile, as_dtype
 
 _SCALE = "_scale_inv"
@@ -186,7 +186,8 @@ def load_hf_params(path: str | os.PathLike | HFCheckpoint, cfg, *, dtype,
         weights: float32). Block-scaled FP8 weights are dequantised on the device, in float32, then cast.
     sharding_for(path, global_shape): the `jax.sharding.Sharding` to place a parameter with (each device
         receives only its own shard), or None for the default device; a weight kept FP8 is asked for as
-        `sharding_for(path, shape, kept=True)`.
+        `sharding_for(path, shape, kept=True)` in its stored form (`quantization.kept_sharding`: a callback
+        without `kept` is asked for our layout's sharding, transposed for K-major stacks).
     progress: show a tqdm bar over parameters.
     quantization: None | "fp8" | "none" (`checkpoints.quantization`): the weights of its plan (`hf_fp8_plan`) are
         kept FP8: `path` float8_e4m3fn in its stored form (`layout.kept_fp8_spec`: our layout, K-major for expert
@@ -212,7 +213,7 @@ def load_hf_params(path: str | os.PathLike | HFCheckpoint, cfg, *, dtype,
         target = np.dtype(np.float32) if spec.fp32 else dtype
         if name in plan:
             kept, scales = kept_fp8_spec(spec), scale_path(name)
-            sharding = (sharding_for(name, kept.shape, kept=True) if sharding_for else None) or default
+            sharding = (kept_sharding(sharding_for, name, spec) if sharding_for else None) or default
             scale_sharding = (sharding_for(scales, fp8_scale_shape(kept)) if sharding_for else None) or default
             src = ckpt if all(ckpt.is_block_scaled(k) for k in spec.hf_keys) else _QuantizedView(ckpt)
             params[name], params[scales] = _load_fp8_kept(src, kept, sharding, scale_sharding)

@@ -48,7 +48,7 @@ from .fp8_codec import E4M3
 from .fp8_device import dequantize_kept, quantize_kept
 from .layout import fp8_scale_shape, kept_fp8_spec, param_specs
 from .mtp_layout import mtp_param_specs
-from .quantization import check_quantization, fp8_plan, scale_path, stored_leaves
+from .quantization import check_quantization, fp8_plan, kept_sharding, scale_path, stored_leaves
 from .safetensors_io import CheckpointError, as_dtype, fsync_dir, pid_alive, write_json_atomic
 
 FORMAT = "glm_dsa.orbax"
@@ -372,8 +372,9 @@ def load_orbax_params(path: str | os.PathLike, cfg, *, dtype,
     (None: as stored; dequantised FP8 weights: float32).
     sharding_for(path, global_shape): each leaf's target sharding (None: the default device), FP8 scale grids
     ('<path>_scale') included; a weight kept FP8 is asked for as `sharding_for(path, shape, kept=True)` (its
-    stored form: K-major for expert stacks). Orbax reads only each device's slice, so the saving mesh does not
-    matter.
+    stored form: K-major for expert stacks; `quantization.kept_sharding`: a callback without `kept` is asked for
+    our layout's sharding, transposed for K-major stacks). Orbax reads only each device's slice, so the saving
+    mesh does not matter.
     quantization (`checkpoints.quantization`): None keeps the checkpoint's form (its FP8 weights restored as
     float8_e4m3fn plus float32 '<path>_scale' grids); "none" dequantises FP8 weights to `dtype` on the devices;
     "fp8" also quantises its bf16 / fp32 linear weights on the devices (128 x 128 blocks, `fp8_device`). The
@@ -416,7 +417,7 @@ def load_orbax_params(path: str | os.PathLike, cfg, *, dtype,
     def placed(p: str, shape: tuple, kept: bool = False):
         if not sharding_for:
             return default
-        return (sharding_for(p, shape, kept=True) if kept else sharding_for(p, shape)) or default
+        return (kept_sharding(sharding_for, p, specs[p]) if kept else sharding_for(p, shape)) or default
 
     target = {}
     for p, (shape, kind) in leaves.items():

@@ -16,6 +16,7 @@ axis (o @ W_UV), which a [K, N]-blocked GEMM kernel does not cover, and it is ab
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Callable
 
@@ -68,3 +69,24 @@ def stored_leaves(specs: dict[str, ParamSpec], plan: frozenset[str]) -> dict[str
         else:
             out[path] = (spec.shape, "fp32" if spec.fp32 else "weight")
     return out
+
+
+def kept_sharding(sharding_for: Callable, path: str, spec: ParamSpec):
+    """The sharding `sharding_for` gives the weight of the (logical) `spec` kept FP8, in its stored form
+    (`kept_fp8_spec`): asked as `sharding_for(path, stored_shape, kept=True)` when the callback takes `kept`; a
+    callback that knows only our [in, out] layout (`sharding_for(path, shape)`) is asked for that layout, and a
+    NamedSharding it returns has its last two axes swapped for a K-major stack."""
+    kept = kept_fp8_spec(spec)
+    try:
+        params = inspect.signature(sharding_for).parameters.values()
+    except (TypeError, ValueError):  # a callable without a signature: assume the full protocol
+        params = ()
+    if not params or any(p.name == "kept" or p.kind == p.VAR_KEYWORD for p in params):
+        return sharding_for(path, kept.shape, kept=True)
+    sharding = sharding_for(path, spec.shape)
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if not kept.kmajor or not isinstance(sharding, NamedSharding):
+        return sharding
+    axes = tuple(sharding.spec) + (None,) * (len(spec.shape) - len(sharding.spec))
+    return NamedSharding(sharding.mesh, PartitionSpec(*axes[:-2], axes[-1], axes[-2]))

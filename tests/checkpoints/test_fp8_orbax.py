@@ -243,3 +243,24 @@ def test_format_version_1_fp8_experts_are_refused(release, kept, tmp_path):
     as_version_1(tmp_path / "bf16", tmp_path / "old_bf16")
     got = load_orbax_params(tmp_path / "old_bf16", CFG, dtype="bfloat16", progress=False)
     np.testing.assert_array_equal(np.asarray(got["layers.1.moe.experts_up"]), bf16["layers.1.moe.experts_up"])
+
+
+def test_a_sharding_callback_of_our_layout_places_k_major_experts(release, kept):
+    """A `sharding_for(path, shape)` that knows only our [in, out] layout (no `kept`) still places the K-major
+    expert stacks: its spec for our layout, last two axes swapped; the bytes are those of the orbax round trip."""
+    from jax.sharding import NamedSharding
+
+    from sharding import make_mesh, param_spec
+
+    par = _tp4()
+    mesh = make_mesh(par)
+
+    def ours(p, shape):  # the partition table for our layout; scale grids replicated
+        return NamedSharding(mesh, PartitionSpec() if p.endswith("_scale") else param_spec(p, par.q_replicate))
+    for load, src in ((load_orbax_params, release / "orbax"), (load_hf_params, release / "fp8")):
+        got = load(src, CFG, dtype="bfloat16", progress=False, sharding_for=ours)
+        up = "layers.1.moe.experts_up"
+        assert got[up].dtype == E4M3 and got[up].sharding.spec == PartitionSpec(None, ("tp", "dcp"), None)
+        for p, a in got.items():
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(kept[p]).view(np.uint8),
+                                          err_msg=p)
