@@ -139,7 +139,7 @@ class _Fp8Scales:
     refs: tuple
     i_off: object
     scalar: bool  # one scale per step and column block (offset 0 and blocks within one 128-block)
-    packed: bool = False  # weights as uint16 words of two e4m3 columns (`_pair_block`): arrays of 2-4 GB
+    packed: bool = False  # weights as uint16 words of two e4m3 values (`_pair_block`, `_kmajor_words`): 2-4 GB arrays
     act: bool = False  # W8A8: the rows (x, h) are e4m3 too, their per-row 128-block scales the last ref [blocks, rows]
     nk: bool = False  # K-major weight stacks (gate/up [E, I, D], down [E, D, I]: the release's [out, in]); W8A8 only
 
@@ -451,8 +451,9 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     W8A16: the e4m3 blocks become x.dtype in the kernels' registers (exact) and each K step's float32 partial is
     scaled by its block's scale; K steps (bk_up, bk_down) must then be at most 128. `packed` (default: when an
     expert stack has 2**31 elements or more, e.g. GLM-5.2's 256 x 6144 x 2048 on one device) reads the e4m3
-    weights as uint16 words of two columns (`_pair_block`: Pallas Triton's int32 offsets of arrays under 4 GiB
-    overflow past 2**31 elements); it needs widths the blocks divide and a shard on block boundaries.
+    weights as uint16 words of two columns (`_pair_block`; K-major stacks: of two K values, interleaved back in
+    registers by `_kmajor_words`), because Pallas Triton's int32 offsets of arrays under 4 GiB overflow past 2**31
+    elements; it needs widths the blocks divide and a shard on block boundaries.
     `form` "w8a8" (FP8 experts whose widths are whole 128-blocks and whose shard starts on a block boundary):
     the rows are quantised too (`fp8_formats.quantize_activation_blocks`: x before the up kernel, h between the
     kernels, per row and 128-block) and both GEMMs run e4m3 x e4m3 on the fp8 tensor cores, each K step's float32
