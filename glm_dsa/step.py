@@ -116,5 +116,11 @@ def forward(params, token_ids, *, config: GlmDsaConfig, parallel: ParallelConfig
     par = resolve_parallel(parallel, config)
     caches, batch = prefill_inputs(params, token_ids, config=config, parallel=par, block_size=block_size,
                                    kv_cache_dtype=kv_cache_dtype)
-    logits, _ = step(params, caches, batch, config=config, parallel=par, options=options)
+    # one compiled step: run eagerly, a step dispatches its ops one by one over the mesh (minutes on CPU)
+    logits, _ = _jitted_step(params, caches, batch, config=config, parallel=par, options=options)
     return logits.reshape(*jnp.shape(token_ids), -1)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "parallel", "options"))
+def _jitted_step(params, caches, batch, *, config, parallel, options):
+    return step(params, caches, batch, config=config, parallel=parallel, options=options)

@@ -61,8 +61,10 @@ def traced_step(params, caches, batch: StepBatch, *, config: GlmDsaConfig, paral
         logits, caches = nnx.merge(graphdef, params)(caches, batch, ctx)
         return logits, caches, records
 
-    # every record is gathered to full width inside, so all of them leave replicated
-    return run_sharded(body, params, caches, batch, par, lambda cspecs: (P(), cspecs, P()), config)
+    # every record is gathered to full width inside, so all of them leave replicated; compiled as one program (run
+    # eagerly, the step dispatches its ops one by one over the mesh)
+    return jax.jit(lambda p, c, b: run_sharded(body, p, c, b, par, lambda cspecs: (P(), cspecs, P()), config))(
+        params, caches, batch)
 
 
 def trace(params, token_ids, *, config: GlmDsaConfig, parallel: ParallelConfig | None = None, impl: str | None = None,
