@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from checkpoints.fp8_device import quantize_kept
 from checkpoints.layout import fp8_scale_shape, kept_fp8_spec, param_specs
-from checkpoints.quantization import fp8_plan, scale_path
+from checkpoints.quantization import fp8_plan, kept_sharding, scale_path
 from checkpoints.random import init_stats
 
 from .config import GlmDsaConfig
@@ -38,7 +38,7 @@ def init_params(config: GlmDsaConfig, *, seed: int = 0, dtype="bfloat16", parall
         out_dtype = jnp.float32 if spec.fp32 else dt
         fp8 = path in plan
         kept = kept_fp8_spec(spec) if fp8 else None  # the stored form: K-major for expert stacks
-        sharding = sharding_for(path, kept.shape, kept=True) if fp8 else sharding_for(path, spec.shape)
+        sharding = kept_sharding(sharding_for, path, spec) if fp8 else sharding_for(path, spec.shape)
         k = jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
         # one compiled generator per (shape, dtype, sharding): the layers' parameters share them, so a model
         # compiles a few dozen small programs, not one per parameter (each costs ~0.2-0.5 s on a GPU)

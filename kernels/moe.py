@@ -158,13 +158,14 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: 
     if experts.shape != weights.shape or experts.shape[0] != x.shape[0]:
         raise ValueError(f"moe: experts {experts.shape} and weights {weights.shape} must both be [T={x.shape[0]}, k]")
     fp8 = _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset, nk)
+    if nk and (mode is not None or impl == "xla"):  # the xla reference: over the stacks swapped back to "kn"
+        wg, wu, wd, fp8 = _nk_to_kn(wg, wu, wd, fp8)
+        nk = False
     if mode is not None:
         if kernel_options:
             raise ValueError(f"moe: mode {mode!r} forces an xla form, which takes no kernel options "
                              f"({sorted(kernel_options)})")
         registry.get("moe", impl)  # an unknown impl is an error even when `mode` overrides it
-        if nk:
-            wg, wu, wd, fp8 = _nk_to_kn(wg, wu, wd, fp8)
         return experts_xla(x, experts, weights, wg, wu, wd, mode=mode, **fp8)
     if fp8 and impl != "xla":
         form = kernel_options.pop("form", None) or fp8_form(experts.shape[0], experts.shape[1], e, d, i,
@@ -189,8 +190,6 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: 
         elif nk:  # W8A16 reads [E, K, N] stacks only
             wg, wu, wd, fp8 = _nk_to_kn(wg, wu, wd, fp8)
         kernel_options["form"] = form
-    elif nk:  # the xla reference
-        wg, wu, wd, fp8 = _nk_to_kn(wg, wu, wd, fp8)
     return registry.dispatch("moe", impl, x, experts, weights, wg, wu, wd, **fp8, **kernel_options)
 
 
