@@ -71,8 +71,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     _add_quantization_flag(p)
     p.add_argument("--impl", default=None, choices=IMPLS,
-                   help="op implementation (default: the platform's, kernels.default_impl(): the Pallas Triton "
-                        "kernels on an NVIDIA GPU, the xla references elsewhere)")
+                   help="op implementation (default: the platform's, kernels.default_impl(): 'auto' on an NVIDIA "
+                        "GPU, each op's fastest Pallas kernel per shape, the xla references elsewhere)")
     _add_parallel_flags(p)
     _add_distributed_flags(p)
 

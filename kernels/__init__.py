@@ -12,13 +12,13 @@ block-scaled weights), `fp8_linear` (a linear layer over FP8 block-scaled weight
 from . import (chunking, fp8_formats, fp8_linear, fused_norm_rope, indexer, lse_merge, moe, norms, registry, rope,
                sparse_mla)
 
-IMPLS = ("xla", "triton", "triton_interpret")
+IMPLS = ("xla", "triton", "triton_interpret", "auto")  # every op's impls ("mosaic": sparse_mla only, so far)
 
 
 def default_impl() -> str:
-    """Pallas Triton kernels on NVIDIA GPUs, the plain-XLA references elsewhere."""
-    import jax
-    return "triton" if jax.default_backend() == "gpu" else "xla"
+    """"auto" on NVIDIA GPUs (each op picks its fastest kernel per shape, `registry.register_auto`), the
+    plain-XLA references elsewhere."""
+    return "auto" if registry.on_gpu() else "xla"
 
 
 __all__ = ["IMPLS", "default_impl", "chunking", "fp8_formats", "fp8_linear", "fused_norm_rope", "indexer",

@@ -141,3 +141,4 @@ def _triton_supports(x, w_q, w_scale, *, form="w8a16", **_):
 
 registry.register("fp8_linear", "xla", fp8_linear_xla)
 registry.register_triton("fp8_linear", "kernels.fp8_linear_triton:fp8_matmul", supports=_triton_supports)
+registry.register_auto("fp8_linear")

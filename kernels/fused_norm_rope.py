@@ -94,7 +94,9 @@ def fused_norm_rope_cache(q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_
     impl (`kernels.registry`): "xla" (the oracle above), "triton" (the Pallas Triton kernel
     `fused_norm_rope_triton`, caches aliased input -> output: donate them (jit donate_argnums) and they are
     updated in place), "triton_interpret" (that kernel under the Pallas interpreter: CPU tests).
-    `triton_options` go to the kernel: config, q_rows, cache_rows, num_warps, num_stages.
+    "auto" (the GPU default) is the Triton kernel on a GPU and the xla form elsewhere.
+    `triton_options` go to the kernel: config or its fields (`fused_norm_rope_triton.FusedNormRopeConfig`:
+    layout, q_rows, cache_rows, num_warps, num_stages, q_programs, cache_programs, q_warps).
     """
     return registry.dispatch(
         "fused_norm_rope", impl, q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_w, mla_cache,
@@ -106,3 +108,4 @@ def fused_norm_rope_cache(q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_
 registry.register("fused_norm_rope", "xla", fused_norm_rope_cache_xla)
 registry.register_triton("fused_norm_rope", "kernels.fused_norm_rope_triton:fused_norm_rope_cache_triton",
                          supports="kernels.fused_norm_rope_triton:supports")
+registry.register_auto("fused_norm_rope")

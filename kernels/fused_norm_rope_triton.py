@@ -1,27 +1,37 @@
 """Pallas Triton form of the fused q/kv norm + RoPE + paged cache write (docs/math.md §4), one kernel per layer.
 
-One launch: a 1-D grid of q programs then cache programs, one block of rows each (`FusedNormRopeConfig`:
-`q_rows` / `cache_rows` token rows per program, warps, stages).
-  q part (a): q RMSNorm, written for EVERY row — the slot is not looked at (3/4 of the bytes);
-  cache part, per row:
+Two kinds of work, each over blocks of token rows (`FusedNormRopeConfig`):
+  q part (a): q RMSNorm of `q_rows` rows, written for EVERY row — the slot is not looked at (3/4 of the bytes,
+      a plain row-wise stream);
+  cache part, per row of a `cache_rows` block:
       (b) `slot < 0` (or past the cache) masks every cache store of the row — MLA and indexer;
       (c) kv RMSNorm + RoPE on k_pe -> MLA cache row (bfloat16 `[kv | k_pe]` or fp8_ds_mla bytes);
       (d) full layers: indexer key LayerNorm + RoPE on its first Dr dims (interleaved or neox) -> indexer
           cache (its own dtype, or FP8 bytes with a UE8M0 scale) at the indexer slot;
-  every program: (e) with a top-k buffer (full layers), its share of the buffer set to -1.
+  every program of the launch with the cache part: (e) with a top-k buffer (full layers), its share of the
+  buffer set to -1.
+
+How programs map to the parts (`layout`): "split" (q programs, then cache programs, one grid), "interleave"
+(one grid, groups of k q programs and one cache program, so both kinds run side by side all along), "fused"
+(program i does q blocks and cache blocks both), "two_launch" (a q-only launch with its own warp count, then
+a cache-only launch). `q_programs` / `cache_programs` > 0 make a part persistent: that many programs, each
+looping over the blocks p, p + programs, ... with its weights loaded once.
 
 Caches are `pl.ANY` refs aliased input -> output (`input_output_aliases`): rows are stored at computed
 offsets, nothing else of a cache is touched, and a donated cache is updated in place. Widths that are
 not powers of two (q_lora 48, ...) are loaded as the next power of two under a column mask.
 
 RoPE without shuffles: each rotated column j also loads its partner column (j ^ 1 interleaved, (j + Dr/2)
-mod Dr neox) and computes `x_j cos - x_partner sin` (first of a pair) or `x_j cos + x_partner sin`.
+mod Dr neox) and computes `x_j cos - x_partner sin` (first of a pair) or `x_j cos + x_partner sin`. The
+indexer key's rotated columns [0, Dr) and its pass-through columns are separate tensors, so when both RoPE
+layouts agree the key reuses k_pe's cos/sin (one set of angles per row).
 
 Numerics follow the xla oracle step by step: norms in float32 rounded to the input dtype, RoPE in
 float32 of the rounded values rounded again, then the cache cast or the FP8 quantiser of
 `kernels.fp8_formats` (its `mla_tile_scale`, `e4m3_bits`, `ue8m0_scale_and_inverse`, called in the kernel):
 IEEE division (`div.rn.f32` inline PTX; Triton's `/` is div.full.f32) for the MLA scale and values, UE8M0
-scales from the float32 bits, values times the exact power-of-two 1/s.
+scales from the float32 bits, values times the exact power-of-two 1/s. FP8 scale and k_pe bytes are built
+as contiguous byte runs (joins of the little-endian bytes), so each is stored with wide vector stores.
 """
 
 from __future__ import annotations
@@ -36,11 +46,15 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import fp8_formats as f8
 from . import rope
-from .triton_common import MASKED_ROW, bytes_of, check_addressable, with_options
+from .triton_common import MASKED_ROW, check_addressable, with_options
 
 
 def _p2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 # ------------------------------------------------------------------------------ in-kernel helpers
@@ -65,10 +79,14 @@ def _ld(ref, mask):
     return plgpu.load(ref, mask=mask, other=None if mask is None else 0)
 
 
+def _iota(shape, dim):
+    return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
 def _rope_cols(width: int, dr: int, interleave: bool):
     """For columns j < width ([1, width]): the partner column, the sign of the partner term, the frequency
     index and whether j is rotated (j < dr)."""
-    j = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
+    j = _iota((1, width), 1)
     half = dr // 2
     if interleave:
         partner, first, freq = j ^ 1, (j & 1) == 0, j >> 1
@@ -81,6 +99,19 @@ def _rope_cols(width: int, dr: int, interleave: bool):
     return j, partner, jnp.where(first, -1.0, 1.0), freq, rotated
 
 
+def _le_bytes(bits, nbytes: int):
+    """int32 bits [N, n] -> uint8 [N, n * nbytes] (nbytes 2 or 4), each value's bytes little-endian and
+    adjacent: one contiguous byte run a vector store can write. Built with 2-way joins (Triton's `join`)."""
+    def byte(k):
+        return ((bits >> (8 * k)) & 0xFF).astype(jnp.uint8)
+    if nbytes == 2:
+        pair = jnp.stack([byte(0), byte(1)], axis=-1)
+    else:
+        # [..., i, s] = byte 2 i + s: the outer join's new axis is the last one
+        pair = jnp.stack([jnp.stack([byte(0), byte(2)], axis=-1), jnp.stack([byte(1), byte(3)], axis=-1)], axis=-1)
+    return pair.reshape(bits.shape[0], bits.shape[1] * nbytes)
+
+
 def _q_rows_to_write(in_range, slot_ok_fn):
     """Rows whose normalised q is written: every row in range, whatever its slot (docs/math.md §4 (a)).
 
@@ -90,38 +121,42 @@ def _q_rows_to_write(in_range, slot_ok_fn):
     return in_range
 
 
-# ------------------------------------------------------------------------------ the kernel
+# ------------------------------------------------------------------------------ static geometry
 
-def _row_block(blk, bt, T):
-    rows = blk * bt + jax.lax.broadcasted_iota(jnp.int32, (bt,), 0)
-    return rows, rows < T, jnp.minimum(rows, T - 1)  # loads stay in bounds; stores are masked
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """How one part's `n_blocks` row blocks (`rows` each, over T rows) go to `n_prog` programs: program p does
+    blocks p, p + n_prog, ... (`n_iter` of them; blocks past the last hold no row and store nothing)."""
+    T: int
+    rows: int
+    n_prog: int
 
+    @property
+    def n_blocks(self) -> int:
+        return _cdiv(self.T, self.rows)
 
-def _q_geometry(Rq):
-    pq = _p2(Rq)
-    qcol = jax.lax.broadcasted_iota(jnp.int32, (1, pq), 1)
-    return qcol, None if pq == Rq else qcol < Rq
+    @property
+    def n_iter(self) -> int:
+        return _cdiv(self.n_blocks, self.n_prog)
 
-
-def _q_weights(qw_ref, Rq):
-    qcol, qcm = _q_geometry(Rq)
-    return _ld(qw_ref.at[qcol[0]], None if qcm is None else qcm[0]).astype(jnp.float32)[None, :]
+    @property
+    def exact(self) -> bool:
+        """Every block of every program is a whole block of real rows: no row masks are needed."""
+        return self.T % self.rows == 0 and self.n_iter * self.n_prog == self.n_blocks
 
 
 @dataclasses.dataclass(frozen=True)
 class _QGeometry:
-    """Static shape of the q part: T rows of width Rq, `bt` rows per program."""
-    T: int
+    """Static shape of the q part: T rows of width Rq."""
     Rq: int
     eps: float
-    bt: int
+    part: _Part
 
 
 @dataclasses.dataclass(frozen=True)
 class _CacheGeometry:
     """Static shape of the cache part: widths, FP8 formats, logical rows / block size / page rows of each
-    cache (slot = page * bs + offset -> row page * page_rows + offset), RoPE layouts, `bc` rows per program."""
-    T: int
+    cache (slot = page * bs + offset -> row page * page_rows + offset), RoPE layouts."""
     R: int
     Dr: int
     Di: int
@@ -139,138 +174,245 @@ class _CacheGeometry:
     rope_il: bool
     index_rope_il: bool
     eps: float
-    bc: int
     interpret: bool
+    part: _Part
 
 
-def _q_rows(blk, qc_ref, qn_ref, slot_ref, qw, g: _QGeometry):
-    """(a) q RMSNorm of rows [blk * bt, +bt), written for every row whatever its slot."""
-    T, Rq, eps, bt = g.T, g.Rq, g.eps, g.bt
-    rows, in_range, rows_ld = _row_block(blk, bt, T)
+def _row_block(blk, part: _Part):
+    """Rows of block `blk`, which are real (< T), and rows safe to load (clamped; stores are masked)."""
+    rows = blk * part.rows + _iota((part.rows,), 0)
+    if part.exact:
+        return rows, None, rows
+    return rows, rows < part.T, jnp.minimum(rows, part.T - 1)
+
+
+def _for_blocks(pid, part: _Part, body):
+    """body(blk) for the blocks of program `pid` of `part`; a static-trip loop when there are several."""
+    if part.n_iter == 1:
+        body(pid)
+        return
+
+    @pl.loop(0, part.n_iter)
+    def _(i):
+        body(pid + i * part.n_prog)
+
+
+# ------------------------------------------------------------------------------ the q part
+
+def _q_geometry(Rq):
+    pq = _p2(Rq)
+    qcol = _iota((1, pq), 1)
+    return qcol, None if pq == Rq else qcol < Rq
+
+
+def _q_weights(qw_ref, Rq):
     qcol, qcm = _q_geometry(Rq)
-    x = _ld(qc_ref.at[rows_ld[:, None], qcol], qcm).astype(jnp.float32)
-    ms = jnp.sum(x * x, axis=1) / Rq
-    y = qw * (x * jax.lax.rsqrt(ms + eps)[:, None])
-    write = _q_rows_to_write(in_range, lambda: plgpu.load(slot_ref.at[rows_ld]) >= 0)
-    plgpu.store(qn_ref.at[jnp.where(write, rows, MASKED_ROW)[:, None], qcol], y.astype(qn_ref.dtype),
-                mask=_and(write[:, None], qcm))
+    return _ld(qw_ref.at[qcol[0]], None if qcm is None else qcm[0]).astype(jnp.float32)[None, :]
 
+
+def _q_load(blk, qc_ref, g: _QGeometry):
+    """Load phase of a q block: its rows and their q_c values (float32)."""
+    rows, in_range, rows_ld = _row_block(blk, g.part)
+    qcol, qcm = _q_geometry(g.Rq)
+    return rows, in_range, rows_ld, _ld(qc_ref.at[rows_ld[:, None], qcol], qcm).astype(jnp.float32)
+
+
+def _q_finish(st, qn_ref, slot_ref, qw, g: _QGeometry):
+    """(a) q RMSNorm of a loaded block, written for every row whatever its slot."""
+    rows, in_range, rows_ld, x = st
+    qcol, qcm = _q_geometry(g.Rq)
+    ms = jnp.sum(x * x, axis=1) / g.Rq
+    y = qw * (x * jax.lax.rsqrt(ms + g.eps)[:, None])
+    ok = jnp.ones(rows.shape, jnp.bool_) if in_range is None else in_range
+    write = _q_rows_to_write(ok, lambda: plgpu.load(slot_ref.at[rows_ld]) >= 0)
+    if in_range is None and write is ok:  # every row real and written: unmasked (vectorised) stores
+        plgpu.store(qn_ref.at[rows[:, None], qcol], y.astype(qn_ref.dtype), mask=qcm)
+    else:
+        plgpu.store(qn_ref.at[jnp.where(write, rows, MASKED_ROW)[:, None], qcol], y.astype(qn_ref.dtype),
+                    mask=_and(write[:, None], qcm))
+
+
+# ------------------------------------------------------------------------------ the cache part
 
 def _kv_geometry(tile, nt):
     tp, ntp = _p2(tile), _p2(nt)
-    ti = jax.lax.broadcasted_iota(jnp.int32, (1, ntp, tp), 1)
-    tc = jax.lax.broadcasted_iota(jnp.int32, (1, ntp, tp), 2)
+    ti = _iota((1, ntp, tp), 1)
+    tc = _iota((1, ntp, tp), 2)
     kcm = _and(None if ntp == nt else ti < nt, None if tp == tile else tc < tile)
     return ti * tile + tc, kcm, ntp
 
 
+def _index_geometry(Di, Dr):
+    """Indexer key columns past the rotated ones: their offsets [1, pp] from Dr and mask (None: all real)."""
+    npass = Di - Dr
+    if npass == 0:
+        return None, None
+    pp = _p2(npass)
+    jp = _iota((1, pp), 1)
+    return jp, None if pp == npass else jp < npass
+
+
 def _cache_weights(refs, g: _CacheGeometry):
     """Loads of a cache program that do not depend on its rows: kv norm weight, RoPE frequencies per column,
-    indexer LayerNorm weight/bias at each column and at its RoPE partner."""
-    Dr, Di, tile, nt, has_index = g.Dr, g.Di, g.tile, g.nt, g.has_index
-    rope_il, index_rope_il = g.rope_il, g.index_rope_il
+    indexer LayerNorm weight/bias at the rotated columns, their RoPE partners and the pass-through columns."""
+    Dr, Di = g.Dr, g.Di
     kvw_ref, invf_ref, inw_ref, inb_ref = refs
     f32 = jnp.float32
-    kcol, kcm, _ = _kv_geometry(tile, nt)
+    kcol, kcm, _ = _kv_geometry(g.tile, g.nt)
     wts = dict(kw=_ld(kvw_ref.at[kcol[0]], None if kcm is None else kcm[0]).astype(f32)[None])
-    _, _, _, freq, _ = _rope_cols(Dr, Dr, rope_il)
+    _, _, _, freq, _ = _rope_cols(Dr, Dr, g.rope_il)
     wts["pe_invf"] = plgpu.load(invf_ref.at[freq[0]])[None, :]
-    if has_index:
-        pi = _p2(Di)
-        j, partner, _, freq, _ = _rope_cols(pi, Dr, index_rope_il)
-        cm = None if pi == Di else j[0] < Di
-        wts.update(iw=_ld(inw_ref.at[j[0]], cm).astype(f32)[None], ib=_ld(inb_ref.at[j[0]], cm).astype(f32)[None],
-                   iwp=_ld(inw_ref.at[partner[0]], cm).astype(f32)[None],
-                   ibp=_ld(inb_ref.at[partner[0]], cm).astype(f32)[None],
-                   i_invf=plgpu.load(invf_ref.at[freq[0]])[None, :])
+    if g.has_index:
+        j, partner, _, ifreq, _ = _rope_cols(Dr, Dr, g.index_rope_il)
+        wts.update(iw=plgpu.load(inw_ref.at[j[0]]).astype(f32)[None],
+                   ib=plgpu.load(inb_ref.at[j[0]]).astype(f32)[None],
+                   iwp=plgpu.load(inw_ref.at[partner[0]]).astype(f32)[None],
+                   ibp=plgpu.load(inb_ref.at[partner[0]]).astype(f32)[None])
+        if g.index_rope_il != g.rope_il:  # other layout: its own angles
+            wts["i_invf"] = plgpu.load(invf_ref.at[ifreq[0]])[None, :]
+        jp, pm = _index_geometry(Di, Dr)
+        if jp is not None:
+            m = None if pm is None else pm[0]
+            wts.update(iw_pass=_ld(inw_ref.at[Dr + jp[0]], m).astype(f32)[None],
+                       ib_pass=_ld(inb_ref.at[Dr + jp[0]], m).astype(f32)[None])
     return wts
 
 
-def _cache_rows(blk, refs, wts, g: _CacheGeometry):
-    """(b)-(d) for rows [blk * bc, +bc): MLA row and indexer key row at their slots, unless slot < 0."""
-    T, R, Dr, Di, tile, nt, eps, bc, interpret = g.T, g.R, g.Dr, g.Di, g.tile, g.nt, g.eps, g.bc, g.interpret
-    mla_rows, mla_bs, mla_pr, idx_rows, idx_bs, idx_pr = g.mla_rows, g.mla_bs, g.mla_pr, g.idx_rows, g.idx_bs, g.idx_pr
-    kvc_ref, pos_ref, slot_ref, islot_ref, ik_ref, mla_ref, icache_ref = refs
+def _mla_fp8_store(mla_ref, phys, ok2, kv_n, kcm, pe, g: _CacheGeometry):
+    """fp8_ds_mla row: e4m3 kv codes per tile, the float32 tile scales, k_pe bf16; three contiguous byte runs."""
+    R, Dr, nt, interpret = g.R, g.Dr, g.nt, g.interpret
     f32 = jnp.float32
-    in_dtype = kvc_ref.dtype
-    rows, in_range, rows_ld = _row_block(blk, bc, T)
+    kcol, _, ntp = _kv_geometry(g.tile, nt)
+    kvf = kv_n.astype(f32)
+    amax = jnp.max(jnp.abs(kvf) if kcm is None else jnp.where(kcm, jnp.abs(kvf), 0.0), axis=2)  # [bc, ntp]
+    scale = f8.mla_tile_scale(amax, div=functools.partial(_div_rn, interpret=interpret))
+    qb = f8.e4m3_bits(_div_rn(kvf, scale[:, :, None], interpret))
+    plgpu.store(mla_ref.at[phys[:, None, None], kcol], qb, mask=_and(ok2[:, :, None], kcm))
+    sb = _le_bytes(jax.lax.bitcast_convert_type(scale, jnp.int32), 4)  # [bc, 4 ntp]
+    sc = _iota((1, 4 * ntp), 1)
+    plgpu.store(mla_ref.at[phys[:, None], R + sc], sb, mask=_and(ok2, None if ntp == nt else sc < 4 * nt))
+    pb = _le_bytes(jax.lax.bitcast_convert_type(pe.astype(jnp.bfloat16), jnp.uint16).astype(jnp.int32), 2)
+    plgpu.store(mla_ref.at[phys[:, None], R + 4 * nt + _iota((1, 2 * Dr), 1)], pb, mask=ok2)
+
+
+def _cache_load(blk, refs, g: _CacheGeometry):
+    """Load phase of a cache block: slots, positions, kv_c (latent as [nt, tile], k_pe and its partners), the
+    indexer key (rotated columns, their partners, pass-through columns) and indexer slots."""
+    R, Dr = g.R, g.Dr
+    kvc_ref, pos_ref, slot_ref, islot_ref, ik_ref = refs
+    f32 = jnp.float32
+    rows, in_range, rows_ld = _row_block(blk, g.part)
     r2, r3 = rows_ld[:, None], rows_ld[:, None, None]
-    slot = plgpu.load(slot_ref.at[rows_ld])
-    slot_ok = in_range & (slot >= 0) & (slot < mla_rows)
-    pos = plgpu.load(pos_ref.at[rows_ld]).astype(f32)[:, None]
+    kcol, kcm, _ = _kv_geometry(g.tile, g.nt)
+    j, partner, _, _, _ = _rope_cols(Dr, Dr, g.rope_il)
+    st = dict(in_range=in_range, slot=plgpu.load(slot_ref.at[rows_ld]),
+              pos=plgpu.load(pos_ref.at[rows_ld]).astype(f32)[:, None],
+              kv=_ld(kvc_ref.at[r3, kcol], kcm).astype(f32),
+              pe_x=plgpu.load(kvc_ref.at[r2, R + j]).astype(f32),
+              pe_p=plgpu.load(kvc_ref.at[r2, R + partner]).astype(f32))
+    if g.has_index:
+        j, partner, _, _, _ = _rope_cols(Dr, Dr, g.index_rope_il)
+        jp, pm = _index_geometry(g.Di, Dr)
+        st.update(islot=plgpu.load(islot_ref.at[rows_ld]), ix=plgpu.load(ik_ref.at[r2, j]).astype(f32),
+                  ixp=plgpu.load(ik_ref.at[r2, partner]).astype(f32),
+                  ixq=None if jp is None else _ld(ik_ref.at[r2, Dr + jp], pm).astype(f32))
+    return st
+
+
+def _index_row(st, iok, cs, icache_ref, wts, g: _CacheGeometry, in_dtype):
+    """(d) indexer key of the block's rows: LayerNorm over Di, RoPE on dims [0, Dr), stored at its own slot
+    (FP8 bytes + UE8M0 scale, or the cache's dtype). `cs`: k_pe's (cos, sin) per column, reused when the
+    layouts agree."""
+    Dr, Di, eps = g.Dr, g.Di, g.eps
+    f32 = jnp.float32
+    j, _, sign, _, _ = _rope_cols(Dr, Dr, g.index_rope_il)
+    jp, pm = _index_geometry(Di, Dr)
+    x, xq, xp = st["ix"], st["ixq"], st["ixp"]
+    tot = jnp.sum(x, axis=1, keepdims=True)
+    if xq is not None:
+        tot = tot + jnp.sum(xq, axis=1, keepdims=True)
+    mu = tot / Di
+    d = x - mu
+    ss = jnp.sum(d * d, axis=1, keepdims=True)
+    dq = None
+    if xq is not None:
+        dq = xq - mu if pm is None else jnp.where(pm, xq - mu, 0.0)
+        ss = ss + jnp.sum(dq * dq, axis=1, keepdims=True)
+    rstd = jax.lax.rsqrt(ss / Di + eps)
+    k = (d * rstd * wts["iw"] + wts["ib"]).astype(in_dtype).astype(f32)
+    # the partner's normalised value, by the same arithmetic (its column's x, w, b)
+    kp = ((xp - mu) * rstd * wts["iwp"] + wts["ibp"]).astype(in_dtype).astype(f32)
+    if "i_invf" in wts:
+        ang = st["pos"] * wts["i_invf"]
+        cos, sin = jnp.cos(ang), jnp.sin(ang)
+    else:
+        cos, sin = cs
+    k = (k * cos + sign * (kp * sin)).astype(in_dtype)
+    kq = None if dq is None else (dq * rstd * wts["iw_pass"] + wts["ib_pass"]).astype(in_dtype)
+
+    islot = st["islot"]
+    iphys = islot if g.idx_bs == g.idx_pr else (islot // g.idx_bs) * g.idx_pr + islot % g.idx_bs
+    iphys = jnp.where(iok, iphys, MASKED_ROW)[:, None]
+    iok2 = iok[:, None]
+    if not g.idx_fp8:
+        plgpu.store(icache_ref.at[iphys, j], k.astype(icache_ref.dtype), mask=iok2)
+        if kq is not None:
+            plgpu.store(icache_ref.at[iphys, Dr + jp], kq.astype(icache_ref.dtype), mask=_and(iok2, pm))
+        return
+    kf = k.astype(f32)
+    amax = jnp.max(jnp.abs(kf), axis=1)
+    kqf = None
+    if kq is not None:
+        kqf = kq.astype(f32)
+        amax = jnp.maximum(amax, jnp.max(jnp.abs(kqf) if pm is None else jnp.where(pm, jnp.abs(kqf), 0.0), axis=1))
+    s, inv_s = f8.ue8m0_scale_and_inverse(amax)
+    plgpu.store(icache_ref.at[iphys, j], f8.e4m3_bits(kf * inv_s[:, None]), mask=iok2)
+    if kqf is not None:
+        plgpu.store(icache_ref.at[iphys, Dr + jp], f8.e4m3_bits(kqf * inv_s[:, None]), mask=_and(iok2, pm))
+    sbytes = _le_bytes(jax.lax.bitcast_convert_type(s, jnp.int32)[:, None], 4)  # [bc, 4]
+    plgpu.store(icache_ref.at[iphys, Di + _iota((1, 4), 1)], sbytes, mask=iok2)
+
+
+def _cache_finish(st, refs, wts, g: _CacheGeometry, in_dtype):
+    """(b)-(d) for a loaded block: MLA row and indexer key row at their slots, unless slot < 0."""
+    R, Dr, eps = g.R, g.Dr, g.eps
+    mla_ref, icache_ref = refs
+    slot, in_range = st["slot"], st["in_range"]
+    slot_ok = _and(in_range, (slot >= 0) & (slot < g.mla_rows))
 
     # (c) kv RMSNorm over [nt, tile] (tile = the fp8 scale tile).
-    kcol, kcm, ntp = _kv_geometry(tile, nt)
-    kv = _ld(kvc_ref.at[r3, kcol], kcm).astype(f32)
+    kcol, kcm, _ = _kv_geometry(g.tile, g.nt)
+    kv = st["kv"]
     ms = jnp.sum(jnp.sum(kv * kv, axis=2), axis=1) / R
     kv_n = (wts["kw"] * (kv * jax.lax.rsqrt(ms + eps)[:, None, None])).astype(in_dtype)
 
     # k_pe RoPE: x_j cos - x_partner sin (first of a pair) / x_j cos + x_partner sin.
-    j, partner, sign, _, _ = _rope_cols(Dr, Dr, g.rope_il)
-    ang = pos * wts["pe_invf"]
-    pe_x = plgpu.load(kvc_ref.at[r2, R + j]).astype(f32)
-    pe_p = plgpu.load(kvc_ref.at[r2, R + partner]).astype(f32)
-    pe = (pe_x * jnp.cos(ang) + sign * (pe_p * jnp.sin(ang))).astype(in_dtype)
+    j, _, sign, _, _ = _rope_cols(Dr, Dr, g.rope_il)
+    ang = st["pos"] * wts["pe_invf"]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    pe = (st["pe_x"] * cos + sign * (st["pe_p"] * sin)).astype(in_dtype)
 
     # (b) + (c): store the MLA row at its physical row (page * page_rows + offset), only where slot_ok.
-    phys = slot if mla_bs == mla_pr else (slot // mla_bs) * mla_pr + slot % mla_bs
+    phys = slot if g.mla_bs == g.mla_pr else (slot // g.mla_bs) * g.mla_pr + slot % g.mla_bs
     phys = jnp.where(slot_ok, phys, MASKED_ROW)
     ok2 = slot_ok[:, None]
     if not g.mla_fp8:
         plgpu.store(mla_ref.at[phys[:, None, None], kcol], kv_n.astype(mla_ref.dtype), mask=_and(ok2[:, :, None], kcm))
         plgpu.store(mla_ref.at[phys[:, None], R + j], pe.astype(mla_ref.dtype), mask=ok2)
     else:
-        kvf = kv_n.astype(f32)
-        amax = jnp.max(jnp.abs(kvf) if kcm is None else jnp.where(kcm, jnp.abs(kvf), 0.0), axis=2)  # [bc, ntp]
-        scale = f8.mla_tile_scale(amax, div=functools.partial(_div_rn, interpret=interpret))
-        qb = f8.e4m3_bits(_div_rn(kvf, scale[:, :, None], interpret))
-        plgpu.store(mla_ref.at[phys[:, None, None], kcol], qb, mask=_and(ok2[:, :, None], kcm))
-        sb = bytes_of(jax.lax.bitcast_convert_type(scale, jnp.int32), 4)  # [bc, ntp, 4]
-        sj = jax.lax.broadcasted_iota(jnp.int32, (1, ntp, 4), 1)
-        sbyte = jax.lax.broadcasted_iota(jnp.int32, (1, ntp, 4), 2)
-        plgpu.store(mla_ref.at[phys[:, None, None], R + 4 * sj + sbyte], sb,
-                    mask=_and(ok2[:, :, None], None if ntp == nt else sj < nt))
-        pb = jax.lax.bitcast_convert_type(pe.astype(jnp.bfloat16), jnp.uint16).astype(jnp.int32)
-        bcol = R + 4 * nt + 2 * j[..., None] + jax.lax.broadcasted_iota(jnp.int32, (1, Dr, 2), 2)
-        plgpu.store(mla_ref.at[phys[:, None, None], bcol], bytes_of(pb, 2), mask=ok2[:, :, None])
+        _mla_fp8_store(mla_ref, phys, ok2, kv_n, kcm, pe, g)
 
     if g.has_index:
-        # (d) indexer key: LayerNorm over Di, RoPE on dims [0, Dr), FP8 or plain store at its own slot.
-        islot = plgpu.load(islot_ref.at[rows_ld])
-        iok = in_range & (slot >= 0) & (islot >= 0) & (islot < idx_rows)  # (b) looks at the MLA slot's sign
-        pi = _p2(Di)
-        j, partner, sign, _, rotated = _rope_cols(pi, Dr, g.index_rope_il)
-        cm = None if pi == Di else j < Di
-        x = _ld(ik_ref.at[r2, j], cm).astype(f32)
-        mu = jnp.sum(x, axis=1, keepdims=True) / Di
-        d = x - mu if cm is None else jnp.where(cm, x - mu, 0.0)
-        rstd = jax.lax.rsqrt(jnp.sum(d * d, axis=1, keepdims=True) / Di + eps)
-        k = (d * rstd * wts["iw"] + wts["ib"]).astype(in_dtype).astype(f32)
-        # the partner's normalised value, by the same arithmetic (its column's x, w, b)
-        xp = _ld(ik_ref.at[r2, partner], cm).astype(f32)
-        kp = ((xp - mu) * rstd * wts["iwp"] + wts["ibp"]).astype(in_dtype).astype(f32)
-        ang = pos * wts["i_invf"]
-        k = jnp.where(rotated, k * jnp.cos(ang) + sign * (kp * jnp.sin(ang)), k).astype(in_dtype)
-        iphys = islot if idx_bs == idx_pr else (islot // idx_bs) * idx_pr + islot % idx_bs
-        iphys = jnp.where(iok, iphys, MASKED_ROW)[:, None]
-        iok2 = iok[:, None]
-        if not g.idx_fp8:
-            plgpu.store(icache_ref.at[iphys, j], k.astype(icache_ref.dtype), mask=_and(iok2, cm))
-        else:
-            kf = k.astype(f32)
-            amax = jnp.max(jnp.abs(kf) if cm is None else jnp.where(cm, jnp.abs(kf), 0.0), axis=1)
-            s, inv_s = f8.ue8m0_scale_and_inverse(amax)
-            plgpu.store(icache_ref.at[iphys, j], f8.e4m3_bits(kf * inv_s[:, None]), mask=_and(iok2, cm))
-            scol = Di + jax.lax.broadcasted_iota(jnp.int32, (1, 4), 1)
-            plgpu.store(icache_ref.at[iphys, scol], bytes_of(jax.lax.bitcast_convert_type(s, jnp.int32), 4),
-                        mask=iok2)
+        islot = st["islot"]
+        iok = _and(in_range, (slot >= 0) & (islot >= 0) & (islot < g.idx_rows))  # (b) looks at the MLA slot's sign
+        _index_row(st, iok, (cos, sin), icache_ref, wts, g, in_dtype)
 
 
-def _topk_share(pid, topk_ref, topk_n, chunk):
-    """(e) Top-K clearing: program `pid`'s contiguous share of the flat buffer."""
-    share = chunk * pl.cdiv(pl.cdiv(topk_n, pl.num_programs(0)), chunk)
+def _topk_share(pid, n_prog, topk_ref, topk_n, chunk):
+    """(e) Top-K clearing: program `pid`'s contiguous share (of `n_prog`) of the flat buffer."""
+    share = chunk * _cdiv(_cdiv(topk_n, n_prog), chunk)
     start = pid * share
-    col = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+    col = _iota((chunk,), 0)
 
     @pl.loop(0, share, step=chunk)
     def _(i):
@@ -279,38 +421,222 @@ def _topk_share(pid, topk_ref, topk_n, chunk):
         plgpu.store(topk_ref.at[jnp.where(ok, idx, topk_n)], jnp.full((chunk,), -1, topk_ref.dtype), mask=ok)
 
 
-def _kernel(*refs, n_q, q_geom, c_geom, has_index, has_topk, topk_n, topk_chunk):
-    """Programs [0, n_q) normalise q blocks, the rest write cache blocks (one block each); every program
-    clears its share of the top-k buffer."""
+# ------------------------------------------------------------------------------ the kernel
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """One launch: which parts it runs, how program ids map to them, the top-k share."""
+    layout: str  # "split", "interleave", "fused", "q", "cache"
+    grid: int
+    q: _QGeometry | None
+    c: _CacheGeometry | None
+    group: int  # interleave: k q programs then one cache program per group of k + 1
+    has_index: bool
+    has_topk: bool
+    topk_n: int
+    topk_chunk: int
+
+
+def _kernel(*refs, lc: _Launch):
+    """Runs the launch's parts on the program's blocks (`_Launch.layout`); a program of the launch with the
+    cache part also clears its share of the top-k buffer."""
     it = iter(refs)
-    qc_ref, kvc_ref, pos_ref, slot_ref = next(it), next(it), next(it), next(it)
-    islot_ref = next(it) if has_index else None
-    qw_ref, kvw_ref, invf_ref = next(it), next(it), next(it)
-    ik_ref = inw_ref = inb_ref = None
-    if has_index:
-        ik_ref, inw_ref, inb_ref = next(it), next(it), next(it)
-    next(it)  # mla cache (input side of the alias)
-    if has_index:
-        next(it)
-    if has_topk:
-        next(it)
-    qn_ref, mla_ref = next(it), next(it)
-    icache_ref = next(it) if has_index else None
-    topk_ref = next(it) if has_topk else None
-    c_refs = (kvc_ref, pos_ref, slot_ref, islot_ref, ik_ref, mla_ref, icache_ref)
-    w_refs = (kvw_ref, invf_ref, inw_ref, inb_ref)
+    has_q, has_c, has_index = lc.q is not None, lc.c is not None, lc.has_index
+    qc_ref = next(it) if has_q else None
+    kvc_ref = pos_ref = islot_ref = ik_ref = None
+    if has_c:
+        kvc_ref, pos_ref = next(it), next(it)
+    slot_ref = next(it)
+    if has_c and has_index:
+        islot_ref = next(it)
+    qw_ref = next(it) if has_q else None
+    kvw_ref = invf_ref = inw_ref = inb_ref = None
+    if has_c:
+        kvw_ref, invf_ref = next(it), next(it)
+        if has_index:
+            ik_ref, inw_ref, inb_ref = next(it), next(it), next(it)
+        next(it)  # mla cache (input side of the alias)
+        if has_index:
+            next(it)
+        if lc.has_topk:
+            next(it)
+    qn_ref = next(it) if has_q else None
+    mla_ref = icache_ref = topk_ref = None
+    if has_c:
+        mla_ref = next(it)
+        icache_ref = next(it) if has_index else None
+        topk_ref = next(it) if lc.has_topk else None
     pid = pl.program_id(0)
 
-    @pl.when(pid < n_q)
-    def _():
-        _q_rows(pid, qc_ref, qn_ref, slot_ref, _q_weights(qw_ref, q_geom.Rq), q_geom)
+    c_load_refs = (kvc_ref, pos_ref, slot_ref, islot_ref, ik_ref)
+    c_store_refs = (mla_ref, icache_ref)
+    in_dtype = kvc_ref.dtype if has_c else None
 
-    @pl.when(pid >= n_q)
-    def _():
-        _cache_rows(pid - n_q, c_refs, _cache_weights(w_refs, c_geom), c_geom)
+    def q_weights():
+        return _q_weights(qw_ref, lc.q.Rq)
 
-    if has_topk:
-        _topk_share(pid, topk_ref, topk_n, topk_chunk)
+    def c_weights():
+        return _cache_weights((kvw_ref, invf_ref, inw_ref, inb_ref), lc.c)
+
+    def q_program(p):
+        qw = q_weights()
+        _for_blocks(p, lc.q.part, lambda blk: _q_finish(_q_load(blk, qc_ref, lc.q), qn_ref, slot_ref, qw, lc.q))
+
+    def cache_program(p):
+        wts = c_weights()
+        _for_blocks(p, lc.c.part, lambda blk: _cache_finish(_cache_load(blk, c_load_refs, lc.c), c_store_refs, wts,
+                                                            lc.c, in_dtype))
+
+    def both_program(p):
+        """Fused layout, both parts on every program with as many blocks: each step issues the loads of its q
+        block and its cache block before any arithmetic or store (stores might alias later loads for the
+        compiler, so loads placed after them would wait)."""
+        qw, wts = q_weights(), c_weights()
+
+        def step(i):
+            qst = _q_load(p + i * lc.q.part.n_prog, qc_ref, lc.q)
+            cst = _cache_load(p + i * lc.c.part.n_prog, c_load_refs, lc.c)
+            _q_finish(qst, qn_ref, slot_ref, qw, lc.q)
+            _cache_finish(cst, c_store_refs, wts, lc.c, in_dtype)
+        if lc.q.part.n_iter == 1:
+            step(0)
+        else:
+            pl.loop(0, lc.q.part.n_iter)(step)
+
+    def when(cond, fn, p):
+        if cond is None:
+            fn(p)
+        else:
+            pl.when(cond)(lambda: fn(p))  # pl.when runs the function under the condition
+
+    nqp = lc.q.part.n_prog if has_q else 0
+    ncp = lc.c.part.n_prog if has_c else 0
+    if lc.layout == "q":
+        when(None if nqp == lc.grid else pid < nqp, q_program, pid)
+    elif lc.layout == "cache":
+        when(None if ncp == lc.grid else pid < ncp, cache_program, pid)
+    elif lc.layout == "split":
+        when(pid < nqp, q_program, pid)
+        when(pid >= nqp, cache_program, pid - nqp)
+    elif lc.layout == "fused" and nqp == ncp == lc.grid and lc.q.part.n_iter == lc.c.part.n_iter:
+        both_program(pid)
+    elif lc.layout == "fused":
+        when(None if nqp == lc.grid else pid < nqp, q_program, pid)
+        when(None if ncp == lc.grid else pid < ncp, cache_program, pid)
+    else:  # interleave
+        k = lc.group - 1
+        grp, r = pid // lc.group, pid % lc.group
+        when((r < k) & (grp * k + r < nqp), q_program, grp * k + r)
+        when((r == k) & (grp < ncp), cache_program, grp)
+
+    if has_c and lc.has_topk:
+        _topk_share(pid, lc.grid, topk_ref, lc.topk_n, lc.topk_chunk)
+
+
+# ------------------------------------------------------------------------------ configs
+
+def _pow2(v) -> bool:
+    return isinstance(v, int) and v >= 1 and v & (v - 1) == 0
+
+
+LAYOUTS = ("split", "interleave", "fused", "two_launch")
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedNormRopeConfig:
+    """Launch config.
+
+    q_rows / cache_rows: token rows per block of the q / cache part (powers of two: Triton's tiles are).
+    num_warps, num_stages: of the launch (num_stages pipelines the loads of persistent programs' loops).
+    layout: how programs map to the parts (module docstring): "split", "interleave", "fused", "two_launch".
+    q_programs / cache_programs: 0 = one program per block; n > 0 = n persistent programs looping over the
+        blocks (weights loaded once per program).
+    q_warps: "two_launch" only: warps of the q launch (0 = num_warps).
+    """
+    q_rows: int
+    cache_rows: int
+    num_warps: int
+    num_stages: int = 1
+    layout: str = "split"
+    q_programs: int = 0
+    cache_programs: int = 0
+    q_warps: int = 0
+
+    def __post_init__(self):
+        for name in ("q_rows", "cache_rows", "num_warps"):
+            if not _pow2(getattr(self, name)):
+                raise ValueError(f"FusedNormRopeConfig: {name} {getattr(self, name)!r} must be a power of two")
+        if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
+            raise ValueError(f"FusedNormRopeConfig: num_stages {self.num_stages!r} must be an int >= 1")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"FusedNormRopeConfig: layout {self.layout!r} must be one of {LAYOUTS}")
+        for name in ("q_programs", "cache_programs"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"FusedNormRopeConfig: {name} {v!r} must be an int >= 0 (0: one program per block)")
+        if not (self.q_warps == 0 or _pow2(self.q_warps)):
+            raise ValueError(f"FusedNormRopeConfig: q_warps {self.q_warps!r} must be 0 or a power of two")
+        if self.q_warps and self.layout != "two_launch":
+            raise ValueError(f"FusedNormRopeConfig: q_warps is the q launch's warps of layout 'two_launch', not "
+                             f"of {self.layout!r}")
+
+    def label(self) -> str:
+        """A short name for tables: the fields that differ from the dataclass defaults, then rows and warps."""
+        s = f"{self.layout} q{self.q_rows} c{self.cache_rows} w{self.num_warps}"
+        if self.q_warps:
+            s += f" qw{self.q_warps}"
+        if self.num_stages != 1:
+            s += f" s{self.num_stages}"
+        if self.q_programs:
+            s += f" qp{self.q_programs}"
+        if self.cache_programs:
+            s += f" cp{self.cache_programs}"
+        return s
+
+
+def default_config(T: int, fp8: bool = False) -> FusedNormRopeConfig:
+    """The launch config for T token rows (`fp8`: an fp8_ds_mla MLA cache), from the H200 runs in
+    BENCHMARKS.md (runs differ by about 15%): below 256 rows one row per program, each program doing both
+    parts ("fused", v1's layout: 14.8 / 24.7 us at T = 1 / 64 against split's 17.8 / 30.6); up to 16K rows
+    split 2-row blocks, 4 warps (v2: the fastest at T = 4096); above, "fused" with 1-row blocks and 4 warps
+    for bf16 (session 9's sweep at T = 65536: 275 us, the best of 13 layouts) and 2-row blocks for fp8 (338
+    us; that sweep did not reach the others). benchmarks/bench_fused_norm_rope.py times the other layouts."""
+    if T < 256:
+        return FusedNormRopeConfig(q_rows=1, cache_rows=1, num_warps=4, layout="fused")
+    if T < 16384:
+        return FusedNormRopeConfig(q_rows=2, cache_rows=2, num_warps=4)
+    rows = 2 if fp8 else 1
+    return FusedNormRopeConfig(q_rows=rows, cache_rows=rows, num_warps=4, layout="fused")
+
+
+def _launches(cfg: FusedNormRopeConfig, T: int, q_fields: dict, c_fields: dict, topk_n: int, has_index: bool,
+              has_topk: bool) -> list[tuple[_Launch, int]]:
+    """The launches of a config and their warp counts: one, or the q launch then the cache launch."""
+    nq_blocks, nc_blocks = _cdiv(T, cfg.q_rows), _cdiv(T, cfg.cache_rows)
+    nqp = min(cfg.q_programs or nq_blocks, nq_blocks)
+    ncp = min(cfg.cache_programs or nc_blocks, nc_blocks)
+    qg = _QGeometry(part=_Part(T=T, rows=cfg.q_rows, n_prog=nqp), **q_fields)
+    cg = _CacheGeometry(part=_Part(T=T, rows=cfg.cache_rows, n_prog=ncp), **c_fields)
+    group = 1
+    if cfg.layout == "split":
+        grid = nqp + ncp
+    elif cfg.layout == "fused":
+        grid = max(nqp, ncp)
+    elif cfg.layout == "interleave":
+        k = max(1, nqp // ncp)
+        group = k + 1
+        grid = group * max(_cdiv(nqp, k), ncp)
+    else:
+        grid = 0
+
+    def launch(layout, grid, q, c):
+        chunk = min(1024, _p2(max(1, _cdiv(topk_n, grid)))) if has_topk and c is not None else 1
+        return _Launch(layout=layout, grid=grid, q=q, c=c, group=group, has_index=has_index,
+                       has_topk=has_topk and c is not None, topk_n=topk_n, topk_chunk=chunk)
+    if cfg.layout == "two_launch":
+        return [(launch("q", nqp, qg, None), cfg.q_warps or cfg.num_warps), (launch("cache", ncp, None, cg),
+                                                                              cfg.num_warps)]
+    return [(launch(cfg.layout, grid, qg, cg), cfg.num_warps)]
 
 
 # ------------------------------------------------------------------------------ the wrapper
@@ -327,32 +653,30 @@ def _page_geometry(cache, block_size, what: str):
     return cache.reshape(pages * page_rows, pitch), pages * bs, bs, page_rows
 
 
-def _pow2(v) -> bool:
-    return isinstance(v, int) and v >= 1 and v & (v - 1) == 0
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedNormRopeConfig:
-    """Launch config: `q_rows` token rows per q program, `cache_rows` per cache program, warps (all powers of
-    two: Triton's tiles are), pipeline stages."""
-    q_rows: int
-    cache_rows: int
-    num_warps: int
-    num_stages: int = 1
-
-    def __post_init__(self):
-        for name in ("q_rows", "cache_rows", "num_warps"):
-            if not _pow2(getattr(self, name)):
-                raise ValueError(f"FusedNormRopeConfig: {name} {getattr(self, name)!r} must be a power of two")
-        if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
-            raise ValueError(f"FusedNormRopeConfig: num_stages {self.num_stages!r} must be an int >= 1")
-
-
-def default_config(T: int) -> FusedNormRopeConfig:
-    """The launch config from the H200 sweeps in BENCHMARKS.md: 2-row blocks and 4 warps were the best or
-    near-best measured at T = 4096 and 65536; one row per program below 256 rows."""
-    rows = 1 if T < 256 else 2
-    return FusedNormRopeConfig(q_rows=rows, cache_rows=rows, num_warps=4)
+def _call(lc: _Launch, num_warps: int, num_stages: int, arrays: dict, interpret: bool):
+    """One pallas_call of `_kernel` for launch `lc`; `arrays` holds every operand by name. Returns the outputs
+    by name (q_n; mla, idx, topk: the aliased caches)."""
+    has_q, has_c = lc.q is not None, lc.c is not None
+    names = (["q_c"] if has_q else []) + (["kv_c", "positions"] if has_c else []) + ["slots"]
+    names += ["islots"] if has_c and lc.has_index else []
+    names += ["q_norm_w"] if has_q else []
+    if has_c:
+        names += ["kv_norm_w", "inv_freq"] + (["index_k", "index_norm_w", "index_norm_b"] if lc.has_index else [])
+    aliased = (["mla", "idx"] if lc.has_index else ["mla"]) + (["topk"] if lc.has_topk else []) if has_c else []
+    first_alias = len(names)
+    names += aliased
+    out_names = (["q_n"] if has_q else []) + aliased
+    q_c = arrays["q_c"]
+    outs = [jax.ShapeDtypeStruct(q_c.shape, q_c.dtype) if n == "q_n" else
+            jax.ShapeDtypeStruct(arrays[n].shape, arrays[n].dtype) for n in out_names]
+    aliases = {first_alias + i: int(has_q) + i for i in range(len(aliased))}
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    call = pl.pallas_call(
+        functools.partial(_kernel, lc=lc), grid=(lc.grid,), out_shape=outs,
+        in_specs=[any_spec] * len(names), out_specs=[any_spec] * len(outs),
+        input_output_aliases=aliases, interpret=interpret, name="fused_norm_rope_cache",
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+    return dict(zip(out_names, call(*[arrays[n] for n in names])))
 
 
 def fused_norm_rope_cache_triton(q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_w, mla_cache, *,
@@ -366,8 +690,8 @@ def fused_norm_rope_cache_triton(q_c, kv_c, positions, slot_mapping, q_norm_w, k
     Caches: 2-D [slots, pitch] (slot = row) or 3-D [pages, page_rows, pitch] with `block_size <= page_rows`
     (slot = page * block_size + offset; padded pages and padded row pitches are left untouched). A uint8
     cache holds FP8 rows (`fp8_formats`). Returns (q_normed, mla_cache, index_cache, topk_buf).
-    `config` (default `default_config(T)`); `overrides` replace fields of it by name (q_rows, cache_rows,
-    num_warps, num_stages; None keeps the field). `interpret`: run under the Pallas interpreter.
+    `config` (default `default_config(T, fp8 cache)`); `overrides` replace fields of it by name (`FusedNormRopeConfig`'s
+    fields; None keeps the field). `interpret`: run under the Pallas interpreter.
     """
     if not interpret:
         check_addressable(mla_cache, "fused_norm_rope MLA cache")
@@ -402,56 +726,55 @@ def fused_norm_rope_cache_triton(q_c, kv_c, positions, slot_mapping, q_norm_w, k
         if idx_flat.shape[1] < need:
             raise ValueError(f"fused_norm_rope: indexer cache pitch {idx_flat.shape[1]} < its row width {need} "
                              f"(Di={Di}, {'fp8' if idx_fp8 else index_cache.dtype})")
+    # an option given as None keeps the config's value
+    cfg = with_options(config or default_config(T, mla_fp8),
+                       {k: v for k, v in overrides.items() if v is not None}, "fused_norm_rope")
     if T == 0:
         topk_out = jnp.full_like(topk_buf, -1) if has_topk else topk_buf
         return q_c, mla_cache, index_cache, topk_out
 
-    cfg = config or default_config(T)
-    # an option given as None keeps the config's value
-    cfg = with_options(cfg, {k: v for k, v in overrides.items() if v is not None}, "fused_norm_rope")
-    n_q, n_blocks = pl.cdiv(T, cfg.q_rows), pl.cdiv(T, cfg.cache_rows)
-    grid = n_q + n_blocks
     topk_n = topk_buf.size if has_topk else 0
-    topk_chunk = min(1024, _p2(max(1, pl.cdiv(topk_n, grid)))) if has_topk else 1
-    inv_freq = rope.inv_freq(Dr, rope_theta)  # a plain base or YaRN's blend (kernels.rope.YarnRope)
+    launches = _launches(
+        cfg, T, dict(Rq=Rq, eps=float(eps)),
+        dict(R=R, Dr=Dr, Di=Di, tile=tile, nt=nt, mla_fp8=mla_fp8, idx_fp8=idx_fp8, has_index=has_index,
+             mla_rows=mla_logical, mla_bs=mla_bs, mla_pr=mla_pr, idx_rows=idx_logical, idx_bs=idx_bs, idx_pr=idx_pr,
+             rope_il=bool(rope_interleave), index_rope_il=bool(index_rope_interleave), eps=float(eps),
+             interpret=bool(interpret)),
+        topk_n, has_index, has_topk)
 
-    q_geom = _QGeometry(T=T, Rq=Rq, eps=float(eps), bt=cfg.q_rows)
-    c_geom = _CacheGeometry(T=T, R=R, Dr=Dr, Di=Di, tile=tile, nt=nt, mla_fp8=mla_fp8, idx_fp8=idx_fp8,
-                            has_index=has_index, mla_rows=mla_logical, mla_bs=mla_bs, mla_pr=mla_pr,
-                            idx_rows=idx_logical, idx_bs=idx_bs, idx_pr=idx_pr, rope_il=bool(rope_interleave),
-                            index_rope_il=bool(index_rope_interleave), eps=float(eps), bc=cfg.cache_rows,
-                            interpret=bool(interpret))
-    kernel = functools.partial(_kernel, n_q=n_q, q_geom=q_geom, c_geom=c_geom, has_index=has_index,
-                               has_topk=has_topk, topk_n=topk_n, topk_chunk=topk_chunk)
-
-    ins = [q_c, kv_c, positions.astype(jnp.int32), slot_mapping.astype(jnp.int32)]
+    arrays = dict(q_c=q_c, kv_c=kv_c, positions=positions.astype(jnp.int32), slots=slot_mapping.astype(jnp.int32),
+                  q_norm_w=q_norm_w, kv_norm_w=kv_norm_w, inv_freq=rope.inv_freq(Dr, rope_theta),  # base or YaRN
+                  mla=mla_flat)
     if has_index:
         islots = slot_mapping if index_slot_mapping is None else index_slot_mapping
-        ins.append(islots.astype(jnp.int32))
-    ins += [q_norm_w, kv_norm_w, inv_freq]
-    if has_index:
-        ins += [index_k, index_norm_w, index_norm_b]
-    first_alias = len(ins)
-    ins.append(mla_flat)
-    outs = [jax.ShapeDtypeStruct((T, Rq), q_c.dtype), jax.ShapeDtypeStruct(mla_flat.shape, mla_flat.dtype)]
-    if has_index:
-        ins.append(idx_flat)
-        outs.append(jax.ShapeDtypeStruct(idx_flat.shape, idx_flat.dtype))
+        arrays.update(islots=islots.astype(jnp.int32), index_k=index_k, index_norm_w=index_norm_w,
+                      index_norm_b=index_norm_b, idx=idx_flat)
     if has_topk:
-        ins.append(topk_buf.reshape(-1))
-        outs.append(jax.ShapeDtypeStruct((topk_n,), topk_buf.dtype))
-    aliases = {first_alias + i: 1 + i for i in range(len(outs) - 1)}
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    call = pl.pallas_call(
-        kernel, grid=(grid,), out_shape=outs,
-        in_specs=[any_spec] * len(ins), out_specs=[any_spec] * len(outs),
-        input_output_aliases=aliases, interpret=interpret, name="fused_norm_rope_cache",
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    res = call(*ins)
-    q_n, mla_out = res[0], res[1].reshape(mla_shape)
-    idx_out = res[2].reshape(idx_shape) if has_index else index_cache
-    topk_out = res[3].reshape(topk_buf.shape) if has_topk else topk_buf
+        arrays["topk"] = topk_buf.reshape(-1)
+    for lc, warps in launches:
+        arrays.update(_call(lc, warps, cfg.num_stages, arrays, interpret))
+    q_n, mla_out = arrays["q_n"], arrays["mla"].reshape(mla_shape)
+    idx_out = arrays["idx"].reshape(idx_shape) if has_index else index_cache
+    topk_out = arrays["topk"].reshape(topk_buf.shape) if has_topk else topk_buf
     return q_n, mla_out, idx_out, topk_out
+
+
+def q_norm_triton(q_c, q_norm_w, *, eps: float = 1e-6, config: FusedNormRopeConfig | None = None,
+                  interpret: bool = False, **overrides):
+    """The q part alone (RMSNorm of every row, `rms_norm(q_c, q_norm_w, eps)`) as its own launch, with the q
+    fields of `config` (q_rows, q_programs, q_warps or num_warps, num_stages). For benchmarks: it shows what
+    the q stream costs by itself, and it is the first launch of layout "two_launch"."""
+    T, Rq = q_c.shape
+    cfg = with_options(config or default_config(T), {k: v for k, v in overrides.items() if v is not None},
+                       "fused_norm_rope")
+    if T == 0:
+        return q_c
+    n_blocks = _cdiv(T, cfg.q_rows)
+    part = _Part(T=T, rows=cfg.q_rows, n_prog=min(cfg.q_programs or n_blocks, n_blocks))
+    lc = _Launch(layout="q", grid=part.n_prog, q=_QGeometry(Rq=Rq, eps=float(eps), part=part), c=None, group=1,
+                 has_index=False, has_topk=False, topk_n=0, topk_chunk=1)
+    arrays = dict(q_c=q_c, q_norm_w=q_norm_w, slots=jnp.zeros((T,), jnp.int32))
+    return _call(lc, cfg.q_warps or cfg.num_warps, cfg.num_stages, arrays, interpret)["q_n"]
 
 
 def supports(q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_w, mla_cache, *, index_k=None, **_) -> str | None:

@@ -17,6 +17,7 @@ from . import fp8_formats, registry
 from .chunking import map_row_chunks
 
 ROW_CHUNK = 16  # query rows per chunk: bounds the [chunk, S, Di] key gather and [chunk, H, S] logits
+SELECT_MAX_S = 65536  # widest row the select kernel (kernels/topk_triton.py) holds in registers: 64 keys a thread
 
 
 def request_slots(block_tables, block_size: int):
@@ -57,7 +58,9 @@ def topk_positions(scores, kv_lens, topk: int, width: int | None = None):
     """Top-k (positions, scores) of `scores` [T, S] with the tie rule; entries past kv_lens[t] are (-1, -inf).
     `width`: the logical S when `scores` is padded on the right with -inf (k = min(topk, width))."""
     k = min(topk, scores.shape[-1] if width is None else width)
-    scores = scores + 0.0  # -0.0 -> +0.0 so relu's signed zeros tie exactly
+    # -0.0 -> +0.0 so relu's signed zeros tie exactly (a select: XLA folds `scores + 0.0` away, and top_k then
+    # ranked -0.0 below +0.0)
+    scores = jnp.where(scores == 0.0, 0.0, scores)
     val, idx = jax.lax.top_k(scores, k)  # stable: equal scores keep ascending position order
     keep = jnp.arange(k)[None, :] < jnp.minimum(kv_lens, k)[:, None]
     return jnp.where(keep, idx, -1).astype(jnp.int32), jnp.where(keep, val, -jnp.inf)
@@ -76,6 +79,24 @@ def indexer_topk_xla(q, weights, k_cache, token_req, kv_lens, block_tables, *, b
     return (pos, val) if return_scores else pos
 
 
+def select_topk(scores, kv_lens, topk: int, width: int | None = None, *, impl: str = "xla", **kernel_options):
+    """`topk_positions` as an op of its own (`kernels.registry` op "topk"): impl "xla" is `topk_positions`
+    (`lax.top_k`), "triton" / "triton_interpret" the select kernel (`kernels.topk_triton.topk_select`, its
+    `kernel_options`: config, num_warps, sort), which returns the same positions and scores, "auto" the select
+    kernel on a GPU for rows of at most SELECT_MAX_S scores, else `topk_positions`."""
+    return registry.dispatch("topk", impl, scores, kv_lens, topk, width, **kernel_options)
+
+
+def select_width_supported(s: int) -> str | None:
+    """Why the select kernel cannot take rows of `s` scores (None: it can)."""
+    return None if s <= SELECT_MAX_S else f"top-k rows of {s} scores exceed SELECT_MAX_S {SELECT_MAX_S}"
+
+
+def select_supports(scores, kv_lens, topk: int, width: int | None = None, **_) -> str | None:
+    """The select kernel's `supports` check: rows of at most SELECT_MAX_S scores (the first `width` columns)."""
+    return select_width_supported(scores.shape[-1] if width is None else min(width, scores.shape[-1]))
+
+
 def indexer_topk(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int, topk: int,
                  return_scores: bool = False, impl: str = "xla", **kernel_options):
     """Top-k positions [T, min(topk, S)] (int32, -1 padded) for indexer queries `q` [T, H, Di] (roped),
@@ -83,10 +104,11 @@ def indexer_topk(q, weights, k_cache, token_req, kv_lens, block_tables, *, block
     request `token_req` [T], its number of visible keys `kv_lens` [T] and `block_tables` [R, pages].
     With `return_scores`, also their float32 scores (-inf where -1): the DCP global top-k merges these.
     `k_cache` is bf16 [slots, Di] or FP8 uint8 [slots, Di + 4] (queries are then quantised per (t, h)).
-    impl (`kernels.registry`): "xla" (oracle, CPU default), "triton" (Pallas Triton scores + chunked
-    `topk_positions`, the GPU default), "triton_interpret" (the same kernel under the Pallas interpreter, for
-    CPU tests); `kernel_options` go to `indexer_triton.indexer_topk_triton` (config, block_s, block_t,
-    num_warps, num_stages, row_chunk); the xla form takes `row_chunk`."""
+    impl (`kernels.registry`): "xla" (oracle, CPU default), "triton" (Pallas Triton scores, then the select
+    top-k kernel or `topk_positions` per shape, row chunks), "triton_interpret" (the same kernels under the Pallas
+    interpreter, for CPU tests), "auto" (the GPU default: "triton" on a GPU, "xla" elsewhere); `kernel_options` go
+    to `indexer_triton.indexer_topk_triton` (config, block_s, block_t, num_warps, num_stages, block_n, fp8_dot,
+    row_chunk, topk_impl, topk_config); the xla form takes `row_chunk`."""
     return registry.dispatch("indexer", impl, q, weights, k_cache, token_req, kv_lens, block_tables,
                              block_size=block_size, topk=topk, return_scores=return_scores, **kernel_options)
 
@@ -94,3 +116,8 @@ def indexer_topk(q, weights, k_cache, token_req, kv_lens, block_tables, *, block
 registry.register("indexer", "xla", indexer_topk_xla)
 registry.register_triton("indexer", "kernels.indexer_triton:indexer_topk_triton",
                          supports="kernels.indexer_triton:supports")
+registry.register_auto("indexer")
+registry.register("topk", "xla", topk_positions)
+registry.register_triton("topk", "kernels.topk_triton:topk_select", supports=select_supports)
+registry.register_auto("topk", lambda *args, **kwargs: "triton" if registry.on_gpu() and not select_supports(
+    *args, **kwargs) else "xla")

@@ -1,12 +1,18 @@
 """Pallas Triton indexer scores (docs/math.md §2): score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) over the paged
-indexer cache, then the top-k with the tie rule of docs/math.md §2 by `kernels.indexer.topk_positions`
-(`indexer_topk_triton`, the op's "triton" impl).
+indexer cache, then the top-k with the tie rule of docs/math.md §2: the select kernel (kernels/topk_triton.py, op
+"topk") where it takes the row width, else `kernels.indexer.topk_positions` (`indexer_topk_triton`, the op's
+"triton" impl; `topk_select_impl` is the rule). Both give the same positions and scores.
 
-Grid (T, S / block_s). Program (t, j) reads row t's request, its visible length n = kv_lens[t], the pages of
-positions [j * block_s, +block_s) from the block table, gathers those key rows from the cache (bf16
-[slots, Di], or FP8 uint8 [slots, Di + 4]: e4m3 + a float32 UE8M0 scale, kernels/fp8_formats.py), and
-writes block_s float32 scores (-inf at s >= n; blocks wholly past n read nothing). The top-k runs over
-query rows in chunks (`row_chunk`), so a long prefill never holds a [T, S] float32 matrix.
+Decode (per-row, bf16 and FP8 caches): grid (T, S / block_n). Program (t, j) reads row t's request and its visible
+length n = kv_lens[t], loads the queries once (FP8: e4m3 bits, no decode), then loops over block_n / block_s key
+tiles (Triton pipelines the loop's loads, `num_stages`): per tile, the pages of its positions from the block table,
+the key rows gathered from the cache (bf16 [slots, Di], or FP8 uint8 [slots, Di + 4]: e4m3 + a float32 UE8M0
+scale, kernels/fp8_formats.py), one dot [block_s, Di] x [Di, H] (FP8: e4m3 x e4m3 on the tensor cores, float32
+accumulation, with `fp8_dot`; else keys decoded to bf16), relu, the head weights, the key scales; block_s float32
+scores written (-inf at s >= n; tiles wholly past n read nothing). `loop_block_n` sizes block_n so that a small
+batch still fills the GPU. `block_n=0` (and float32 caches) take the one-tile kernel: grid (T, S / block_s), the
+queries reloaded per tile. The top-k runs over query rows in chunks (`row_chunk`), so a long prefill never holds a
+[T, S] float32 matrix.
 
 Prefill has a row-block form (`block_t` > 1, chosen when T >= ROW_BLOCK_MIN_T): grid (T / block_t,
 S / block_s), program (i, j) scores query rows [i * block_t, +block_t) against the same block_s keys. A
@@ -29,12 +35,13 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import fp8_formats
 from .chunking import map_row_chunks
-from .indexer import prepare_queries, topk_positions
+from .indexer import prepare_queries, select_topk
 from .triton_common import check_addressable, col_range, dot, gather, u8_words, with_options
 
 SCORE_BUDGET = 1 << 25  # float32 scores held at once by the top-k stage (128 MiB)
 ROW_BLOCK_MIN_T = 64  # rows from which indexer_scores_triton takes the row-block form
 ROW_BLOCK = 16  # its query rows per program: block_t unrolled [H, Di] x [Di, block_s] dots
+LOOP_PROGRAMS = 1024  # programs the looped decode kernel aims for (about 8 per SM of an H200)
 # float32 keys (the reference dtype): Triton runs an IEEE float32 dot on the FMA units, unrolled per thread
 # ([64, 128] x [128, 128] is 8K FMAs a thread, x16 rows x2 branches in the row-block form), which ptxas took
 # minutes to compile at GLM shapes. So float32 takes 32-key tiles and the per-row kernel only.
@@ -87,6 +94,53 @@ def _scores_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *, bloc
         o_ref[...] = jnp.full((block_s,), -jnp.inf, jnp.float32)
 
 
+def _scores_loop_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *, block_s, page, di, fp8, fp8_dot,
+                        interpret):
+    """Row t, keys [j * block_n, +block_n) in `block_n / block_s` tiles of a loop (Triton pipelines its loads). The
+    queries are loaded (and, for a bf16 dot, decoded) once per program. FP8 with `fp8_dot`: the e4m3 key tile goes
+    straight to an e4m3 x e4m3 tensor-core dot (float32 accumulation) against the e4m3 queries; else keys decode to
+    bf16. Tiles wholly past n read nothing and write -inf; the last tile reads row 0 for its invisible keys. The
+    FP8 cache stays uint8 (a bitcast of it in XLA may copy it) and its tiles become e4m3 in registers."""
+    req = req_ref[0]
+    n = len_ref[0]
+    tiles = o_ref.shape[0] // block_s
+    start = pl.program_id(1) * o_ref.shape[0]
+    q = q_ref[...]  # [H, Di]: e4m3 bits (uint8) for FP8, the cache dtype otherwise
+    if fp8:
+        q = jax.lax.bitcast_convert_type(q, fp8_formats.FP8)
+        if not fp8_dot:
+            q = q.astype(jnp.bfloat16)
+    w = w_ref[...]
+    busy = jnp.clip((n - start + block_s - 1) // block_s, 0, tiles)  # tiles holding a visible key
+
+    def tile(i, carry):
+        pos = start + i * block_s + jax.lax.iota(jnp.int32, block_s)
+        vis = pos < n
+        pcol = jnp.minimum(pos // page, bt_ref.shape[1] - 1)
+        pg = bt_ref[req, pcol]
+        slot = jnp.where(vis, jnp.maximum(pg, 0) * page + pos % page, 0)
+        k = k_ref[slot[:, None], col_range(0, di)[None, :]]  # [bs, Di]
+        if fp8:
+            s_k = jnp.sum(jax.lax.bitcast_convert_type(u8_words(k_ref[slot[:, None], col_range(di, 4)[None, :]])[0],
+                                                       jnp.float32), axis=1)  # [bs]
+            k = jax.lax.bitcast_convert_type(k, fp8_formats.FP8)  # in registers: free
+            if not fp8_dot:
+                k = k.astype(jnp.bfloat16)
+        logits = dot(k, q, trans_b=True)  # [bs, H] float32
+        sc = jnp.sum(jnp.maximum(logits, 0.0) * w[None, :], axis=1)
+        if fp8:
+            sc = sc * s_k
+        o_ref[pl.ds(pl.multiple_of(i * block_s, block_s), block_s)] = jnp.where(vis, sc, -jnp.inf)
+        return carry
+
+    def blank(i, carry):
+        o_ref[pl.ds(pl.multiple_of(i * block_s, block_s), block_s)] = jnp.full((block_s,), -jnp.inf, jnp.float32)
+        return carry
+
+    jax.lax.fori_loop(0, busy, tile, 0)
+    jax.lax.fori_loop(busy, tiles, blank, 0)
+
+
 def _scores_rows_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *, block_s, page, di, fp8,
                         interpret):
     """Rows [i * block_t, +block_t) x keys [j * block_s, +block_s): one key-tile gather when the rows share a
@@ -124,14 +178,19 @@ def _pow2(v) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class IndexerConfig:
-    """Launch config of the scores kernels: `block_s` keys per program (a power of two >= 16); `block_t` query
-    rows per program: 1 the per-row kernel (decode), a power of two > 1 the row-block kernel (prefill: one key
-    gather per block of rows of one request), None picked from the shapes (the row-block kernel of ROW_BLOCK rows when
-    the step's R requests leave runs of ROW_BLOCK rows on average: (R - 1) * ROW_BLOCK <= T); warps; pipeline stages."""
+    """Launch config of the scores kernels: `block_s` keys per tile (a power of two >= 16); `block_t` query rows per
+    program: 1 the per-row kernels (decode), a power of two > 1 the row-block kernel (prefill: one key gather per
+    block of rows of one request), None picked from the shapes (the row-block kernel of ROW_BLOCK rows when the
+    step's R requests leave runs of ROW_BLOCK rows on average: (R - 1) * ROW_BLOCK <= T); warps; pipeline stages.
+    Per-row, bf16 and FP8 caches: `block_n` keys per program (a multiple of block_s looped over in tiles; None:
+    `loop_block_n` of the shapes; 0: the one-tile kernel without a loop), `fp8_dot` e4m3 tensor-core dots for an
+    FP8 cache (False: keys decoded to bf16)."""
     block_s: int
     block_t: int | None
     num_warps: int = 4
     num_stages: int = 1
+    block_n: int | None = None
+    fp8_dot: bool = True
 
     def __post_init__(self):
         if not (_pow2(self.block_s) and self.block_s >= 16):
@@ -142,14 +201,33 @@ class IndexerConfig:
             raise ValueError(f"IndexerConfig: num_warps {self.num_warps!r} must be a power of two")
         if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
             raise ValueError(f"IndexerConfig: num_stages {self.num_stages!r} must be an int >= 1")
+        if self.block_n is not None and not (isinstance(self.block_n, int) and self.block_n >= 0
+                                             and self.block_n % self.block_s == 0):
+            raise ValueError(f"IndexerConfig: block_n {self.block_n!r} must be 0, None or a multiple of block_s")
 
 
 def default_config(t: int, s: int, cache_dtype) -> IndexerConfig:
-    """128-key tiles (FLOAT32_BLOCK_S for a float32 cache), never wider than S; the per-row kernel below
-    ROW_BLOCK_MIN_T rows and for a float32 cache, else picked from the request count (see `indexer_scores_triton`)."""
+    """Decode (the per-row kernels, below ROW_BLOCK_MIN_T rows): the looped kernel over 128-key tiles, 4 warps,
+    2 stages, `block_n` from `loop_block_n`. Prefill and float32 caches as before: 128-key tiles (FLOAT32_BLOCK_S
+    for float32), never wider than S; the row-block kernel picked from the request count (`indexer_scores_triton`)."""
     f32 = jnp.dtype(cache_dtype) == jnp.float32
     block_s = min(FLOAT32_BLOCK_S if f32 else 128, max(16, pl.next_power_of_2(s)))
-    return IndexerConfig(block_s=block_s, block_t=1 if (t < ROW_BLOCK_MIN_T or f32) else None)
+    if f32:
+        return IndexerConfig(block_s=block_s, block_t=1, block_n=0)
+    if t < ROW_BLOCK_MIN_T:
+        return IndexerConfig(block_s=block_s, block_t=1, num_stages=2)
+    return IndexerConfig(block_s=block_s, block_t=None)
+
+
+def loop_block_n(t: int, s: int, block_s: int, programs: int = LOOP_PROGRAMS) -> int:
+    """Keys per program of the looped kernel: the most (a power-of-two number of tiles, at most S) that still
+    gives `programs` programs over the T rows, so a small batch keeps every SM busy and a large one amortises the
+    queries over long runs of keys."""
+    tiles = max(1, -(-s // block_s))
+    per = 1
+    while per * 2 <= tiles and t * -(-tiles // (per * 2)) >= programs:
+        per *= 2
+    return per * block_s
 
 
 def supports(q, weights, k_cache, *_, **__) -> str | None:
@@ -206,9 +284,14 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
     bt_cache = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
 
     def per_row(token_req, kv_lens, q, weights):
+        if cfg.block_n == 0 or f32:
+            return _per_row_call(token_req, kv_lens, q, weights, block_tables, k_cache, n_blk=n_blk, params=params,
+                                 name=name, opts=opts)
+        block_n = min(cfg.block_n or loop_block_n(t, s, block_s), n_blk * block_s)
+        n_prog = -(-s // block_n)
         return pl.pallas_call(
-            functools.partial(_scores_kernel, **opts),
-            grid=(t, n_blk),
+            functools.partial(_scores_loop_kernel, fp8_dot=cfg.fp8_dot, **opts),
+            grid=(t, n_prog),
             in_specs=[
                 pl.BlockSpec((1,), lambda i, j: (i,)),
                 pl.BlockSpec((1,), lambda i, j: (i,)),
@@ -216,11 +299,11 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
                 pl.BlockSpec((None, h_pad), lambda i, j: (i, 0)),
                 *bt_cache,
             ],
-            out_specs=pl.BlockSpec((None, block_s), lambda i, j: (i, j)),
-            out_shape=jax.ShapeDtypeStruct((t, n_blk * block_s), jnp.float32),
+            out_specs=pl.BlockSpec((None, block_n), lambda i, j: (i, j)),
+            out_shape=jax.ShapeDtypeStruct((t, n_prog * block_n), jnp.float32),
             compiler_params=params,
             interpret=interpret,
-            name=name,
+            name=name + "_loop",
         )(token_req, kv_lens, q, weights, block_tables.astype(jnp.int32), k_cache)
 
     def row_block(token_req, kv_lens, q, weights, block_t):
@@ -239,6 +322,28 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
     if (block_tables.shape[0] - 1) * ROW_BLOCK <= t:
         return row_block(*args, ROW_BLOCK)
     return per_row(*args)
+
+
+def _per_row_call(token_req, kv_lens, q, weights, block_tables, k_cache, *, n_blk, params, name, opts):
+    t, h_pad, di = q.shape
+    block_s = opts["block_s"]
+    return pl.pallas_call(
+        functools.partial(_scores_kernel, **opts),
+        grid=(t, n_blk),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j: (i,)),
+            pl.BlockSpec((1,), lambda i, j: (i,)),
+            pl.BlockSpec((None, h_pad, di), lambda i, j: (i, 0, 0)),
+            pl.BlockSpec((None, h_pad), lambda i, j: (i, 0)),
+            pl.BlockSpec(memory_space=pl.ANY),
+            pl.BlockSpec(memory_space=pl.ANY),
+        ],
+        out_specs=pl.BlockSpec((None, block_s), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((t, n_blk * block_s), jnp.float32),
+        compiler_params=params,
+        interpret=opts["interpret"],
+        name=name,
+    )(token_req, kv_lens, q, weights, block_tables.astype(jnp.int32), k_cache)
 
 
 def _row_block_call(token_req, kv_lens, q, weights, block_tables, k_cache, *, block_t, n_blk, params, name, opts):
@@ -273,11 +378,14 @@ def _row_block_call(token_req, kv_lens, q, weights, block_tables, k_cache, *, bl
 
 def indexer_topk_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int, topk: int,
                         return_scores: bool = False, row_chunk: int | None = None, interpret: bool = False,
-                        **kernel_options):
-    """The "triton" impl of `kernels.indexer.indexer_topk`: Pallas Triton scores, then `topk_positions`,
-    `row_chunk` query rows at a time (default: as many rows as keep the float32 scores under SCORE_BUDGET,
-    rounded down to a power of two), so a 32K x 32K prefill never holds [T, S] scores. `kernel_options` go
-    to `indexer_scores_triton` (config, block_s, block_t, num_warps, num_stages)."""
+                        topk_impl: str | None = None, topk_config=None, **kernel_options):
+    """The "triton" impl of `kernels.indexer.indexer_topk`: Pallas Triton scores, then the top-k (`topk_impl`:
+    "select" the select kernel of `kernels.topk_triton` with launch config `topk_config`, "lax" `topk_positions`
+    (`lax.top_k`), None the select kernel wherever it takes the shapes (S <= its MAX_S), else `lax.top_k`; both give
+    the same positions and scores), `row_chunk` query rows at a time (default: as many rows as keep the float32
+    scores under SCORE_BUDGET, rounded down to a power of two), so a 32K x 32K prefill never holds [T, S] scores.
+    `kernel_options` go to `indexer_scores_triton` (config, block_s, block_t, num_warps, num_stages, block_n,
+    fp8_dot)."""
     q, weights = prepare_queries(q, weights, k_cache)
     s = block_tables.shape[1] * block_size
     if row_chunk is None:
@@ -285,11 +393,25 @@ def indexer_topk_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *
         row_chunk = 1 << max(0, (SCORE_BUDGET // max(s, 1)).bit_length() - 1)
     elif not (isinstance(row_chunk, int) and row_chunk >= 1):
         raise ValueError(f"indexer triton: row_chunk {row_chunk!r} must be an int >= 1")
+    select = topk_select_impl(s, topk, topk_impl, interpret)
+    topk_options = {} if topk_config is None or select == "xla" else {"config": topk_config}
 
     def rows(q_, w_, r_, n_):
         sc = indexer_scores_triton(q_, w_, k_cache, r_, n_, block_tables, block_size=block_size,
                                    interpret=interpret, **kernel_options)
-        return topk_positions(sc, n_, topk, width=s)
+        return select_topk(sc, n_, topk, s, impl=select, **topk_options)
 
     pos, val = map_row_chunks(rows, (q, weights, token_req, kv_lens), row_chunk)
     return (pos, val) if return_scores else pos
+
+
+def topk_select_impl(s: int, topk: int, topk_impl: str | None, interpret: bool) -> str:
+    """The "topk" impl (`kernels.indexer.select_topk`) the triton indexer runs over rows of `s` scores: the select
+    kernel ("triton", or "triton_interpret" when `interpret`) for `topk_impl` "select"; "xla" (`lax.top_k`) for
+    "lax" and for None: the select kernel measured no faster than `lax.top_k` on the H200 (BENCHMARKS.md,
+    session 9) and its current form has not been timed there. "select" on shapes it does not take is the
+    registry's ValueError naming the constraint."""
+    if topk_impl not in (None, "select", "lax"):
+        raise ValueError(f"indexer triton: topk_impl {topk_impl!r} must be 'select', 'lax' or None")
+    kernel = "triton_interpret" if interpret else "triton"
+    return kernel if topk_impl == "select" else "xla"

@@ -158,6 +158,7 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: 
     if experts.shape != weights.shape or experts.shape[0] != x.shape[0]:
         raise ValueError(f"moe: experts {experts.shape} and weights {weights.shape} must both be [T={x.shape[0]}, k]")
     fp8 = _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset, nk)
+    impl = registry.resolve("moe", impl)  # "auto" -> the concrete impl, before the branches below read it
     if nk and (mode is not None or impl == "xla"):  # the xla reference: over the stacks swapped back to "kn"
         wg, wu, wd, fp8 = _nk_to_kn(wg, wu, wd, fp8)
         nk = False
@@ -259,3 +260,4 @@ def _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset, nk: bool =
 
 registry.register("moe", "xla", experts_xla)
 registry.register_triton("moe", "kernels.moe_triton:grouped_swiglu")
+registry.register_auto("moe")

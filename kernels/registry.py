@@ -2,7 +2,9 @@
 
 Each op module registers its impls at import: "xla" (the plain-jnp oracle), "triton" (the Pallas Triton
 kernel, compiled natively) and "triton_interpret" (the SAME kernel function run by the Pallas interpreter:
-the registry passes `interpret=True`, nothing else differs); "mosaic" will register the same way. A
+the registry passes `interpret=True`, nothing else differs); an op with a Pallas Mosaic GPU kernel adds
+"mosaic" and "mosaic_interpret" the same way. "auto" is every op's per-shape choice (`register_auto`): a
+function of the op's arguments naming the impl measured fastest for them (the GPU default). A
 kernel impl names its function as "module:function" and is imported on first use, so dispatching to "xla"
 never imports Pallas Triton. Each impl may carry a `supports(*args, **kwargs)` check that returns why it
 cannot take the given shapes/dtypes (None when it can).
@@ -62,6 +64,44 @@ def register_triton(op: str, target: str, *, supports=None) -> None:
     register(op, "triton_interpret", target, supports=supports, interpret=True)
 
 
+def register_mosaic(op: str, target: str, *, supports=None) -> None:
+    """Register `target` as "mosaic" (native Mosaic GPU) and "mosaic_interpret" (the same function, run by the
+    Pallas GPU interpreter)."""
+    register(op, "mosaic", target, supports=supports, interpret=False)
+    register(op, "mosaic_interpret", target, supports=supports, interpret=True)
+
+
+_CHOOSERS: dict[str, Callable[..., str]] = {}  # op -> the "auto" rule; filled by the op modules at import
+
+
+def on_gpu() -> bool:
+    """Whether jax's default backend is a GPU (where the Pallas kernels run natively)."""
+    import jax
+    return jax.default_backend() == "gpu"
+
+
+def register_auto(op: str, choose: Callable[..., str] | None = None) -> None:
+    """Register "auto" for `op`: `choose(*args, **kwargs)` returns the impl to run for these arguments.
+    The default rule: "triton" on a GPU, "xla" elsewhere."""
+    _CHOOSERS[op] = choose or (lambda *a, **k: "triton" if on_gpu() else "xla")
+    register(op, "auto", _auto_placeholder)
+
+
+def _auto_placeholder(*args, **kwargs):  # never called: `resolve` replaces "auto" before a call
+    raise AssertionError("the 'auto' impl is resolved by registry.resolve")
+
+
+def resolve(op: str, impl: str, *args, **kwargs) -> str:
+    """`impl`, or for "auto" the impl that op's rule picks for these arguments (which must be registered)."""
+    if impl != "auto":
+        return impl
+    get(op, impl)
+    chosen = _CHOOSERS[op](*args, **kwargs)
+    if chosen == "auto" or chosen not in impls(op):
+        raise AssertionError(f"{op}: the auto rule chose {chosen!r}, which is not a registered impl")
+    return chosen
+
+
 def ops() -> tuple[str, ...]:
     """Every registered op name."""
     return tuple(_OPS)
@@ -94,5 +134,6 @@ def check(op: str, impl: str, *args, **kwargs) -> Impl:
 
 
 def dispatch(op: str, impl: str, *args, **kwargs):
-    """Run impl `impl` of `op` on the arguments, after `check`."""
+    """Run impl `impl` of `op` on the arguments ("auto": the impl `resolve` picks), after `check`."""
+    impl = resolve(op, impl, *args, **kwargs)
     return check(op, impl, *args, **kwargs).function()(*args, **kwargs)

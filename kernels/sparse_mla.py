@@ -60,15 +60,41 @@ def sparse_mla(q, cache, indices, *, scale: float, kv_lora_rank: int, impl: str 
     """o [T, H, R] float32, lse [T, H] for query rows `q` [T, H, R + Dr] against `cache` (bf16 [slots, R + Dr]
     or fp8_ds_mla uint8 [slots, mla_row_bytes]) at `indices` [T, K] (physical slots, -1 = none).
 
-    impl (`kernels.registry`): "xla" (the oracle, CPU default), "triton" (Pallas Triton, the GPU default),
-    "triton_interpret" (the Triton kernel run by the Pallas interpreter: CPU tests). `kernel_options` go to
-    the kernel (`sparse_mla_triton.sparse_mla_triton`: config, block_h, block_k, n_split, num_warps,
-    num_stages, return_partials); the xla form takes `row_chunk`.
+    impl (`kernels.registry`): "xla" (the oracle, CPU default), "triton" (Pallas Triton), "mosaic" (the
+    warp-specialised Pallas Mosaic GPU kernel: H <= 64, bf16 or fp8_ds_mla), "triton_interpret" /
+    "mosaic_interpret" (those kernels run by the Pallas interpreter: CPU tests), "auto" (the GPU default:
+    `choose_impl`). `kernel_options` go to the kernel (`sparse_mla_triton.sparse_mla_triton`: config, block_h,
+    block_k, n_split, num_warps, num_stages, return_partials; `sparse_mla_mosaic.sparse_mla_mosaic`: config and
+    its fields, return_partials); the xla form takes `row_chunk`.
     """
     return registry.dispatch("sparse_mla", impl, q, cache, indices, scale=scale, kv_lora_rank=kv_lora_rank,
                              **kernel_options)
 
 
+# Query rows from which the Mosaic kernel beats the Triton one, per cache format (BENCHMARKS.md, "Attention
+# kernels, session 9": at 32 rows 81 vs 93 us bf16, 82 vs 156 us fp8; at 128, 203 vs 199 us bf16 (165 vs 241 in
+# another run), 205 vs 386 us fp8; at 1 row both ~xla's time, Triton kept)
+MOSAIC_MIN_ROWS = {"bf16": 32, "fp8_ds_mla": 32}
+
+
+def choose_impl(q, cache, indices, *, scale: float, kv_lora_rank: int, **kernel_options) -> str:
+    """The "auto" rule: the kernel measured fastest for these shapes on the H200 (the xla oracle off the GPU).
+    Kernel options name the Triton kernel's launch, so with any given the Triton kernel runs."""
+    if not registry.on_gpu():
+        return "xla"
+    fmt = "fp8_ds_mla" if cache.dtype == jnp.uint8 else "bf16"
+    if not kernel_options and q.shape[0] >= MOSAIC_MIN_ROWS.get(fmt, 1 << 30):
+        try:
+            registry.check("sparse_mla", "mosaic", q, cache, indices, kv_lora_rank=kv_lora_rank)
+            return "mosaic"
+        except ValueError:
+            pass
+    return "triton"
+
+
 registry.register("sparse_mla", "xla", sparse_mla_xla)
 registry.register_triton("sparse_mla", "kernels.sparse_mla_triton:sparse_mla_triton",
                          supports="kernels.sparse_mla_triton:supports")
+registry.register_auto("sparse_mla", choose_impl)
+registry.register_mosaic("sparse_mla", "kernels.sparse_mla_mosaic:sparse_mla_mosaic",
+                         supports="kernels.sparse_mla_mosaic:supports")

@@ -5,7 +5,10 @@ over the indices [s * K_s, (s + 1) * K_s) of row t (K_s = K / n_split, padded wi
 `block_k` cache rows per step straight from the cache (never a slice of it outside the kernel), with an
 online softmax in float32. Each program writes a partial (o [block_h, R] normalised, lse [block_h]); an
 empty split writes (0, -inf). The partials are combined by `kernels.lse_merge.merge_partials`, the same
-function the DCP merge uses.
+function the DCP merge uses, in a second launch, or (config `merge="kernel"`, for few rows) inside the same
+launch: each program stores its partial to a workspace, passes a CTA barrier, and counts itself in with an
+acq_rel gpu-scope atomic add on a per-(row, head block) counter; the program that sees n_split - 1 merges
+(`_merged_kernel`, `_merged_call`).
 
 Two cache formats: bfloat16 rows [kv R | k_pe Dr] and fp8_ds_mla uint8 rows (kernels/fp8_formats.py:
 R e4m3 in tiles, one float32 scale per tile, Dr bf16 k_pe), dequantised in registers to bf16: e4m3 -> f32,
@@ -86,8 +89,8 @@ def _softmax_finish(m, l):
     return 1.0 / jnp.where(has, l, 1.0), jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
 
 
-def _kernel(idx_ref, q_ref, cache_ref, o_ref, lse_ref, *, scale, r, dr, block_k, split_len, fp8, tile, n_parts,
-            interpret):
+def _attend(idx_ref, q_ref, cache_ref, *, scale, r, dr, block_k, split_len, fp8, tile, n_parts, interpret):
+    """This program's split: (o parts n_parts x [bh, R / n_parts] normalised, lse [bh]), (0, -inf) if empty."""
     block_h = q_ref.shape[0]
     w = r // n_parts
     q_nope = [q_ref[:, pl.ds(g * w, w)] for g in range(n_parts)]
@@ -108,9 +111,59 @@ def _kernel(idx_ref, q_ref, cache_ref, o_ref, lse_ref, *, scale, r, dr, block_k,
     o0 = tuple(jnp.zeros((block_h, w), jnp.float32) for _ in range(n_parts))
     o, m, l = jax.lax.fori_loop(0, split_len // block_k, body, (o0, *_softmax_init(block_h)))
     inv, lse = _softmax_finish(m, l)
+    return [og * inv[:, None] for og in o], lse
+
+
+def _kernel(idx_ref, q_ref, cache_ref, o_ref, lse_ref, **kw):
+    o, lse = _attend(idx_ref, q_ref, cache_ref, **kw)
+    w = o_ref.shape[-1] // len(o)
     lse_ref[...] = lse
-    for g in range(n_parts):
-        o_ref[:, pl.ds(g * w, w)] = o[g] * inv[:, None]
+    for g, og in enumerate(o):
+        o_ref[:, pl.ds(g * w, w)] = og
+
+
+def _merged_kernel(idx_ref, q_ref, cache_ref, _count_in_ref, o_ref, lse_ref, part_o_ref, part_lse_ref, count_ref,
+                   *, n_split, merge_cols, **kw):
+    """One split of one (row, head block), then the merge by its last program (see `_merged_call`)."""
+    o, lse = _attend(idx_ref, q_ref, cache_ref, **kw)
+    interpret = kw["interpret"]
+    bh, r = o_ref.shape
+    w = r // len(o)
+    t, hb, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    heads = pl.ds(hb * bh, bh)
+    part_lse_ref[s, t, heads] = lse
+    for g, og in enumerate(o):
+        part_o_ref[s, t, heads, pl.ds(g * w, w)] = og.astype(part_o_ref.dtype)
+    # release: every thread's partial stores happen before thread 0's acq_rel (gpu scope) increment below
+    # (bar.sync, then the releasing atomic: the CUTLASS semaphore pattern)
+    if not interpret:
+        plgpu.debug_barrier()
+    arrived = plgpu.atomic_add(count_ref, (t, hb), jnp.int32(1))  # old count; acq_rel, gpu scope
+
+    @pl.when(arrived == n_split - 1)
+    def _merge():
+        # acquire: the increment that saw n_split - 1 read-from every other program's release, and its acquire
+        # at gpu scope drops this SM's L1 lines, so the plain loads below see every partial; the bar.sync
+        # orders every thread's loads after thread 0's acquire (Triton broadcasts a scalar atomic's result
+        # through shared memory behind a barrier too; this one does not depend on that). Pallas' ".cg" load
+        # modifier cannot be used: jax 0.11.2's lowering looks it up under the wrong key.
+        # Same math as lse_merge.merge_partials.
+        if not interpret:
+            plgpu.debug_barrier()
+        lse_all = part_lse_ref[:, t, heads]  # [n_split, bh]
+        lse_all = jnp.where(jnp.isnan(lse_all) | (lse_all == jnp.inf), -jnp.inf, lse_all)
+        m = jnp.max(lse_all, axis=0)
+        m = jnp.where(m == -jnp.inf, 0.0, m)
+        wgt = jnp.exp(lse_all - m[None, :])  # exp(-inf) = 0 for empty splits
+        total = jnp.sum(wgt, axis=0)
+        has = total > 0
+        lse_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, total, 1.0)), -jnp.inf)
+        wgt = jnp.where(has[None, :], wgt / jnp.where(has, total, 1.0)[None, :], 0.0)
+        for c in range(r // merge_cols):
+            cols = pl.ds(c * merge_cols, merge_cols)
+            part = part_o_ref[:, t, heads, cols].astype(jnp.float32)  # [n_split, bh, cols]
+            o_ref[:, cols] = jnp.sum(jnp.where(wgt[:, :, None] > 0, wgt[:, :, None] * part, 0.0), axis=0)
+        count_ref[t, hb] = jnp.int32(0)  # back to zero: a counter buffer kept across calls stays valid
 
 
 def _pow2(v) -> bool:
@@ -120,12 +173,21 @@ def _pow2(v) -> bool:
 @dataclasses.dataclass(frozen=True)
 class SparseMLAConfig:
     """Launch config of the sparse MLA kernel: `block_h` heads x `block_k` keys per step (powers of two >= 16),
-    `n_split` programs per (row, head block) over the indices (split-K, merged by LSE), warps, pipeline stages."""
+    `n_split` programs per (row, head block) over the indices (split-K, merged by LSE), warps, pipeline stages.
+
+    `merge` (with n_split > 1): "xla" writes the partials as outputs and merges them after the kernel
+    (`lse_merge.merge_partials`, a second launch); "kernel" merges inside the same launch: each program writes
+    its partial to a workspace and counts itself in with an atomic, and the last program of a (row, head block)
+    merges them (n_split must then be a power of two: the merge loads [n_split, block_h, cols] tiles).
+    `partial_dtype` ("float32" or "bfloat16"): the dtype of the stored partial o (lse stays float32); bfloat16
+    halves the bytes the merge reads, at one more bf16 rounding of o (p is already rounded to bf16)."""
     block_h: int
     block_k: int
     n_split: int
     num_warps: int
     num_stages: int
+    merge: str = "xla"
+    partial_dtype: str = "float32"
 
     def __post_init__(self):
         for name in ("block_h", "block_k"):
@@ -138,6 +200,21 @@ class SparseMLAConfig:
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
                 raise ValueError(f"SparseMLAConfig: {name} {v!r} must be an int >= 1")
+        if self.merge not in ("xla", "kernel"):
+            raise ValueError(f"SparseMLAConfig: merge {self.merge!r} must be 'xla' or 'kernel'")
+        if self.merge == "kernel" and not _pow2(self.n_split):
+            raise ValueError(f"SparseMLAConfig: n_split {self.n_split!r} must be a power of two with merge='kernel'")
+        if self.partial_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"SparseMLAConfig: partial_dtype {self.partial_dtype!r} must be 'float32' or 'bfloat16'")
+
+
+def merge_cols(n_split: int, block_h: int, r: int, budget: int = 16384) -> int:
+    """Latent columns per step of the in-kernel merge: its [n_split, block_h, cols] float32 tile stays within
+    `budget` elements (64 registers a thread at 8 warps), so every partial's load is in flight at once."""
+    cols = r
+    while cols > 16 and n_split * block_h * cols > budget:
+        cols //= 2
+    return cols
 
 
 def default_config(t: int, h: int, k: int, fp8: bool, itemsize: int = 2) -> SparseMLAConfig:
@@ -163,6 +240,21 @@ def default_config(t: int, h: int, k: int, fp8: bool, itemsize: int = 2) -> Spar
         n_split *= 2
     return SparseMLAConfig(block_h=block_h, block_k=block_k, n_split=n_split, num_warps=num_warps,
                            num_stages=num_stages)
+
+
+def one_launch_config(t: int, h: int, k: int, fp8: bool) -> SparseMLAConfig:
+    """A one-launch (`merge="kernel"`) config for few rows: 16-head blocks, 32 keys a step, 4 warps, 2 stages, and
+    splits (a power of two, at most 16) until ~128 programs. From one H200 run (bench_sparse_mla.py, bf16, H=64,
+    cold L2; runs there vary by up to 1.5x): B = 8 81 us and B = 16 75 us against the two-launch default's 113
+    and 151 us; B = 1, 2, 4: 53, 50, 58 us against 47, 35, 51 us (not faster). fp8_ds_mla was slower than
+    the two-launch default at every B but 2. Not wired into `default_config`: the dispatch per shape is the
+    caller's, from measurements. Fewer heads per block mean the merging program reads
+    n_split x 16 heads x R partial floats (<= 512 KB at R = 512)."""
+    n_hb = max(1, -(-h // 16))
+    n_split = 1
+    while t * n_hb * n_split < 128 and n_split < 16 and n_split * 2 * 32 <= k:
+        n_split *= 2
+    return SparseMLAConfig(block_h=16, block_k=32, n_split=n_split, num_warps=4, num_stages=2, merge="kernel")
 
 
 def supports(q, cache, indices, *, kv_lora_rank: int, **_) -> str | None:
@@ -221,26 +313,34 @@ def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, con
     # fp8: one [bk, R] kv tile with 64-head blocks (measured faster at B = 32, 128), one part per scale tile
     # with smaller head blocks (the few-row configs: measured faster at B = 1)
     n_parts = r // tile if fp8 and bh < 64 else 1
-    kernel = functools.partial(_kernel, scale=float(scale), r=r, dr=dr, block_k=bk, split_len=split_len,
-                               fp8=fp8, tile=tile, n_parts=n_parts, interpret=interpret)
+    common = dict(scale=float(scale), r=r, dr=dr, block_k=bk, split_len=split_len, fp8=fp8, tile=tile,
+                  n_parts=n_parts, interpret=interpret)
     n_hb = h_pad // bh
+    part_dtype = jnp.dtype(cfg.partial_dtype) if ns > 1 else jnp.float32
+    name = "sparse_mla_fp8" if fp8 else "sparse_mla_bf16"
+    params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    in_specs = [
+        pl.BlockSpec((None, split_len), lambda i, j, s: (i, s)),
+        pl.BlockSpec((None, bh, d), lambda i, j, s: (i, j, 0)),
+        pl.BlockSpec(memory_space=pl.ANY),
+    ]
+    if cfg.merge == "kernel" and ns > 1 and not return_partials:
+        o, lse = _merged_call(indices, q, cache, common, in_specs, params, name + "_merged", t, n_hb, ns, bh,
+                              h_pad, r, part_dtype)
+        return o[:, :h], lse[:, :h]
     o, lse = pl.pallas_call(
-        kernel,
+        functools.partial(_kernel, **common),
         grid=(t, n_hb, ns),
-        in_specs=[
-            pl.BlockSpec((None, split_len), lambda i, j, s: (i, s)),
-            pl.BlockSpec((None, bh, d), lambda i, j, s: (i, j, 0)),
-            pl.BlockSpec(memory_space=pl.ANY),
-        ],
+        in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, None, bh, r), lambda i, j, s: (s, i, j, 0)),
             pl.BlockSpec((None, None, bh), lambda i, j, s: (s, i, j)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((ns, t, h_pad, r), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((ns, t, h_pad, r), part_dtype),
                    jax.ShapeDtypeStruct((ns, t, h_pad), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        compiler_params=params,
         interpret=interpret,
-        name="sparse_mla_fp8" if fp8 else "sparse_mla_bf16",
+        name=name,
     )(indices, q, cache)
     if return_partials:
         return o[:, :, :h], lse[:, :, :h]
@@ -249,3 +349,37 @@ def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, con
     else:
         o, lse = merge_partials(o, lse, axis=0)
     return o[:, :h], lse[:, :h]
+
+
+def _merged_call(indices, q, cache, common, in_specs, params, name, t, n_hb, ns, bh, h_pad, r, part_dtype):
+    """The one-launch split-K: grid (T, head blocks, n_split) as in the two-launch form, plus a workspace of
+    partials [n_split, T, H, R] / [n_split, T, H] and an int32 arrival counter per (row, head block).
+
+    The counters are a fresh zeros array aliased to an output (XLA fills it with a memset, not a kernel): the
+    jax op is functional, so there is no buffer that outlives a call for the merging program to leave at zero
+    (it resets its counter anyway, so a caller that one day threads a persistent donated counter array can
+    drop the fill). The workspace is an uninitialised output: every cell is written by its program before that
+    program's release, and read only by the merger after its acquire."""
+    counts = jnp.zeros((t, n_hb), jnp.int32)
+    kernel = functools.partial(_merged_kernel, n_split=ns, merge_cols=merge_cols(ns, bh, r), **common)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    o, lse, _, _, _ = pl.pallas_call(
+        kernel,
+        grid=(t, n_hb, ns),
+        in_specs=[*in_specs, any_spec],
+        out_specs=[
+            pl.BlockSpec((None, bh, r), lambda i, j, s: (i, j, 0)),
+            pl.BlockSpec((None, bh), lambda i, j, s: (i, j)),
+            any_spec, any_spec, any_spec,
+        ],
+        out_shape=[jax.ShapeDtypeStruct((t, h_pad, r), jnp.float32),
+                   jax.ShapeDtypeStruct((t, h_pad), jnp.float32),
+                   jax.ShapeDtypeStruct((ns, t, h_pad, r), part_dtype),
+                   jax.ShapeDtypeStruct((ns, t, h_pad), jnp.float32),
+                   jax.ShapeDtypeStruct((t, n_hb), jnp.int32)],
+        input_output_aliases={3: 4},
+        compiler_params=params,
+        interpret=common["interpret"],
+        name=name,
+    )(indices, q, cache, counts)
+    return o, lse

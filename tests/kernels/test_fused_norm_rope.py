@@ -289,9 +289,27 @@ def test_yarn_frequencies_reach_the_kernel(kernel_impl, on_gpu):
 @pytest.mark.parametrize("T,fp8,il,opts", [
     (23, True, True, (("q_rows", 4), ("cache_rows", 2))),
     (40, False, True, (("q_rows", 1), ("cache_rows", 8), ("num_warps", 2))),
+    (23, True, False, (("q_rows", 2), ("cache_rows", 4), ("layout", "interleave"))),
+    (21, False, True, (("q_rows", 1), ("cache_rows", 2), ("layout", "interleave"))),
+    (19, True, True, (("q_rows", 4), ("cache_rows", 1), ("layout", "fused"))),
+    (22, False, False, (("q_rows", 2), ("cache_rows", 8), ("layout", "fused"))),
+    (23, True, True, (("q_rows", 2), ("cache_rows", 1), ("layout", "two_launch"), ("q_warps", 8))),
+    # persistent programs: 3 q programs over 12 blocks, 5 cache programs over 6 blocks (one loops past the end)
+    (23, True, True, (("q_rows", 2), ("cache_rows", 4), ("q_programs", 3), ("cache_programs", 5),
+                      ("num_stages", 2))),
+    (32, False, True, (("q_rows", 4), ("cache_rows", 2), ("q_programs", 4), ("cache_programs", 16),
+                       ("layout", "interleave"))),
+    (17, True, True, (("q_rows", 1), ("cache_rows", 1), ("q_programs", 4), ("cache_programs", 3),
+                      ("layout", "fused"))),
+    (24, False, True, (("q_rows", 2), ("cache_rows", 2), ("q_programs", 4), ("layout", "two_launch"))),
+    # fused with both parts on every program: all loads of a step first (one step, then a loop of 5 steps)
+    (20, True, False, (("q_rows", 2), ("cache_rows", 2), ("layout", "fused"))),
+    (17, False, True, (("q_rows", 1), ("cache_rows", 1), ("q_programs", 4), ("cache_programs", 4),
+                       ("layout", "fused"), ("num_stages", 2))),
 ])
 def test_uneven_row_blocks(kernel_impl, on_gpu, T, fp8, il, opts):
-    """q and cache programs of different row counts, not dividing T, against the oracle."""
+    """Every layout (split, interleave, fused, two_launch), q and cache blocks of different row counts not
+    dividing T, and persistent programs (some looping over blocks past T), against the oracle."""
     kw = make_inputs(T, **TINY, fp8=fp8, seed=T + 100)
     assert_matches_oracle(kw, run_op(kw, kernel_impl, il, None, opts), run_op(kw, "xla", il), R=32, Dr=16, Di=32,
                           exact_scales=not on_gpu)
@@ -408,9 +426,18 @@ def test_donated_caches_update_in_place(kernel_impl, on_gpu):
 
 
 def test_config_and_shapes_are_validated(kernel_impl):
+    C = fnr_triton.FusedNormRopeConfig
     for bad in (0, 3):  # rows per program are tile rows: powers of two (Triton rejects a [3] tile natively)
         with pytest.raises(ValueError, match=f"q_rows {bad} must be a power of two"):
-            fnr_triton.FusedNormRopeConfig(q_rows=bad, cache_rows=1, num_warps=4)
+            C(q_rows=bad, cache_rows=1, num_warps=4)
+    with pytest.raises(ValueError, match="layout 'loop' must be one of"):
+        C(1, 1, 4, layout="loop")
+    with pytest.raises(ValueError, match="q_programs -1 must be an int >= 0"):
+        C(1, 1, 4, q_programs=-1)
+    with pytest.raises(ValueError, match="q_warps is the q launch's warps of layout 'two_launch'"):
+        C(1, 1, 4, q_warps=8)
+    with pytest.raises(ValueError, match="q_warps 3 must be 0 or a power of two"):
+        C(1, 1, 4, layout="two_launch", q_warps=3)
     kw = make_inputs(4, **TINY, fp8=False, seed=2)
     with pytest.raises(ValueError, match=r"unknown options \['mode'\]"):
         fnr.fused_norm_rope_cache(**kw, rope_theta=THETA, impl=kernel_impl, mode="loop")
@@ -444,6 +471,61 @@ def test_lowers_to_triton_at_glm5_dims():
     assert [(c.name, c.grid, c.num_warps) for c in calls] == [("fused_norm_rope_cache", (4096, 1, 1), 4)]
 
 
+@pytest.mark.parametrize("cfg", [
+    fnr_triton.FusedNormRopeConfig(1, 1, 4),
+    fnr_triton.FusedNormRopeConfig(4, 1, 8, q_programs=3, num_stages=2),
+])
+def test_q_norm_alone_is_rms_norm(interpret, on_gpu, cfg):
+    """`q_norm_triton` (the q part as its own launch, for benchmarks and layout two_launch) against float64
+    numpy RMSNorm rounded to bf16."""
+    rng = np.random.default_rng(41)
+    T, Rq = 13, 48  # 48: not a power of two (column mask); 13 rows: partial blocks
+    x = jnp.asarray(rng.standard_normal((T, Rq), np.float32) * 3, jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(Rq, np.float32) * 0.5 + 1, jnp.bfloat16)
+    got = fnr_triton.q_norm_triton(x, w, eps=fnr.QKV_NORM_EPS, config=cfg, interpret=interpret)
+    xf = np.asarray(x, np.float64)
+    want = xf / np.sqrt((xf ** 2).mean(-1, keepdims=True) + fnr.QKV_NORM_EPS) * np.asarray(w, np.float64)
+    np.testing.assert_allclose(_bf16(got), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("Di", [16, 40])
+def test_index_key_without_or_with_masked_pass_through(kernel_impl, on_gpu, Di):
+    """Indexer key widths Di = Dr (no pass-through columns) and Di - Dr = 24 (not a power of two: masked)."""
+    dims = dict(TINY, Di=Di)
+    for fp8 in (False, True):
+        kw = make_inputs(11, **dims, fp8=fp8, seed=Di)
+        for il in (True, False):
+            assert_matches_oracle(kw, run_op(kw, kernel_impl, il), run_op(kw, "xla", il), R=32, Dr=16, Di=Di,
+                                  exact_scales=not on_gpu)
+
+
+@pytest.mark.parametrize("layout", ["split", "interleave", "fused", "two_launch"])
+def test_layouts_lower_to_triton_at_glm5_dims(layout):
+    """Each layout lowers to Triton IR at GLM-5 dims (T = 65536, FP8 caches, persistent q programs) with the
+    grids its schedule says: split q + cache programs, interleave groups of k q + 1 cache, fused max of both,
+    two_launch a q launch then a cache launch."""
+    s = jax.ShapeDtypeStruct
+    T, R, Dr, Di = 65536, 512, 64, 128
+    cfg = fnr_triton.FusedNormRopeConfig(2, 2, 4, num_stages=3, layout=layout, q_programs=1056,
+                                         q_warps=8 if layout == "two_launch" else 0)
+
+    def f(q_c, kv_c, pos, slots, qw, kvw, mla, ik, iw, ib, icache):
+        return fnr_triton.fused_norm_rope_cache_triton(q_c, kv_c, pos, slots, qw, kvw, mla, rope_theta=THETA,
+                                                       index_k=ik, index_norm_w=iw, index_norm_b=ib,
+                                                       index_cache=icache, config=cfg)
+
+    bf = jnp.bfloat16
+    calls = triton_calls(lower_for_gpu(
+        f, s((T, 2048), bf), s((T, R + Dr), bf), s((T,), jnp.int32), s((T,), jnp.int32), s((2048,), bf),
+        s((R,), bf), s((1 << 17, f8.mla_row_bytes(R, Dr)), jnp.uint8), s((T, Di), bf), s((Di,), bf), s((Di,), bf),
+        s((1 << 17, f8.index_row_bytes(Di)), jnp.uint8)))
+    want = {"split": [(1056 + 32768, 4)], "fused": [(32768, 4)],
+            "interleave": [((1 + 1) * 32768, 4)],  # k = 1056 // 32768 -> 1: groups of one q and one cache program
+            "two_launch": [(1056, 8), (32768, 4)]}[layout]
+    assert [(c.grid[0], c.num_warps) for c in calls] == want
+    assert all(c.num_stages == 3 for c in calls)
+
+
 # ------------------------------------------------------------------------------ GPU (native Triton)
 
 @pytest.mark.gpu
@@ -467,6 +549,12 @@ def test_gpu_triton_matches_oracle(kernel_impl, T, cache_dtype):
     (("q_rows", 1), ("cache_rows", 1), ("num_warps", 2)),
     (("q_rows", 2), ("cache_rows", 2), ("num_warps", 4)),
     (("q_rows", 4), ("cache_rows", 1), ("num_warps", 4)),
+    (("q_rows", 1), ("cache_rows", 2), ("num_warps", 4), ("layout", "interleave")),
+    (("q_rows", 2), ("cache_rows", 2), ("num_warps", 4), ("layout", "fused")),
+    (("q_rows", 2), ("cache_rows", 1), ("num_warps", 2), ("layout", "two_launch"), ("q_warps", 8),
+     ("q_programs", 1056), ("num_stages", 3)),
+    (("q_rows", 4), ("cache_rows", 2), ("num_warps", 4), ("layout", "interleave"), ("q_programs", 528),
+     ("cache_programs", 528), ("num_stages", 3)),
 ])
 def test_gpu_launch_variants(kernel_impl, opts):
     for fp8 in (False, True):

@@ -197,11 +197,12 @@ def test_row_block_kernel(case, fp8, on_gpu, interpret):
     q, w, cache, req, n, bt, page = args
     qp, wp = indexer.prepare_queries(q, w, cache)
 
-    def f(block_t):
+    def f(block_t, **opts):
         return np.asarray(jax.jit(functools.partial(indexer_triton.indexer_scores_triton, block_size=page, block_s=32,
-                                                    block_t=block_t, interpret=interpret))(qp, wp, cache, req, n, bt))
+                                                    block_t=block_t, interpret=interpret, **opts))(qp, wp, cache, req,
+                                                                                                  n, bt))
 
-    rows, per_row = f(block_t), f(1)
+    rows, per_row = f(block_t), f(1, block_n=0)  # the one-tile per-row kernel: the same operations per row
     s = pages * page
     assert rows.shape == (len(lens), 96) and np.all(rows[:, s:] == -np.inf)
     if on_gpu:
@@ -260,8 +261,10 @@ def test_config_is_validated_and_options_are_named(kernel_impl):
     with pytest.raises(ValueError, match="block_s 20"):
         indexer_triton.IndexerConfig(block_s=20, block_t=1)
     q, w, cache, req, lens, bt, page = _inputs([3, 5], seed=1)
-    with pytest.raises(ValueError, match=r"unknown options \['topk_impl'\]"):
-        indexer.indexer_topk(q, w, cache, req, lens, bt, block_size=page, topk=4, impl=kernel_impl, topk_impl="xla")
+    with pytest.raises(ValueError, match=r"unknown options \['topk_algo'\]"):
+        indexer.indexer_topk(q, w, cache, req, lens, bt, block_size=page, topk=4, impl=kernel_impl, topk_algo="xla")
+    with pytest.raises(ValueError, match="block_n 48"):
+        indexer_triton.IndexerConfig(block_s=32, block_t=1, block_n=48)
 
 
 def test_shapes_the_kernel_does_not_take_are_refused(kernel_impl):
@@ -277,14 +280,16 @@ def test_shapes_the_kernel_does_not_take_are_refused(kernel_impl):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_lowers_to_triton_at_glm5_dims(fp8):
-    """Decode at B = 32 over 32K keys (page 64): one launch of the per-row kernel, grid (rows, S / 128)."""
+    """Decode at B = 32 over 32K keys (page 64): the looped per-row scores kernel, grid (rows, S / 1024) (8 tiles of
+    128 keys a program, 2 pipeline stages); the top-k is `lax.top_k` by default (the select kernel was not faster
+    on the H200), so one Triton launch."""
     s = jax.ShapeDtypeStruct
     cache = s((32 * 32768, 132), jnp.uint8) if fp8 else s((32 * 32768, 128), jnp.bfloat16)
     f = functools.partial(indexer.indexer_topk, block_size=64, topk=2048, impl="triton")
     calls = triton_calls(lower_for_gpu(f, s((32, 32, 128), jnp.bfloat16), s((32, 32), jnp.float32), cache,
                                        s((32,), jnp.int32), s((32,), jnp.int32), s((32, 512), jnp.int32)))
     assert [(c.name, c.grid, c.num_warps, c.num_stages) for c in calls] == [
-        ("indexer_scores_fp8" if fp8 else "indexer_scores_bf16", (32, 32768 // 128, 1), 4, 1)]
+        ("indexer_scores_fp8_loop" if fp8 else "indexer_scores_bf16_loop", (32, 32768 // 1024, 1), 4, 2)]
 
 
 def test_fp8_queries_reach_the_kernel_as_bits():
@@ -299,19 +304,20 @@ def test_fp8_queries_reach_the_kernel_as_bits():
     widen = [ln for ln in txt.splitlines() if "stablehlo.convert" in ln and "xf8E4M3FN>) ->" in ln]
     assert not widen, widen
     assert "xf8E4M3FN>) -> tensor<8x32x128xui8>" in txt  # the bitcast of the quantised queries
-    assert [(c.name, c.grid) for c in triton_calls(txt)] == [("indexer_scores_fp8", (8, 256 // 128, 1))]
+    assert [(c.name, c.grid) for c in triton_calls(txt)] == [("indexer_scores_fp8_loop", (8, 256 // 128, 1))]
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_row_block_lowers_to_triton_at_prefill_dims(fp8):
     """An 8K-row chunk of a 32K context (H=32, Di=128, page 64, FP8 rows of 132 bytes): both kernels lower, the
-    row-block one (16 rows x 128 keys, both branches unrolled) on grid (T / 16, S / 128), the per-row one on
-    (T, S / 128): the static choice takes the row-block kernel for 8 requests, the per-row one for 8192."""
+    row-block one (16 rows x 128 keys, both branches unrolled) on grid (T / 16, S / 128), the looped per-row one on
+    (T, 1) (a row's 32K keys in one program's loop at T = 8192): the static choice takes the row-block kernel for 8
+    requests, the per-row one for 8192."""
     s = jax.ShapeDtypeStruct
     cache = s((8 * 32768, 132), jnp.uint8) if fp8 else s((8 * 32768, 128), jnp.bfloat16)
     f = functools.partial(indexer_triton.indexer_scores_triton, block_size=64)
     name = "indexer_scores_fp8" if fp8 else "indexer_scores_bf16"
-    for requests, want in ((8, (name + "_rows", (512, 256, 1))), (8192, (name, (8192, 256, 1)))):
+    for requests, want in ((8, (name + "_rows", (512, 256, 1))), (8192, (name + "_loop", (8192, 1, 1)))):
         calls = triton_calls(lower_for_gpu(f, s((8192, 32, 128), jnp.bfloat16), s((8192, 32), jnp.float32), cache,
                                            s((8192,), jnp.int32), s((8192,), jnp.int32),
                                            s((requests, 512), jnp.int32)))

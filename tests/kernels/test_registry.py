@@ -10,6 +10,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -37,19 +38,45 @@ def _calls():
     }
 
 
+MOSAIC_OPS = ("sparse_mla",)  # ops with a Pallas Mosaic GPU kernel
+
+
 def test_every_op_registers_the_same_impls():
+    """Every op takes kernels.IMPLS (so a step can name one impl for all of them); an op with a Mosaic GPU kernel
+    adds "mosaic" and "mosaic_interpret", and nothing else."""
     assert set(OPS) <= set(registry.ops())
     for op in OPS:
-        assert registry.impls(op) == kernels.IMPLS, op
+        extra = ("mosaic", "mosaic_interpret") if op in MOSAIC_OPS else ()
+        assert registry.impls(op) == kernels.IMPLS + extra, op
     assert kernels.default_impl() in kernels.IMPLS
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("bad", ["mosaic", "Triton", "interpret"])
+@pytest.mark.parametrize("bad", ["cuda", "Triton", "interpret"])
 def test_unknown_impl_raises_naming_op_and_impls(op, bad):
     with pytest.raises(ValueError, match=f"{op}: unknown impl '{bad}' \\(available: 'xla', 'triton', "
-                                         "'triton_interpret'\\)"):
+                                         "'triton_interpret', 'auto'"):
         _calls()[op](bad)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_auto_is_the_xla_oracle_off_the_gpu(op):
+    """Off the GPU, "auto" resolves to "xla" for every op, and dispatching it gives the xla result."""
+    assert kernels.default_impl() == "xla"
+    out_auto, out_xla = _calls()[op]("auto"), _calls()[op]("xla")
+    for a, b in zip(jax.tree.leaves(out_auto), jax.tree.leaves(out_xla)):
+        assert jnp.array_equal(a, b), op
+
+
+def test_auto_rule_must_name_a_registered_impl(monkeypatch):
+    monkeypatch.setitem(registry._OPS, "toy", {})
+    registry.register("toy", "xla", lambda x: x)
+    monkeypatch.setitem(registry._CHOOSERS, "toy", lambda x: "fast")
+    registry.register("toy", "auto", registry._auto_placeholder)
+    with pytest.raises(AssertionError, match="toy: the auto rule chose 'fast'"):
+        registry.dispatch("toy", "auto", 1)
+    monkeypatch.setitem(registry._CHOOSERS, "toy", lambda x: "xla")
+    assert registry.dispatch("toy", "auto", 3) == 3
 
 
 def test_unknown_impl_raises_even_when_moe_mode_forces_xla():
@@ -65,8 +92,9 @@ def test_unknown_op_raises():
 
 
 def test_interpret_means_the_same_function_interpreted():
-    for op in OPS:
-        native, interp = registry.get(op, "triton").function(), registry.get(op, "triton_interpret").function()
+    pairs = [(op, "triton") for op in OPS] + [(op, "mosaic") for op in MOSAIC_OPS]
+    for op, kind in pairs:
+        native, interp = registry.get(op, kind).function(), registry.get(op, f"{kind}_interpret").function()
         assert isinstance(native, functools.partial) and isinstance(interp, functools.partial)
         assert native.func is interp.func, op  # the same kernel function
         assert native.keywords == {"interpret": False} and interp.keywords == {"interpret": True}, op

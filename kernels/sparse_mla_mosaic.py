@@ -1,0 +1,625 @@
+"""Pallas Mosaic GPU sparse MLA attention (docs/math.md §5) for the H200: warp-specialised, in the shape of
+FlashMLA's sm90 sparse decode (design: docs/mosaic_sparse_mla.md).
+
+One CTA per (query row t, split s), three warpgroups:
+- warpgroup 2, the producer, gathers the row's selected cache rows 64 at a time into a double-buffered shared
+  memory tile [64, R + Dr] in the (8, 64)-tiled, 128-byte-swizzled form wgmma reads;
+- warpgroups 0 and 1, the consumers, each compute S = q K^T for all 64 (padded) heads (identical work, so their
+  softmax statistics agree without an exchange), run the online softmax in float32 (log2 units) and accumulate
+  P V into their own 256 of the R = 512 latent columns.
+Query heads are padded to 64 (wgmma's M). Slot -1 reads as a zero row and is masked out of the softmax; a row
+with no valid slot gives (0, -inf). Splits write normalised partials merged by `lse_merge.merge_partials`.
+
+Gathering: sm_90 has no TMA row gather, so the producer issues one TMA per (row, 64-column chunk) into a
+swizzle-only view of the K buffer ("tma_rows"). The GPU interpreter (CPU tests) does not alias `RefUnion`
+views, so there the same copies go to the tiled view at a traced row, which it accepts and device lowering
+does not: the one place the two paths differ. The bf16 cache only; fp8_ds_mla goes to the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from . import fp8_formats
+from .lse_merge import merge_partials
+
+HEADS = 64  # wgmma M: query heads per CTA (padded)
+BLOCK_K = 64  # cache rows per tile
+COL_TILE = 64  # bf16 columns per 128-byte swizzle atom row
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicSparseMLAConfig:
+    """Launch config. n_split: CTAs per query row (each a contiguous share of the row's 64-slot tiles; their
+    partials are merged after the launch). consumer_registers / producer_registers: `set_max_registers` of the
+    two consumer warpgroups and the producer (their sum over three warpgroups must stay <= 504)."""
+    n_split: int = 1
+    consumer_registers: int = 232
+    producer_registers: int = 40
+    slot_source: str = "gmem"
+    producer: str = "cp_async"
+    share_p: bool = False
+    diagnostic: str = "none"
+
+    def __post_init__(self):
+        if self.diagnostic not in ("none", "no_mask", "gather_only"):
+            raise ValueError(f"MosaicSparseMLAConfig.diagnostic must be 'none', 'no_mask' or 'gather_only', "
+                             f"got {self.diagnostic!r}")
+        if self.producer not in ("cp_async", "tma"):
+            raise ValueError(f"MosaicSparseMLAConfig.producer must be 'cp_async' or 'tma', got {self.producer!r}")
+        if self.slot_source not in ("gmem", "smem"):
+            raise ValueError(f"MosaicSparseMLAConfig.slot_source must be 'gmem' or 'smem', got {self.slot_source!r}")
+        if self.n_split < 1:
+            raise ValueError(f"MosaicSparseMLAConfig.n_split must be >= 1, got {self.n_split}")
+        if 2 * self.consumer_registers + self.producer_registers > 504:
+            raise ValueError("MosaicSparseMLAConfig: 2 * consumer_registers + producer_registers must be <= 504, got "
+                             f"{self.consumer_registers} and {self.producer_registers}")
+
+
+def default_config(t: int, k: int, fp8: bool = False) -> MosaicSparseMLAConfig:
+    """Split the row's tiles over more CTAs when there are fewer rows than SMs (132 on the H200); the fp8
+    producer holds a tile's loads in registers, so it takes registers from the consumers."""
+    tiles = max(1, -(-k // BLOCK_K))
+    n_split = 1
+    while t * n_split * 2 <= 132 and tiles // (n_split * 2) >= 1:
+        n_split *= 2
+    if fp8:
+        return MosaicSparseMLAConfig(n_split=n_split, consumer_registers=216, producer_registers=72)
+    return MosaicSparseMLAConfig(n_split=n_split)
+
+
+def supports(q, cache, indices, *, kv_lora_rank: int, interpret: bool = False, **_) -> str | None:
+    """Why this kernel cannot take the inputs (None if it can)."""
+    if cache.dtype not in (jnp.bfloat16, jnp.uint8):
+        return f"the Mosaic kernel takes a bf16 or fp8_ds_mla (uint8) cache, got {cache.dtype}"
+    if q.ndim != 3 or q.shape[1] > HEADS:
+        return f"query heads must be <= {HEADS}, got q of shape {q.shape}"
+    width = q.shape[-1]
+    if cache.dtype == jnp.uint8:
+        if interpret:
+            return "the fp8_ds_mla producer is Lane code, which the GPU interpreter cannot run"
+        want = fp8_formats.mla_row_bytes(kv_lora_rank, width - kv_lora_rank)
+        if cache.shape[-1] != want:
+            return f"fp8_ds_mla row of {cache.shape[-1]} bytes != {want}"
+        if (width - kv_lora_rank) * 2 != 8 * 16:
+            return "the fp8 producer copies the rope part as 8 16-byte pieces: rope width must be 64"
+    elif cache.shape[-1] != width:
+        return f"query row width {width} != cache row width {cache.shape[-1]}"
+    if kv_lora_rank % (2 * COL_TILE) or width % COL_TILE or width <= kv_lora_rank:
+        return (f"kv_lora_rank {kv_lora_rank} must be a multiple of {2 * COL_TILE} and the row width {width} a "
+                f"multiple of {COL_TILE} above it")
+    if kv_lora_rank // 2 > 256:
+        return f"kv_lora_rank {kv_lora_rank} > 512: a consumer's half must fit one wgmma (N <= 256)"
+    return None
+
+
+def _kernel(q_ref, cache_ref, idx_ref, o_ref, lse_ref, q_smem, k_view, q_bar, k_ready, k_free, idx_smem, idx_bar,
+            share, p_smem=None, *, scale,
+            r, width, tiles_per_split, config, interpret):
+    t = lax.axis_index("t")
+    split = lax.axis_index("s")
+    wg = lax.axis_index("wg")
+    n_cols = width // COL_TILE
+    half = r // 2
+    tile0 = split * tiles_per_split
+    k_tiled, k_rows = k_view  # the same bytes as [2, 64, width] (tiled + swizzled) and [2, 8, cols, 8, 64]
+
+    if config.share_p:
+        _share_p_consumers(q_ref, idx_ref, o_ref, lse_ref, q_smem, k_tiled, q_bar, k_ready, k_free, share, t, split,
+                           wg, tile0, tiles_per_split, half, scale, config, interpret)
+
+    if not config.share_p:
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(config.consumer_registers, action="increase")
+
+            @pl.when(wg == 0)
+            def _():
+                plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, q_bar)
+            plgpu.barrier_wait(q_bar)
+            m_i = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.zeros((HEADS, half), jnp.float32), plgpu.Layout.WGMMA)
+
+            def load_slots(i):  # the slot ids of tile i, one per S column
+                i = jnp.minimum(i, tiles_per_split - 1)
+                return plgpu.load(idx_ref.at[t, pl.ds((tile0 + i) * BLOCK_K, BLOCK_K)],
+                                  layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+
+            def step(i, carry):
+                acc, m_i, l_i, slots = carry
+                b = lax.rem(i, 2)
+                plgpu.barrier_wait(k_ready.at[b])
+                if config.diagnostic == "gather_only":
+                    plgpu.barrier_arrive(k_free.at[b])
+                    return carry
+                slots_next = load_slots(i + 1) if config.diagnostic == "none" else slots
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, k_tiled.at[b].transpose((1, 0)))
+                    return acc_ref[...]
+                s = pl.run_scoped(qk, plgpu.ACC((HEADS, BLOCK_K), jnp.float32))
+                valid = lax.broadcast_in_dim(slots >= 0, (HEADS, BLOCK_K), [1])
+                s = jnp.where(valid, s * (scale * LOG2E), -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2(m_i - m_use)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                v = k_tiled.at[b, :, pl.ds(wg * half, half)]
+                p16 = p.astype(jnp.bfloat16)
+                if interpret:  # the interpreter runs neither wgmma with A in registers nor run_state on an ACC
+                    p_smem[wg] = p16
+                    plgpu.commit_smem()
+
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem.at[wg], v)
+                        return acc_ref[...]
+                    acc = acc + pl.run_scoped(pv, plgpu.ACC((HEADS, half), jnp.float32))
+                else:
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v)
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(k_free.at[b])
+                return acc, m_new, l_i, slots_next
+
+            if config.diagnostic == "none":
+                slots0 = load_slots(0)
+            else:
+                slots0 = plgpu.layout_cast(jnp.zeros((BLOCK_K,), jnp.int32), plgpu.Layout.WGMMA.reduce(0))
+            acc, m_i, l_i, _ = lax.fori_loop(0, tiles_per_split, step, (acc, m_i, l_i, slots0))
+            has = l_i > 0.0
+            inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
+            o_ref[split, t, :, pl.ds(wg * half, half)] = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+            m_fin = jnp.where(m_i == -jnp.inf, 0.0, m_i)
+            lse = jnp.where(has, (m_fin + jnp.log2(jnp.where(has, l_i, 1.0))) * (1.0 / LOG2E), -jnp.inf)
+
+            @pl.when(wg == 0)
+            def _():
+                lse_ref[split, t, :] = lse
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(config.producer_registers, action="decrease")
+        if cache_ref.dtype == jnp.uint8:
+            _fp8_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, tiles_per_split, r, width)
+        elif config.producer == "cp_async" and not interpret:
+            _cp_async_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, tiles_per_split, width)
+        else:
+            _tma_producer(cache_ref, idx_ref, k_tiled, k_rows, k_ready, k_free, idx_smem, idx_bar, t, tile0,
+                          tiles_per_split, n_cols, config, interpret)
+
+
+def _drain(k_free, tiles_per_split):
+    """Wait for the consumers to release the last two tiles: every phase of `k_free` is observed (the GPU
+    interpreter checks this; on the device the producer just leaves after the consumers)."""
+    for j in range(2):
+        @pl.when(tiles_per_split - 2 + j >= 0)
+        def _():
+            plgpu.barrier_wait(k_free.at[lax.rem(tiles_per_split + j, 2)])
+
+
+def _share_p_consumers(q_ref, idx_ref, o_ref, lse_ref, q_smem, k_tiled, q_bar, k_ready, k_free, share, t, split,
+                       wg, tile0, tiles_per_split, half, scale, config, interpret):
+    """Consumer 0 computes S = q K^T and the online softmax, publishes P (bf16) and the rescale factors in
+    shared memory (`p_ready`), and accumulates its P V half from registers; consumer 1 rescales and
+    accumulates the other half with P read from shared memory, then frees P (`p_free`)."""
+    p_share, stats, p_ready, p_free = share  # stats[0]: alpha of the current tile, stats[1]: the final l
+
+    def load_slots(i):
+        i = jnp.minimum(i, tiles_per_split - 1)
+        return plgpu.load(idx_ref.at[t, pl.ds((tile0 + i) * BLOCK_K, BLOCK_K)],
+                          layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+
+    def pv(acc, a, b, w):
+        v = k_tiled.at[b, :, pl.ds(w * half, half)]
+        if interpret:  # the interpreter runs neither wgmma with A in registers nor run_state on an ACC
+            def f(acc_ref):
+                plgpu.wgmma(acc_ref, p_share if w == 1 or interpret else a, v)
+                return acc_ref[...]
+            return acc + pl.run_scoped(f, plgpu.ACC((HEADS, half), jnp.float32))
+
+        def g(acc_ref):
+            plgpu.wgmma(acc_ref, a, v)
+        return pl.run_state(g)(plgpu.ACC.init(acc))
+
+    def finish(acc, l_i, w):
+        has = l_i > 0.0
+        inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
+        o_ref[split, t, :, pl.ds(w * half, half)] = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+        return has
+
+    acc0 = plgpu.layout_cast(jnp.zeros((HEADS, half), jnp.float32), plgpu.Layout.WGMMA)
+
+    @pl.when(wg == 0)
+    def _leader():
+        plgpu.set_max_registers(config.consumer_registers, action="increase")
+        plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, q_bar)
+        plgpu.barrier_wait(q_bar)
+        m_i = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+
+        def step(i, carry):
+            acc, m_i, l_i, slots = carry
+            b = lax.rem(i, 2)
+            plgpu.barrier_wait(k_ready.at[b])
+            slots_next = load_slots(i + 1)
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_tiled.at[b].transpose((1, 0)))
+                return acc_ref[...]
+            s = pl.run_scoped(qk, plgpu.ACC((HEADS, BLOCK_K), jnp.float32))
+            valid = lax.broadcast_in_dim(slots >= 0, (HEADS, BLOCK_K), [1])
+            s = jnp.where(valid, s * (scale * LOG2E), -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m_i - m_use)
+            p16 = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0])).astype(jnp.bfloat16)
+            l_i = l_i * alpha + p16.astype(jnp.float32).sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+            @pl.when(i >= 1)
+            def _():
+                plgpu.barrier_wait(p_free)
+            p_share[...] = p16
+            stats[0] = alpha
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(p_ready)
+            acc = pv(acc, p16, b, 0)
+            plgpu.barrier_arrive(k_free.at[b])
+            return acc, m_new, l_i, slots_next
+
+        acc, m_i, l_i, _ = lax.fori_loop(0, tiles_per_split, step, (acc0, m_i, l_i, load_slots(0)))
+        plgpu.barrier_wait(p_free)  # consumer 1 is done with the last P before stats[1] is written
+        stats[1] = l_i
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(p_ready)
+        has = finish(acc, l_i, 0)
+        m_fin = jnp.where(m_i == -jnp.inf, 0.0, m_i)
+        lse_ref[split, t, :] = jnp.where(has, (m_fin + jnp.log2(jnp.where(has, l_i, 1.0))) * (1.0 / LOG2E),
+                                         -jnp.inf)
+
+    @pl.when(wg == 1)
+    def _follower():
+        plgpu.set_max_registers(config.consumer_registers, action="increase")
+
+        def step(i, acc):
+            b = lax.rem(i, 2)
+            plgpu.barrier_wait(k_ready.at[b])
+            plgpu.barrier_wait(p_ready)
+            alpha = plgpu.load(stats.at[0], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            acc = pv(acc, p_share, b, 1)
+            plgpu.barrier_arrive(p_free)
+            plgpu.barrier_arrive(k_free.at[b])
+            return acc
+
+        acc = lax.fori_loop(0, tiles_per_split, step, acc0)
+        plgpu.barrier_wait(p_ready)
+        finish(acc, plgpu.load(stats.at[1], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False), 1)
+
+
+def _tma_producer(cache_ref, idx_ref, k_tiled, k_rows, k_ready, k_free, idx_smem, idx_bar, t, tile0,
+                  tiles_per_split, n_cols, config, interpret):
+    """One TMA per (row, 64-column chunk): 9 x 64 single-thread issues per tile, each arriving on `k_ready`."""
+    def fill(i, _):
+        b = lax.rem(i, 2)
+
+        @pl.when(i >= 2)
+        def _():
+            plgpu.barrier_wait(k_free.at[b])
+        base = (tile0 + i) * BLOCK_K
+        if config.slot_source == "smem":
+            plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds(base, BLOCK_K)], idx_smem.at[b], idx_bar.at[b])
+            plgpu.barrier_wait(idx_bar.at[b])
+
+        def row(j, _):
+            slot = idx_smem[b, j] if config.slot_source == "smem" else idx_ref[t, base + j]
+            for c in range(n_cols):
+                src = cache_ref.at[pl.ds(slot, 1), pl.ds(c * COL_TILE, COL_TILE)]
+                if interpret:
+                    dst = k_tiled.at[b, pl.ds(j, 1), pl.ds(c * COL_TILE, COL_TILE)]
+                else:
+                    dst = k_rows.at[b, j // 8, c, pl.ds(lax.rem(j, 8), 1), :]
+                plgpu.copy_gmem_to_smem(src, dst, k_ready.at[b])  # slot -1: out of bounds, reads zeros
+            return None
+        lax.fori_loop(0, BLOCK_K, row, None)
+        return None
+    lax.fori_loop(0, tiles_per_split, fill, None)
+
+
+def _cp_async_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, tiles_per_split, width):
+    """Each of the 128 producer threads copies 16-byte pieces with cp.async straight into the swizzled tile:
+    8 threads per row (128 contiguous bytes per warp quarter), 4 rows and width / 64 column tiles per thread.
+    Completion: each thread waits for its own copies (cp.async.wait_group, one tile in flight beside the
+    one being filled), fences them for the tensor cores (commit_smem) and arrives on `k_ready`."""
+    gather = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(),
+                                          plgpu.RefType((plgpu.TilingTransform((8, COL_TILE)),
+                                                         plgpu.SwizzleTransform(128))),
+                                          plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))(
+        functools.partial(_issue_row_copies, width=width))
+
+    def wait(pending):
+        plgpu.inline_mgpu()(lambda ctx: _ptx(f"cp.async.wait_group {pending};"))()
+
+    def fill(i, _):
+        b = lax.rem(i, 2)
+
+        @pl.when(i >= 2)
+        def _():
+            plgpu.barrier_wait(k_free.at[b])
+        gather(cache_ref, idx_ref, k_tiled, t, (tile0 + i) * BLOCK_K, b)
+
+        @pl.when(i >= 1)
+        def _():
+            wait(1)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(k_ready.at[1 - b])
+        return None
+    lax.fori_loop(0, tiles_per_split, fill, None)
+    wait(0)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(k_ready.at[lax.rem(tiles_per_split - 1, 2)])
+    _drain(k_free, tiles_per_split)
+
+
+def _fp8_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, tiles_per_split, r, width):
+    """fp8_ds_mla rows dequantised into the bf16 tile: each thread loads 16-byte pieces of e4m3 (4 rows x
+    R / 128 pieces), converts them exactly (e4m3 -> f16 -> f32, x the piece's f32 tile scale, one rounding to
+    bf16) and stores them at their swizzled place; the bf16 rope part goes by cp.async. One tile at a time: the
+    loads are synchronous, so the next tile's loads wait for this tile's conversion."""
+    gather = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(),
+                                          plgpu.RefType((plgpu.TilingTransform((8, COL_TILE)),
+                                                         plgpu.SwizzleTransform(128))),
+                                          plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))(
+        functools.partial(_issue_fp8_rows, r=r, width=width))
+
+    def fill(i, _):
+        b = lax.rem(i, 2)
+
+        @pl.when(i >= 2)
+        def _():
+            plgpu.barrier_wait(k_free.at[b])
+        gather(cache_ref, idx_ref, k_tiled, t, (tile0 + i) * BLOCK_K, b)
+        plgpu.inline_mgpu()(lambda ctx: _ptx("cp.async.wait_group 0;"))()
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(k_ready.at[b])
+        return None
+    lax.fori_loop(0, tiles_per_split, fill, None)
+    _drain(k_free, tiles_per_split)
+
+
+_E4M3X4_TO_BF16 = """{
+.reg .b16 lo, hi;
+.reg .b32 h01, h23;
+.reg .f16 f0, f1, f2, f3;
+.reg .f32 x0, x1, x2, x3;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 h01, lo;
+cvt.rn.f16x2.e4m3x2 h23, hi;
+mov.b32 {f0, f1}, h01;
+mov.b32 {f2, f3}, h23;
+cvt.f32.f16 x0, f0;
+cvt.f32.f16 x1, f1;
+cvt.f32.f16 x2, f2;
+cvt.f32.f16 x3, f3;
+mul.rn.f32 x0, x0, $3;
+mul.rn.f32 x1, x1, $3;
+mul.rn.f32 x2, x2, $3;
+mul.rn.f32 x3, x3, $3;
+cvt.rn.bf16x2.f32 $0, x1, x0;
+cvt.rn.bf16x2.f32 $1, x3, x2;
+}"""  # 4 e4m3 bytes (little-endian word) x an f32 scale -> 2 words of bf16 pairs, in memory order
+
+
+def _issue_fp8_rows(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, *, r, width):
+    """Lane code (inline_mgpu): this thread's share of tile `b` from fp8_ds_mla rows idx[t, base:base + 64].
+    Thread (row0 = tid // 8, lane8 = tid % 8) takes rows row0 + 16 k and the 16-value pieces lane8 + 8 j of the
+    latent (R / 128 per row) plus rope piece lane8. Slot -1: zeros (the latent by select, the rope by a
+    0-byte cp.async source)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    del ctx
+    i8 = ir.IntegerType.get_signless(8)
+    i32 = ir.IntegerType.get_signless(32)
+    i64 = ir.IntegerType.get_signless(64)
+    f32 = ir.F32Type.get()
+    index = ir.IndexType.get()
+
+    def c(v):
+        return arith.constant(i32, v)
+    tile = fp8_formats.mla_tile(r)
+    row_bytes = fp8_formats.mla_row_bytes(r, width - r)
+    scale_off, pe_off = r, r + 4 * fp8_formats.mla_num_tiles(r)
+    n_cols = width // COL_TILE
+    tile_bytes = BLOCK_K * 2 * width
+    t = t_fa.registers.item()
+    base = base_fa.registers.item()
+    b = b_fa.registers.item()
+    tid = arith.remui(mgpu_utils.thread_idx(), c(128))
+    lane8 = arith.remui(tid, c(8))
+    row0 = arith.divui(tid, c(8))
+    cache_ptr = mgpu_utils.memref_ptr(cache)
+    k_ptr = mgpu_utils.memref_ptr(k_smem)
+    zero = c(0)
+    rows = []
+    for rep in range(BLOCK_K // 16):  # issue every load of the tile first: they are in flight together
+        row = arith.addi(row0, c(16 * rep))
+        slot = memref.load(idx, [arith.index_cast(index, t), arith.index_cast(index, arith.addi(base, row))])
+        valid = arith.cmpi(arith.CmpIPredicate.sge, slot, zero)
+        slot = arith.select(valid, slot, zero)
+        row_ptr = mgpu_utils.getelementptr(cache_ptr, [arith.muli(arith.extui(i64, slot),
+                                                                  arith.constant(i64, row_bytes))], i8)
+        r_in = arith.remui(row, c(8))
+        row_dst = arith.addi(arith.muli(b, c(tile_bytes)),
+                             arith.addi(arith.muli(arith.divui(row, c(8)), c(n_cols * 1024)), arith.muli(r_in, c(128))))
+        pieces = []
+        for j in range(r // 128):
+            piece = arith.addi(lane8, c(8 * j))  # 16 e4m3 values: columns 16 piece .. 16 piece + 15
+            src = mgpu_utils.getelementptr(row_ptr, [arith.extui(i64, arith.muli(piece, c(16)))], i8)
+            words = mgpu_utils.inline_ptx("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", src,
+                                          result_types=[i32] * 4)
+            scale_src = mgpu_utils.getelementptr(
+                row_ptr, [arith.extui(i64, arith.addi(c(scale_off), arith.muli(arith.divui(
+                    arith.muli(piece, c(16)), c(tile)), c(4))))], i8)
+            scale = mgpu_utils.inline_ptx("ld.global.nc.f32 $0, [$1];", scale_src, result_types=f32)
+            pieces.append((piece, words, scale))
+        pe_src = mgpu_utils.getelementptr(row_ptr, [arith.extui(i64, arith.addi(c(pe_off), arith.muli(lane8, c(16))))],
+                                          i8)
+        pe_dst = mgpu_utils.getelementptr(k_ptr, [arith.addi(arith.addi(row_dst, c((n_cols - 1) * 1024)),
+                                                             arith.muli(arith.xori(lane8, r_in), c(16)))], i8)
+        mgpu_utils.inline_ptx("cp.async.cg.shared.global [$0], [$1], 16, $2;", pe_dst, pe_src,
+                              arith.select(valid, c(16), zero), has_side_effects=True)
+        rows.append((valid, row_dst, r_in, pieces))
+    mgpu_utils.inline_ptx("cp.async.commit_group;", has_side_effects=True)
+    for valid, row_dst, r_in, pieces in rows:
+        for piece, words, scale in pieces:
+            out = []
+            for w in words:
+                out.extend(mgpu_utils.inline_ptx(_E4M3X4_TO_BF16, w, scale, result_types=[i32, i32]))
+            out = [arith.select(valid, v, zero) for v in out]
+            # columns 16 piece.. land in column tile piece // 4, 16-byte chunks 2 (piece % 4) and + 1 of the row
+            col_tile = arith.divui(piece, c(4))
+            chunk = arith.muli(arith.remui(piece, c(4)), c(2))
+            for half in range(2):
+                off = arith.addi(arith.addi(row_dst, arith.muli(col_tile, c(1024))),
+                                 arith.muli(arith.xori(arith.addi(chunk, c(half)), r_in), c(16)))
+                dst = mgpu_utils.getelementptr(k_ptr, [off], i8)
+                mgpu_utils.inline_ptx("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", dst, *out[4 * half:4 * half + 4],
+                                      has_side_effects=True)
+
+
+def _ptx(text):
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    mgpu_utils.inline_ptx(text, has_side_effects=True)
+
+
+def _issue_row_copies(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, *, width):
+    """Lane code (inline_mgpu): issue this thread's cp.async copies of tile `b` (rows idx[t, base:base + 64])
+    and commit them as one group. Slot -1 copies 0 source bytes (cp.async zero-fills the 16 bytes)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    del ctx
+    i8 = ir.IntegerType.get_signless(8)
+    i32 = ir.IntegerType.get_signless(32)
+    index = ir.IndexType.get()
+
+    def c(v):
+        return arith.constant(i32, v)
+    t = t_fa.registers.item()
+    base = base_fa.registers.item()
+    b = b_fa.registers.item()
+    tid = arith.remui(mgpu_utils.thread_idx(), c(128))
+    lane8 = arith.remui(tid, c(8))
+    row0 = arith.divui(tid, c(8))
+    n_cols = width // COL_TILE
+    row_bytes = 2 * width
+    cache_ptr = mgpu_utils.memref_ptr(cache)
+    k_ptr = mgpu_utils.memref_ptr(k_smem)
+    tile_bytes = BLOCK_K * row_bytes
+    for rep in range(BLOCK_K // 16):
+        r = arith.addi(row0, c(16 * rep))
+        slot = memref.load(idx, [arith.index_cast(index, t), arith.index_cast(index, arith.addi(base, r))])
+        valid = arith.cmpi(arith.CmpIPredicate.sge, slot, c(0))
+        slot = arith.select(valid, slot, c(0))
+        src_size = arith.select(valid, c(16), c(0))
+        src_off = arith.addi(arith.muli(arith.extui(ir.IntegerType.get_signless(64), slot),
+                                        arith.constant(ir.IntegerType.get_signless(64), row_bytes)),
+                             arith.extui(ir.IntegerType.get_signless(64), arith.muli(lane8, c(16))))
+        src = mgpu_utils.getelementptr(cache_ptr, [src_off], i8)
+        r_in = arith.remui(r, c(8))
+        dst_off = arith.addi(
+            arith.addi(arith.muli(b, c(tile_bytes)), arith.muli(arith.divui(r, c(8)), c(n_cols * 1024))),
+            arith.addi(arith.muli(r_in, c(128)), arith.muli(arith.xori(lane8, r_in), c(16))))
+        dst = mgpu_utils.getelementptr(k_ptr, [dst_off], i8)
+        for col in range(n_cols):
+            s_ptr = mgpu_utils.getelementptr(src, [128 * col], i8)
+            d_ptr = mgpu_utils.getelementptr(dst, [1024 * col], i8)
+            mgpu_utils.inline_ptx("cp.async.cg.shared.global [$0], [$1], 16, $2;", d_ptr, s_ptr, src_size,
+                                  has_side_effects=True)
+    del llvm
+    mgpu_utils.inline_ptx("cp.async.commit_group;", has_side_effects=True)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "config", "interpret", "return_partials"))
+def _run(q, cache, indices, *, scale, kv_lora_rank, config, interpret, return_partials):
+    t_rows, h, width = q.shape
+    k = indices.shape[1]
+    n_split = config.n_split
+    tiles = -(-k // BLOCK_K)
+    tiles_per_split = -(-tiles // n_split)
+    k_pad = tiles_per_split * n_split * BLOCK_K
+    indices = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, k_pad - k)), constant_values=-1)
+    q = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, HEADS - h), (0, 0)))
+    r = kv_lora_rank
+    n_cols = width // COL_TILE
+    tiling = plgpu.TilingTransform((8, COL_TILE))
+    swizzle = plgpu.SwizzleTransform(128)
+    k_tiled = plgpu.SMEM((2, BLOCK_K, width), jnp.bfloat16, transforms=(tiling, swizzle))
+    k_rows = plgpu.SMEM((2, BLOCK_K // 8, n_cols, 8, COL_TILE), jnp.bfloat16, transforms=(swizzle,))
+    k_view = (k_tiled, k_rows) if interpret else plgpu.RefUnion(k_tiled, k_rows)
+    cp_async = config.producer == "cp_async" and not interpret
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, scale=scale, r=r, width=width,
+                          tiles_per_split=tiles_per_split, config=config, interpret=interpret),
+        out_type=(jax.ShapeDtypeStruct((n_split, t_rows, HEADS, r), jnp.float32),
+                  jax.ShapeDtypeStruct((n_split, t_rows, HEADS), jnp.float32)),
+        scratch_types=(
+            plgpu.SMEM((HEADS, width), jnp.bfloat16, transforms=(tiling, swizzle)),
+            k_view,
+            plgpu.Barrier(num_arrivals=1),
+            plgpu.Barrier(num_arrivals=1 if cp_async else BLOCK_K * n_cols, num_barriers=2),
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),
+            plgpu.SMEM((2, BLOCK_K), jnp.int32),
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),
+            (plgpu.SMEM((HEADS, BLOCK_K), jnp.bfloat16, transforms=(tiling, swizzle)),
+             plgpu.SMEM((2, HEADS), jnp.float32), plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1))
+            if config.share_p else None,
+        ) + ((plgpu.SMEM((2, HEADS, BLOCK_K), jnp.bfloat16, transforms=(tiling, swizzle)),) if interpret else ()),
+        grid=(t_rows, n_split),
+        grid_names=("t", "s"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    o, lse = kernel(q, cache, indices)
+    o, lse = o[:, :, :h], lse[:, :, :h]
+    if return_partials:
+        return o, lse
+    if n_split == 1:
+        return o[0], lse[0]
+    return merge_partials(o, lse, axis=0)
+
+
+def sparse_mla_mosaic(q, cache, indices, *, scale: float, kv_lora_rank: int,
+                      config: MosaicSparseMLAConfig | None = None, interpret: bool = False,
+                      return_partials: bool = False, **overrides):
+    """o [T, H, R] float32, lse [T, H] (natural log) of `q` [T, H, R + Dr] against the bf16 `cache`
+    [slots, R + Dr] at `indices` [T, K] (-1 = none), by the warp-specialised Mosaic GPU kernel.
+
+    config: a `MosaicSparseMLAConfig` (default: `default_config(T, K)`); `overrides` replace its fields.
+    interpret: run the same kernel in Pallas' GPU interpreter (CPU). return_partials: the per-split
+    (o [n_split, T, H, R], lse [n_split, T, H]) instead of their merge."""
+    why = supports(q, cache, indices, kv_lora_rank=kv_lora_rank, interpret=interpret)
+    if why:
+        raise ValueError(f"sparse_mla_mosaic: {why}")
+    if indices.shape[0] != q.shape[0]:
+        raise ValueError(f"sparse_mla_mosaic: indices rows {indices.shape[0]} != query rows {q.shape[0]}")
+    config = config or default_config(q.shape[0], indices.shape[1], cache.dtype == jnp.uint8)
+    if overrides:
+        config = dataclasses.replace(config, **overrides)
+    return _run(q, cache, indices, scale=float(scale), kv_lora_rank=int(kv_lora_rank), config=config,
+                interpret=bool(interpret), return_partials=bool(return_partials))

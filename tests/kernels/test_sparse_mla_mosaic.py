@@ -1,0 +1,142 @@
+"""The Pallas Mosaic GPU sparse MLA kernel (kernels/sparse_mla_mosaic.py) against float64 numpy and the xla oracle.
+
+On CPU the kernel runs in Pallas' GPU interpreter (the TMA producer; the cp.async and fp8 producers are Lane code,
+which only the GPU runs) at a small latent (R = 128); on the GPU (marker `gpu`) natively at GLM-5 dims for both
+caches and both bf16 producers. Also: the launch config's validation, the shapes the kernel refuses, and the
+"auto" rule that picks it."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import fp8_formats, registry, sparse_mla, sparse_mla_mosaic
+from test_sparse_mla import np_attention
+
+R_SMALL, DR = 128, 64
+
+
+def _inputs(t, h, k, n, *, seed, r=R_SMALL, fp8=False):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(t, h, r + DR)).astype(np.float32)
+    c = rng.normal(size=(n, r + DR)).astype(np.float32) * rng.uniform(0.5, 2.0, size=(n, 1)).astype(np.float32)
+    idx = rng.integers(0, n, size=(t, k)).astype(np.int32)
+    idx[rng.uniform(size=(t, k)) < 0.2] = -1
+    idx[0] = -1  # no valid index: (0, -inf)
+    if t > 1:
+        idx[1, :9] = idx[1, 0] if idx[1, 0] >= 0 else 3  # duplicates count twice
+    if t > 2:
+        idx[2, 1:] = -1  # one valid index
+        idx[2, 0] = 5
+    q = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32))  # the values the kernel sees
+    if fp8:
+        cache = fp8_formats.quantize_mla_rows(jnp.asarray(c[:, :r]), jnp.asarray(c[:, r:]))
+    else:
+        cache = jnp.asarray(c, jnp.bfloat16)
+    return q, cache, idx
+
+
+def _run(impl, q, cache, idx, *, r, **kw):
+    f = functools.partial(sparse_mla.sparse_mla, scale=0.0625, kv_lora_rank=r, impl=impl, **kw)
+    o, lse = jax.jit(f)(jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(idx))
+    return np.asarray(o), np.asarray(lse)
+
+
+def _check_against_numpy(o, lse, q, cache_f32, idx, r, tol=2e-2):
+    o_ref, lse_ref = np_attention(q, cache_f32, idx, 0.0625, r)
+    assert not np.isnan(o).any() and not np.isnan(lse).any()
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+    assert np.all(o[np.isneginf(lse_ref)] == 0)
+    fin = np.isfinite(lse_ref)
+    np.testing.assert_allclose(lse[fin], lse_ref[fin], atol=tol, rtol=tol)
+    rel = np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref)
+    assert rel < tol, rel
+
+
+SCHEDULES = {"plain": {}, "share_p": {"share_p": True}}
+
+
+@pytest.mark.parametrize("t,h,k,n_split,schedule", [(3, 4, 64, 1, "plain"), (3, 16, 200, 2, "plain"),
+                                                    (4, 64, 128, 2, "plain"), (2, 1, 70, 3, "plain"),
+                                                    (3, 8, 128, 1, "share_p"), (3, 16, 200, 2, "share_p")])
+def test_interpreted_matches_numpy(t, h, k, n_split, schedule):
+    """Heads padded to 64, K padded to whole 64-slot tiles (and to the splits), -1 slots, duplicates, an empty
+    row and a row whose only slot falls in one split (the other splits' partials are the merge identity); both
+    K buffers in use. (At most 2 tiles per split: with more, the interpreter's barrier bookkeeping rejects the
+    producer's waits; the GPU tests below run 32 tiles per CTA.)"""
+    q, cache, idx = _inputs(t, h, k, 300, seed=t * h + k)
+    o, lse = _run("mosaic_interpret", q, cache, idx, r=R_SMALL, n_split=n_split, **SCHEDULES[schedule])
+    assert o.shape == (t, h, R_SMALL) and lse.shape == (t, h) and o.dtype == np.float32
+    _check_against_numpy(o, lse, q, np.asarray(cache.astype(jnp.float32)), idx, R_SMALL)
+
+
+def test_interpreted_partials_merge_to_the_whole():
+    q, cache, idx = _inputs(3, 8, 128, 200, seed=5)
+    kw = dict(scale=0.0625, kv_lora_rank=R_SMALL, interpret=True, n_split=2)
+    o_s, lse_s = sparse_mla_mosaic.sparse_mla_mosaic(jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(idx),
+                                                     return_partials=True, **kw)
+    assert o_s.shape == (2, 3, 8, R_SMALL) and lse_s.shape == (2, 3, 8)
+    whole = [_run("xla", q, cache, idx[:, s], r=R_SMALL) for s in (slice(0, 64), slice(64, 128))]
+    for i in range(2):  # split i attends exactly its own 64 slots
+        np.testing.assert_allclose(np.asarray(lse_s[i]), whole[i][1], atol=2e-2)
+        np.testing.assert_allclose(np.asarray(o_s[i]), whole[i][0], atol=3e-2)
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="n_split must be >= 1"):
+        sparse_mla_mosaic.MosaicSparseMLAConfig(n_split=0)
+    with pytest.raises(ValueError, match="must be <= 504"):
+        sparse_mla_mosaic.MosaicSparseMLAConfig(consumer_registers=240, producer_registers=40)
+    with pytest.raises(ValueError, match="producer must be 'cp_async' or 'tma'"):
+        sparse_mla_mosaic.MosaicSparseMLAConfig(producer="ldg")
+    assert sparse_mla_mosaic.default_config(1, 2048).n_split == 32  # B = 1: the row's 32 tiles over 32 CTAs
+    assert sparse_mla_mosaic.default_config(128, 2048).n_split == 1
+
+
+def test_shapes_the_kernel_does_not_take_are_refused():
+    z = jnp.zeros
+    q = z((2, 4, 192), jnp.bfloat16)
+    with pytest.raises(ValueError, match="impl 'mosaic' does not support these inputs: query heads must be <= 64"):
+        sparse_mla.sparse_mla(z((2, 65, 192), jnp.bfloat16), z((8, 192), jnp.bfloat16), z((2, 4), jnp.int32),
+                              scale=0.1, kv_lora_rank=128, impl="mosaic")
+    with pytest.raises(ValueError, match="kv_lora_rank 96 must be a multiple of 128"):
+        sparse_mla.sparse_mla(z((2, 4, 160), jnp.bfloat16), z((8, 160), jnp.bfloat16), z((2, 4), jnp.int32),
+                              scale=0.1, kv_lora_rank=96, impl="mosaic")
+    with pytest.raises(ValueError, match="bf16 or fp8_ds_mla"):
+        sparse_mla.sparse_mla(q.astype(jnp.float32), z((8, 192), jnp.float32), z((2, 4), jnp.int32), scale=0.1,
+                              kv_lora_rank=128, impl="mosaic")
+    with pytest.raises(ValueError, match="GPU interpreter cannot run"):
+        sparse_mla_mosaic.sparse_mla_mosaic(q, z((8, 128 + 4 + 128), jnp.uint8), z((2, 4), jnp.int32), scale=0.1,
+                                            kv_lora_rank=128, interpret=True)
+
+
+def test_auto_rule_picks_registered_impls():
+    """The "auto" rule names an impl that takes the inputs: the Mosaic kernel only where it supports them."""
+    z = jnp.zeros
+    args = (z((32, 64, 576), jnp.bfloat16), z((8, 576), jnp.bfloat16), z((32, 2048), jnp.int32))
+    chosen = registry.resolve("sparse_mla", "auto", *args, scale=0.1, kv_lora_rank=512)
+    assert chosen in registry.impls("sparse_mla") and chosen != "auto"
+    wide = (z((4, 128, 576), jnp.bfloat16), z((8, 576), jnp.bfloat16), z((4, 2048), jnp.int32))
+    assert registry.resolve("sparse_mla", "auto", *wide, scale=0.1, kv_lora_rank=512) != "mosaic"
+    assert registry.resolve("sparse_mla", "auto", *wide, scale=0.1, kv_lora_rank=512) == (
+        "triton" if registry.on_gpu() else "xla")
+
+
+# ------------------------------------------------------------------------------ GPU (native Mosaic GPU)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8,producer", [(False, "cp_async"), (False, "tma"), (True, "cp_async")])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("t,h,k", [(1, 64, 2048), (32, 64, 2048), (128, 64, 2048), (33, 16, 2000)])
+def test_gpu_glm5_shapes(t, h, k, fp8, producer, schedule):
+    """fp8_ds_mla has one producer (its Lane code dequantises as it gathers)."""
+    q, cache, idx = _inputs(t, h, k, 200_000, seed=t + h, r=512, fp8=fp8)
+    o, lse = _run("mosaic", q, cache, idx, r=512, producer=producer, **SCHEDULES[schedule])
+    if fp8:  # the oracle over the exactly dequantised rows, rounded to bf16 as the kernel's tiles are
+        kv, pe = fp8_formats.dequantize_mla_rows(cache, 512, DR)
+        cache_f32 = np.asarray(jnp.concatenate([kv.astype(jnp.bfloat16), pe], -1).astype(jnp.float32))
+    else:
+        cache_f32 = np.asarray(cache.astype(jnp.float32))
+    _check_against_numpy(o, lse, q, cache_f32, idx, 512)
