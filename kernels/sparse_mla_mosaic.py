@@ -102,6 +102,28 @@ def supports(q, cache, indices, *, kv_lora_rank: int, interpret: bool = False, *
     return None
 
 
+def _load_slots(idx_ref, t, tile0, tiles_per_split, i):
+    """The slot ids of tile i (clamped to the split's last tile: the prefetch past it), one per S column."""
+    i = jnp.minimum(i, tiles_per_split - 1)
+    return plgpu.load(idx_ref.at[t, pl.ds((tile0 + i) * BLOCK_K, BLOCK_K)],
+                      layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+
+
+def _scores_softmax(q_smem, k_tile, slots, m_i, scale):
+    """S = q K^T of one tile, -inf at slot -1, and the online softmax step in log2 units: (p, alpha, m_new)."""
+    def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
+        return acc_ref[...]
+    s = pl.run_scoped(qk, plgpu.ACC((HEADS, BLOCK_K), jnp.float32))
+    valid = lax.broadcast_in_dim(slots >= 0, (HEADS, BLOCK_K), [1])
+    s = jnp.where(valid, s * (scale * LOG2E), -jnp.inf)
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_i - m_use)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+    return p, alpha, m_new
+
+
 def _kernel(q_ref, cache_ref, idx_ref, o_ref, lse_ref, q_smem, k_view, q_bar, k_ready, k_free, idx_smem, idx_bar,
             share, p_smem=None, *, scale,
             r, width, tiles_per_split, config, interpret):
@@ -130,10 +152,7 @@ def _kernel(q_ref, cache_ref, idx_ref, o_ref, lse_ref, q_smem, k_view, q_bar, k_
             l_i = plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((HEADS, half), jnp.float32), plgpu.Layout.WGMMA)
 
-            def load_slots(i):  # the slot ids of tile i, one per S column
-                i = jnp.minimum(i, tiles_per_split - 1)
-                return plgpu.load(idx_ref.at[t, pl.ds((tile0 + i) * BLOCK_K, BLOCK_K)],
-                                  layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+            load_slots = functools.partial(_load_slots, idx_ref, t, tile0, tiles_per_split)
 
             def step(i, carry):
                 acc, m_i, l_i, slots = carry
@@ -144,16 +163,7 @@ def _kernel(q_ref, cache_ref, idx_ref, o_ref, lse_ref, q_smem, k_view, q_bar, k_
                     return carry
                 slots_next = load_slots(i + 1) if config.diagnostic == "none" else slots
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, k_tiled.at[b].transpose((1, 0)))
-                    return acc_ref[...]
-                s = pl.run_scoped(qk, plgpu.ACC((HEADS, BLOCK_K), jnp.float32))
-                valid = lax.broadcast_in_dim(slots >= 0, (HEADS, BLOCK_K), [1])
-                s = jnp.where(valid, s * (scale * LOG2E), -jnp.inf)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                alpha = jnp.exp2(m_i - m_use)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                p, alpha, m_new = _scores_softmax(q_smem, k_tiled.at[b], slots, m_i, scale)
                 l_i = l_i * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 v = k_tiled.at[b, :, pl.ds(wg * half, half)]
@@ -216,10 +226,7 @@ def _share_p_consumers(q_ref, idx_ref, o_ref, lse_ref, q_smem, k_tiled, q_bar, k
     accumulates the other half with P read from shared memory, then frees P (`p_free`)."""
     p_share, stats, p_ready, p_free = share  # stats[0]: alpha of the current tile, stats[1]: the final l
 
-    def load_slots(i):
-        i = jnp.minimum(i, tiles_per_split - 1)
-        return plgpu.load(idx_ref.at[t, pl.ds((tile0 + i) * BLOCK_K, BLOCK_K)],
-                          layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+    load_slots = functools.partial(_load_slots, idx_ref, t, tile0, tiles_per_split)
 
     def pv(acc, a, b, w):
         v = k_tiled.at[b, :, pl.ds(w * half, half)]
@@ -255,16 +262,8 @@ def _share_p_consumers(q_ref, idx_ref, o_ref, lse_ref, q_smem, k_tiled, q_bar, k
             plgpu.barrier_wait(k_ready.at[b])
             slots_next = load_slots(i + 1)
 
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_tiled.at[b].transpose((1, 0)))
-                return acc_ref[...]
-            s = pl.run_scoped(qk, plgpu.ACC((HEADS, BLOCK_K), jnp.float32))
-            valid = lax.broadcast_in_dim(slots >= 0, (HEADS, BLOCK_K), [1])
-            s = jnp.where(valid, s * (scale * LOG2E), -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m_i - m_use)
-            p16 = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0])).astype(jnp.bfloat16)
+            p, alpha, m_new = _scores_softmax(q_smem, k_tiled.at[b], slots, m_i, scale)
+            p16 = p.astype(jnp.bfloat16)
             l_i = l_i * alpha + p16.astype(jnp.float32).sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
