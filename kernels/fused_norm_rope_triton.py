@@ -46,7 +46,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import fp8_formats as f8
 from . import rope
-from .triton_common import MASKED_ROW, check_addressable, with_options
+from .triton_common import MASKED_ROW, check_addressable, div_rn, with_options
 
 
 def _p2(n: int) -> int:
@@ -58,16 +58,6 @@ def _cdiv(a: int, b: int) -> int:
 
 
 # ------------------------------------------------------------------------------ in-kernel helpers
-
-def _div_rn(a, b, interpret: bool):
-    """IEEE float32 a / b (Triton's `/` is div.full.f32, ~2 ulp; XLA turns A / broadcast(b) into A * 1/b)."""
-    b = jnp.broadcast_to(jnp.asarray(b, jnp.float32), a.shape)
-    if interpret:
-        return f8.exact_div(a, b)
-    [out] = plgpu.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
-                                         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
-    return out
-
 
 def _and(a, b):
     """a & b where either may be None (= all true): statically full masks are dropped, which lets Triton
@@ -285,8 +275,8 @@ def _mla_fp8_store(mla_ref, phys, ok2, kv_n, kcm, pe, g: _CacheGeometry):
     kcol, _, ntp = _kv_geometry(g.tile, nt)
     kvf = kv_n.astype(f32)
     amax = jnp.max(jnp.abs(kvf) if kcm is None else jnp.where(kcm, jnp.abs(kvf), 0.0), axis=2)  # [bc, ntp]
-    scale = f8.mla_tile_scale(amax, div=functools.partial(_div_rn, interpret=interpret))
-    qb = f8.e4m3_bits(_div_rn(kvf, scale[:, :, None], interpret))
+    scale = f8.mla_tile_scale(amax, div=functools.partial(div_rn, interpret=interpret))
+    qb = f8.e4m3_bits(div_rn(kvf, scale[:, :, None], interpret))
     plgpu.store(mla_ref.at[phys[:, None, None], kcol], qb, mask=_and(ok2[:, :, None], kcm))
     sb = _le_bytes(jax.lax.bitcast_convert_type(scale, jnp.int32), 4)  # [bc, 4 ntp]
     sc = _iota((1, 4 * ntp), 1)

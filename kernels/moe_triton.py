@@ -26,8 +26,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .moe_tiles import tile_plan, tile_rows
+from . import fp8_formats
 from .fp8_formats import FP8, WEIGHT_BLOCK as FP8_BLOCK, load_e4m3, quantize_activation_blocks
-from .triton_common import MASKED_ROW, col_range, dot, gather, with_options
+from .triton_common import MASKED_ROW, col_range, div_rn, dot, gather, with_options
 
 
 def _block(n: int, cap: int) -> int:
@@ -99,7 +100,7 @@ def _gate_up(src_ref, te_ref, x_ref, wg_ref, wu_ref, *, tile, n0, bn, k0, steps,
     if fp8 is not None and fp8.split_out:
         z = jnp.zeros((tile, bn // 2), jnp.float32)
         return jax.lax.fori_loop(0, steps, body, (z, z, z, z))
-    z = jnp.zeros((tile, bn), jnp.float32)
+    z = jnp.zeros((bn, tile) if fp8 is not None and fp8.swap else (tile, bn), jnp.float32)
     return jax.lax.fori_loop(0, steps, body, (z, z))
 
 
@@ -122,7 +123,11 @@ def _gate_up_step_w8a8(acc, fp8, x_ref, token, cols, wg_ref, wu_ref, e, c0, bk, 
         wg, wu = (_kmajor_words(w_ref, e, n0, bn, c0 // 2, bk // 2) for w_ref in (wg_ref, wu_ref))
     elif fp8.nk:  # K-major stacks [E, I, D]: the [bn, bk] tile is the fp8 MMA's native B operand
         wg, wu = (w_ref[e, pl.ds(n0, bn), pl.ds(c0, bk)] for w_ref in (wg_ref, wu_ref))
-    else:
+    if fp8.swap:  # [bn, tile] = w [bn, bk] . x^T: the weight columns fill the MMA's M (see MoEConfig.swap_ab)
+        sa_t = sa.T
+        return (acc[0] + dot(wg, xq, trans_b=True) * (sa_t * _transposed(fp8.out_scales(fp8.refs[0], e, kb, n0, bn))),
+                acc[1] + dot(wu, xq, trans_b=True) * (sa_t * _transposed(fp8.out_scales(fp8.refs[1], e, kb, n0, bn))))
+    if not fp8.nk:
         wg, wu = (w_ref[e, pl.ds(c0, bk), pl.ds(n0, bn)] for w_ref in (wg_ref, wu_ref))
     return (acc[0] + dot(xq, wg, trans_b=fp8.nk) * (sa * fp8.out_scales(fp8.refs[0], e, kb, n0, bn)),
             acc[1] + dot(xq, wu, trans_b=fp8.nk) * (sa * fp8.out_scales(fp8.refs[1], e, kb, n0, bn)))
@@ -142,6 +147,7 @@ class _Fp8Scales:
     packed: bool = False  # weights as uint16 words of two e4m3 values (`_pair_block`, `_kmajor_words`): 2-4 GB arrays
     act: bool = False  # W8A8: the rows (x, h) are e4m3 too, their per-row 128-block scales the last ref [blocks, rows]
     nk: bool = False  # K-major weight stacks (gate/up [E, I, D], down [E, D, I]: the release's [out, in]); W8A8 only
+    swap: bool = False  # MoEConfig.swap_ab: accumulators [columns, tile rows] (K-major W8A8 only)
 
     @property
     def split_out(self) -> bool:
@@ -171,7 +177,13 @@ class _Fp8Scales:
         return self.weight_scale(ref, e, kb, blocks)[None, :]
 
 
-def _up_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, h_ref, *, k, bk, steps, interpret, fp8=None):
+def _up_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, h_ref, hs_ref=None, *, k, bk, steps, interpret, fp8=None,
+               h_dtype=None):
+    """h rows of one tile and column block. With `hs_ref` (W8A8, 128-wide column blocks: MoEConfig.quant_h), h is
+    quantised here for the down kernel: rounded to `h_dtype` (the rows' dtype, as the unfused path stores it), then
+    e4m3 per row over the block's 128 columns with its float32 scale in hs_ref [1, tile], the rule of
+    `fp8_formats.quantize_activation_blocks` bit for bit (IEEE divisions), which saves the four XLA passes over h
+    between the kernels."""
     tile, bn = h_ref.shape
     n0 = pl.program_id(0) * bn
 
@@ -185,7 +197,17 @@ def _up_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, h_ref, *, k, bk, steps, i
             h_ref[:, pl.ds(1, bn // 2, stride=2)] = (jax.nn.silu(g_odd) * u_odd).astype(h_ref.dtype)
         else:
             g, u = acc
-            h_ref[...] = (jax.nn.silu(g) * u).astype(h_ref.dtype)
+            h = jax.nn.silu(g) * u
+            if fp8 is not None and fp8.swap:
+                h = h.T
+            if hs_ref is None:
+                h_ref[...] = h.astype(h_ref.dtype)
+            else:
+                hb = h.astype(h_dtype).astype(jnp.float32)
+                div = functools.partial(div_rn, interpret=interpret)
+                scale = fp8_formats.mla_tile_scale(jnp.max(jnp.abs(hb), axis=1), div=div)  # [tile]
+                h_ref[...] = fp8_formats.to_e4m3(div(hb, scale[:, None]))
+                hs_ref[...] = scale[None, :]
 
 
 def _up_partial_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, k, bk, steps, interpret, fp8=None):
@@ -203,6 +225,8 @@ def _up_partial_kernel(src_ref, te_ref, x_ref, wg_ref, wu_ref, g_ref, u_ref, *, 
             half = bn // 2
             g_ref[:, pl.ds(0, half, stride=2)], g_ref[:, pl.ds(1, half, stride=2)] = acc[0], acc[1]
             u_ref[:, pl.ds(0, half, stride=2)], u_ref[:, pl.ds(1, half, stride=2)] = acc[2], acc[3]
+        elif fp8 is not None and fp8.swap:
+            g_ref[...], u_ref[...] = acc[0].T, acc[1].T
         else:
             g_ref[...], u_ref[...] = acc
 
@@ -246,7 +270,10 @@ def _down_kernel(src_ref, te_ref, w_ref, h_ref, wd_ref, y_ref, *, bn, bk, steps,
                 cols = col_range(n0 + j, bn // 2, 2)
                 plgpu.store(y_ref.at[rows[:, None], cols[None, :]], y, mask=valid[:, None])
             return
-        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((tile, bn), jnp.float32))
+        if fp8 is not None and fp8.swap:
+            acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, tile), jnp.float32)).T
+        else:
+            acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((tile, bn), jnp.float32))
         y = (acc * w_ref[...][:, None]).astype(y_ref.dtype)
         cols = col_range(n0, bn)
         if d % bn:
@@ -325,6 +352,8 @@ def _down_step_fp8(s, acc, *, fp8, e, m0, n0, tile, bn, bk, shift, h_ref, wd_ref
         else:
             wd = wd_ref[e, pl.ds(s * bk, bk), pl.ds(n0, bn)]
         scale = _down_scale(fp8, e, kb, n0, bn)
+        if fp8.swap:  # [bn, tile] = down rows [bn, bk] . h^T
+            return acc + dot(wd, h, trans_b=True) * (sa.T * _transposed(scale))
         return acc + dot(h, wd, trans_b=fp8.nk) * (sa * scale)
     if shift == 0:  # steps on block boundaries from column 0: the bf16 path's loads
         h = h_ref[pl.ds(m0, tile), pl.ds(s * bk, bk)]
@@ -348,6 +377,11 @@ def _down_scale(fp8, e, kb, n0, bn, count=None, stride: int = 1):
     return fp8.weight_scale(ref, e, kb, blocks)[None, :]
 
 
+def _transposed(scale):
+    """A [1, n] scale row as an [n, 1] column (a scalar as it is): the swapped accumulators' orientation."""
+    return scale if jnp.ndim(scale) == 0 else scale.T
+
+
 def _round_to(x, dtype):
     """float32 x rounded to the values of `dtype` (kept float32): a rounding XLA may not elide."""
     f = jnp.finfo(dtype)
@@ -363,7 +397,13 @@ class MoEConfig:
     """Launch config of the grouped-GEMM kernels: `tile` rows per expert tile; up kernel blocks (`bn_up`
     columns of I, `bk_up` hidden columns per step), down kernel blocks (`bn_down` columns of D, `bk_down`
     columns of I per step), all powers of two >= 16; warps, pipeline stages; `k_split` (a power of two)
-    programs splitting the up projection's hidden size (a launch option for few tiles)."""
+    programs splitting the up projection's hidden size (a launch option for few tiles). `swap_ab` (K-major W8A8
+    only): each dot computes the transposed product, weights [bn, bk] times the rows' [tile, bk] transposed, so
+    the weight columns fill the fp8 MMA's M side (Hopper's wgmma takes M in multiples of 64, and a decode tile
+    has 16 rows) and the rows its N side; the accumulators are [bn, tile] and are transposed once at the end.
+    `quant_h` (W8A8 with 128-wide up column blocks and no split-K): the up kernel quantises h itself
+    (`_up_kernel`), instead of XLA between the kernels; None: wherever those conditions hold (the decode default,
+    so that overriding k_split or bn_up just turns it off), True: required (else a ValueError)."""
     tile: int
     bn_up: int
     bk_up: int
@@ -372,6 +412,8 @@ class MoEConfig:
     num_warps: int
     num_stages: int
     k_split: int = 1
+    swap_ab: bool = False
+    quant_h: bool | None = False
 
     def __post_init__(self):
         for name in ("tile", "bn_up", "bk_up", "bn_down", "bk_down"):
@@ -383,6 +425,10 @@ class MoEConfig:
                 raise ValueError(f"MoEConfig: {name} {getattr(self, name)!r} must be a power of two")
         if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
             raise ValueError(f"MoEConfig: num_stages {self.num_stages!r} must be an int >= 1")
+        if not isinstance(self.swap_ab, bool):
+            raise ValueError(f"MoEConfig: swap_ab {self.swap_ab!r} must be a bool")
+        if self.quant_h not in (True, False, None):
+            raise ValueError(f"MoEConfig: quant_h {self.quant_h!r} must be a bool or None")
 
 
 def default_config(t: int, k: int, n_exp: int, d: int, i: int, itemsize: int = 2, form: str | None = None,
@@ -393,11 +439,17 @@ def default_config(t: int, k: int, n_exp: int, d: int, i: int, itemsize: int = 2
     (FP8 experts, whole blocks) at decode: 128-wide column blocks, the bytes per K step of the bf16 blocks, from
     the launch-config sweeps on the H200 (BENCHMARKS.md, FP8 weights, session 7: 64-wide K steps in 3 stages
     from T = 16, 128-wide steps in 3 stages over 8 warps, split-K 4, below); over K-major stacks (`w_layout` "nk")
-    128-wide K steps in 4 stages over 4 warps from T = 16 (session 8 sweeps, T = 32 and 128)."""
+    from T = 16, 128 x 128 blocks over 4 warps: h quantised in the up kernel (`quant_h`) with swapped dots
+    (`swap_ab`) in 3 stages (session 10 variants at the TP = 8 shard), and 4 stages without either for stacks of
+    2**31+ elements, read as uint16 words (session 8 sweeps at TP = 1; `grouped_swiglu`'s `packed` rule).
+    Split-K needs an even count of 128-wide hidden steps (else 1)."""
     tile = tile_rows(t, k, n_exp)
     if form == "w8a8" and itemsize < 4 and tile < 64 and i % 128 == 0 and d % 128 == 0:
-        if t >= 16 and w_layout == "nk":
+        if t >= 16 and w_layout == "nk" and n_exp * d * i >= 2 ** 31:  # uint16 words (TP = 1 stacks)
             return MoEConfig(tile=tile, bn_up=128, bk_up=128, bn_down=128, bk_down=128, num_warps=4, num_stages=4)
+        if t >= 16 and w_layout == "nk":
+            return MoEConfig(tile=tile, bn_up=128, bk_up=128, bn_down=128, bk_down=128, num_warps=4, num_stages=3,
+                             swap_ab=True, quant_h=None)
         if t < 16:
             return MoEConfig(tile=tile, bn_up=128, bk_up=128, bn_down=128, bk_down=128, num_warps=8, num_stages=3,
                              k_split=4 if (d // 128) % 4 == 0 else 1)
@@ -411,25 +463,26 @@ def default_config(t: int, k: int, n_exp: int, d: int, i: int, itemsize: int = 2
                      num_warps=8 if big else 4, num_stages=3 if big else 4)
 
 
-def _fp8_kernel(kernel, n_in, scalar, i_off, shift, packed, act, nk, *refs, **kw):
+def _fp8_kernel(kernel, n_in, n_out, scalar, i_off, shift, packed, act, nk, swap, *refs, **kw):
     """`kernel` with FP8 block scales: refs are [offset (when `i_off` is None: traced)], the `n_in` inputs of the
     bf16 kernel, its scale grids, then its outputs; the scale grids go to `kernel` as `fp8=_Fp8Scales(...)`."""
     refs = list(refs)
     off = refs.pop(0)[0] if i_off is None else i_off
-    n_scales = len(refs) - n_in - (2 if kernel is _up_partial_kernel else 1)
-    fp8 = _Fp8Scales(tuple(refs[n_in:n_in + n_scales]), off, scalar, packed, act, nk)
+    n_scales = len(refs) - n_in - n_out
+    fp8 = _Fp8Scales(tuple(refs[n_in:n_in + n_scales]), off, scalar, packed, act, nk, swap)
     if kernel is _down_kernel:
         kw["shift"] = shift
     return kernel(*refs[:n_in], *refs[n_in + n_scales:], fp8=fp8, **kw)
 
 
-def _fp8_launch(kernel, i_offset, scales, in_specs, inputs, *, scalar, shift, packed=False, act=False, nk=False):
+def _fp8_launch(kernel, i_offset, scales, in_specs, inputs, *, scalar, shift, packed=False, act=False, nk=False,
+                swap=False, n_out=1):
     """(kernel, in_specs, inputs) with the FP8 scale grids (and a traced offset) added; unchanged without FP8."""
     if scales is None:
         return kernel, in_specs, inputs
     traced = not isinstance(i_offset, int)
-    wrapped = functools.partial(_fp8_kernel, kernel.func, len(inputs), scalar, None if traced else i_offset, shift,
-                                packed, act, nk, **kernel.keywords)
+    wrapped = functools.partial(_fp8_kernel, kernel.func, len(inputs), n_out, scalar, None if traced else i_offset,
+                                shift, packed, act, nk, swap, **kernel.keywords)
     specs = list(in_specs) + [pl.BlockSpec(memory_space=pl.ANY)] * len(scales)
     args = list(inputs) + list(scales)
     if traced:
@@ -488,6 +541,10 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     cfg = config or default_config(t, k, n_exp, d, i, jnp.dtype(out_dtype if fp8 else wg.dtype).itemsize, form,
                                   w_layout)
     cfg = with_options(cfg, overrides, "moe")
+    if cfg.swap_ab and not (act and nk):
+        raise ValueError(f"moe triton: swap_ab is for form 'w8a8' over K-major ('nk') stacks; got form {form!r}, "
+                         f"w_layout {w_layout!r}")
+    swap = cfg.swap_ab
     if act and (i % cfg.bn_up or d % cfg.bn_down or d % cfg.bk_up or i % cfg.bk_down):
         raise ValueError(f"moe triton: form 'w8a8' reads whole blocks: the blocks of {cfg} must divide the widths "
                          f"(hidden {d}, expert width {i})")
@@ -497,6 +554,12 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     static_off = isinstance(i_offset, int)
     if packed is None:
         packed = fp8 and max(wg.size, wd.size) >= 2 ** 31
+    quant_h_ok = act and cfg.k_split == 1 and cfg.bn_up == FP8_BLOCK and not (packed and not nk)
+    if cfg.quant_h is None:
+        cfg = dataclasses.replace(cfg, quant_h=quant_h_ok)
+    if cfg.quant_h and not quant_h_ok:
+        raise ValueError(f"moe triton: quant_h quantises h in the up kernel: it needs form 'w8a8', k_split 1 and "
+                         f"bn_up {FP8_BLOCK} (one 128-block per program); got form {form!r}, {cfg}")
     if packed and nk:  # words of two K values (act: whole blocks checked above)
         wg, wu = (jax.lax.bitcast_convert_type(w.reshape(n_exp, i, d // 2, 2), jnp.uint16) for w in (wg, wu))
         wd = jax.lax.bitcast_convert_type(wd.reshape(n_exp, d, i // 2, 2), jnp.uint16)
@@ -527,19 +590,29 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
         raise ValueError(f"moe triton: k_split {ks} must be a power of two dividing D / bk_up = {up_steps}")
     up_scales = ((wg_scale, wu_scale, x_scale) if act else (wg_scale, wu_scale)) if fp8 else None
     up_scalar = static_off and i_offset == 0 and bn <= FP8_BLOCK
+    h_scale = None
     if ks == 1:
+        out_specs = pl.BlockSpec((tile, bn), lambda n, m: (m, n))
+        out_shape = jax.ShapeDtypeStruct((n_tiles * tile, i_h), out_dtype)
+        if cfg.quant_h:  # h as e4m3 with its scales [I-blocks, rows] (one 128-block per column block)
+            out_specs = [out_specs, pl.BlockSpec((1, tile), lambda n, m: (n, m))]
+            out_shape = [jax.ShapeDtypeStruct(out_shape.shape, FP8),
+                         jax.ShapeDtypeStruct((i_h // FP8_BLOCK, n_tiles * tile), jnp.float32)]
         kernel, specs, args = _fp8_launch(
-            functools.partial(_up_kernel, k=k, bk=cfg.bk_up, steps=up_steps, interpret=interpret), i_offset,
+            functools.partial(_up_kernel, k=k, bk=cfg.bk_up, steps=up_steps, interpret=interpret,
+                              **({"h_dtype": out_dtype} if cfg.quant_h else {})), i_offset,
             up_scales, tile_specs + [any_spec] * 3, (src, tile_expert, x, wg, wu), scalar=up_scalar, shift=0,
-            packed=packed, act=act, nk=nk)
+            packed=packed, act=act, nk=nk, swap=swap, n_out=2 if cfg.quant_h else 1)
         h = pl.pallas_call(
             kernel,
             grid=(i_h // bn, n_tiles),
             in_specs=specs,
-            out_specs=pl.BlockSpec((tile, bn), lambda n, m: (m, n)),
-            out_shape=jax.ShapeDtypeStruct((n_tiles * tile, i_h), out_dtype),
+            out_specs=out_specs,
+            out_shape=out_shape,
             compiler_params=params, interpret=interpret, name="moe_up",
         )(*args)
+        if cfg.quant_h:
+            h, h_scale = h
     else:
         part = jax.ShapeDtypeStruct((ks, n_tiles * tile, i_h), jnp.float32)
         kernel, specs, args = _fp8_launch(
@@ -547,7 +620,7 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
             i_offset, up_scales,
             [pl.BlockSpec((tile,), lambda n, m, c: (m,)), pl.BlockSpec((1,), lambda n, m, c: (m,))]
             + [any_spec] * 3, (src, tile_expert, x, wg, wu), scalar=up_scalar, shift=0, packed=packed, act=act,
-            nk=nk)
+            nk=nk, swap=swap, n_out=2)
         g, u = pl.pallas_call(
             kernel,
             grid=(i_h // bn, n_tiles, ks),
@@ -561,9 +634,11 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
             h = _round_to(h, out_dtype)  # (excess precision), so round explicitly, as the up kernel's store does
         h = h.astype(out_dtype)
     down_scales = (wd_scale,) if fp8 else None
-    if act:  # h rows of empty tiles hold garbage: their scales too, but no program reads those rows
-        h, h_scale = quantize_activation_blocks(h)
-        down_scales = (wd_scale, h_scale.T)
+    if act and h_scale is None:  # h rows of empty tiles hold garbage: their scales too, but no program reads those
+        h, h_scale = quantize_activation_blocks(h)  # rows
+        h_scale = h_scale.T
+    if act:
+        down_scales = (wd_scale, h_scale)
 
     bn, bk = cfg.bn_down, cfg.bk_down
     shift = (i_offset % bk if static_off else None) if fp8 else 0
@@ -571,7 +646,7 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     kernel, specs, args = _fp8_launch(
         functools.partial(_down_kernel, bn=bn, bk=bk, steps=down_steps, interpret=interpret), i_offset,
         down_scales, tile_specs + [pl.BlockSpec((tile,), lambda n, m: (m,)), any_spec, any_spec],
-        (src, tile_expert, pair_w, h, wd), scalar=False, shift=shift, packed=packed, act=act, nk=nk)
+        (src, tile_expert, pair_w, h, wd), scalar=False, shift=shift, packed=packed, act=act, nk=nk, swap=swap)
     y = pl.pallas_call(
         kernel,
         grid=(_cdiv(d, bn), n_tiles),

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
+from . import fp8_formats
+
 # Row index given to masked stores: out of range, so the interpreter (which cannot discharge masked stores)
 # drops them too.
 MASKED_ROW = 2**30
@@ -56,6 +58,18 @@ def dot(a, b, trans_b=False):
     """float32 accumulation; float32 operands exactly (IEEE, not TF32): the tiny test models are float32."""
     precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     return plgpu.dot(a, b, trans_b=trans_b, precision=precision)
+
+
+def div_rn(a, b, interpret: bool):
+    """IEEE float32 a / b, b broadcast to a's shape (Triton's `/` is div.full.f32, ~2 ulp; XLA turns
+    A / broadcast(b) into A * 1/b): the quotient `kernels.fp8_formats.exact_div` computes, for kernels that
+    quantise bit for bit as the jnp references do."""
+    b = jnp.broadcast_to(jnp.asarray(b, jnp.float32), a.shape)
+    if interpret:
+        return fp8_formats.exact_div(a, b)
+    [out] = plgpu.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+                                         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+    return out
 
 
 def col_range(start, size, stride=1):

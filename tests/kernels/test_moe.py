@@ -338,6 +338,11 @@ def test_fp8_w8a8_matches_oracle(kernel_impl, t, options):
     (40, {"tile": 64, "bn_up": 256, "bn_down": 256, "bk_up": 64}),
     (24, {"packed": True}),                                  # uint16 words of two K values
     (5, {"packed": True, "k_split": 2, "bk_up": 64, "bk_down": 64}),
+    (5, {"swap_ab": True}),                                  # weights on the MMA's M side
+    (24, {"swap_ab": True, "packed": True}),
+    (5, {"swap_ab": True, "k_split": 2, "bn_up": 64, "bk_up": 64, "bn_down": 256}),
+    (24, {"quant_h": True, "k_split": 1}),                   # h quantised in the up kernel
+    (5, {"quant_h": True, "swap_ab": True, "packed": True, "k_split": 1}),
 ])
 def test_fp8_w8a8_k_major_stacks(kernel_impl, on_gpu, t, options):
     """W8A8 over K-major stacks (w_layout "nk": each expert [out, in] as released, the scale grids in the same
@@ -356,6 +361,29 @@ def test_fp8_w8a8_k_major_stacks(kernel_impl, on_gpu, t, options):
     assert _rel(got, want) < (1e-2 if on_gpu else 5e-3)
     with pytest.raises(ValueError, match="for form 'w8a8'"):
         moe_triton.grouped_swiglu(x, e, w, t_(qg), t_(qu), t_(qd), w_layout="nk", interpret=True, **sc)
+
+
+@pytest.mark.parametrize("options", [{}, {"swap_ab": True}])
+def test_fp8_w8a8_quant_h_is_the_unfused_rule(kernel_impl, options):
+    """quant_h (h quantised per row and 128-block inside the up kernel) gives bit for bit the output of the unfused
+    path (h stored in the rows' dtype, then `quantize_activation_blocks` in XLA) under the interpreter: the same
+    rounding, the same IEEE divisions, the same down kernel (on a GPU, within a few e4m3 roundings). Needs 128-wide
+    up blocks and no split-K, else a ValueError names it."""
+    args, scales, _ = _fp8_inputs(24, 4, 8, 256, 384, 0, seed=5, dtype=jnp.bfloat16)
+    x, e, w, qg, qu, qd = args
+    t_ = lambda q: jnp.swapaxes(q, 1, 2)  # noqa: E731
+    sc = {k: t_(v) for k, v in scales.items() if k != "i_offset"}
+    run = functools.partial(moe_triton.grouped_swiglu, x, e, w, t_(qg), t_(qu), t_(qd), form="w8a8", w_layout="nk",
+                            interpret=kernel_impl.endswith("interpret"), **sc, **options)
+    got, want = np.asarray(run(quant_h=True, k_split=1)), np.asarray(run(k_split=1))
+    if kernel_impl.endswith("interpret"):  # the same jnp ops: bit for bit
+        np.testing.assert_array_equal(got, want)
+    else:  # the H200 rounded a few h values to the neighbouring e4m3 value at the probe's shape (2.3e-3 apart)
+        assert _rel(got, want) < 5e-3
+    with pytest.raises(ValueError, match="quant_h quantises h in the up kernel"):
+        run(quant_h=True, k_split=2)
+    with pytest.raises(ValueError, match="quant_h quantises h in the up kernel"):
+        run(quant_h=True, k_split=1, bn_up=64)
 
 
 def _k_major(args, scales):
@@ -541,7 +569,7 @@ def test_fp8_k_major_wide_blocks_lower():
     for packed in (False, True):
         def fn(x, e, w, g, u, d, sg, su, sd):
             return moe_triton.grouped_swiglu(x, e, w, g, u, d, wg_scale=sg, wu_scale=su, wd_scale=sd, form="w8a8",
-                                             w_layout="nk", packed=packed, bn_up=256, bn_down=256, bk_up=64,
+                                             w_layout="nk", packed=packed, k_split=1, bn_up=256, bn_down=256, bk_up=64,
                                              bk_down=64)
         calls = triton_calls(lower_for_gpu(fn, *args))
         assert [c.name for c in calls] == ["moe_up", "moe_down"]
