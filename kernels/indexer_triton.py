@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import fp8_formats
 from .chunking import map_row_chunks
-from .indexer import prepare_queries, select_topk
+from .indexer import prepare_queries, select_topk, select_width_supported
 from .triton_common import check_addressable, col_range, dot, gather, u8_words, with_options
 
 SCORE_BUDGET = 1 << 25  # float32 scores held at once by the top-k stage (128 MiB)
@@ -381,11 +381,10 @@ def indexer_topk_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *
                         topk_impl: str | None = None, topk_config=None, **kernel_options):
     """The "triton" impl of `kernels.indexer.indexer_topk`: Pallas Triton scores, then the top-k (`topk_impl`:
     "select" the select kernel of `kernels.topk_triton` with launch config `topk_config`, "lax" `topk_positions`
-    (`lax.top_k`), None the select kernel wherever it takes the shapes (S <= its MAX_S), else `lax.top_k`; both give
-    the same positions and scores), `row_chunk` query rows at a time (default: as many rows as keep the float32
-    scores under SCORE_BUDGET, rounded down to a power of two), so a 32K x 32K prefill never holds [T, S] scores.
-    `kernel_options` go to `indexer_scores_triton` (config, block_s, block_t, num_warps, num_stages, block_n,
-    fp8_dot)."""
+    (`lax.top_k`), None as `topk_select_impl` says; both give the same positions and scores), `row_chunk` query
+    rows at a time (default: as many rows as keep the float32 scores under SCORE_BUDGET, rounded down to a power of
+    two), so a 32K x 32K prefill never holds [T, S] scores. `kernel_options` go to `indexer_scores_triton`
+    (config, block_s, block_t, num_warps, num_stages, block_n, fp8_dot)."""
     q, weights = prepare_queries(q, weights, k_cache)
     s = block_tables.shape[1] * block_size
     if row_chunk is None:
@@ -408,10 +407,14 @@ def indexer_topk_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *
 def topk_select_impl(s: int, topk: int, topk_impl: str | None, interpret: bool) -> str:
     """The "topk" impl (`kernels.indexer.select_topk`) the triton indexer runs over rows of `s` scores: the select
     kernel ("triton", or "triton_interpret" when `interpret`) for `topk_impl` "select"; "xla" (`lax.top_k`) for
-    "lax" and for None: the select kernel measured no faster than `lax.top_k` on the H200 (BENCHMARKS.md,
-    session 9) and its current form has not been timed there. "select" on shapes it does not take is the
-    registry's ValueError naming the constraint."""
+    "lax". None: the select kernel on a GPU wherever it takes the rows (S <= SELECT_MAX_S; faster than `lax.top_k`
+    on the H200 at B = 32 and 128 with the same result bit for bit: BENCHMARKS.md, session 10), else `lax.top_k`;
+    under the interpreter None keeps `lax.top_k` (the same positions and scores; the interpreted kernel is only
+    slower, and the CPU tests check it on its own). "select" on shapes it does not take is the registry's
+    ValueError naming the constraint."""
     if topk_impl not in (None, "select", "lax"):
         raise ValueError(f"indexer triton: topk_impl {topk_impl!r} must be 'select', 'lax' or None")
     kernel = "triton_interpret" if interpret else "triton"
+    if topk_impl is None:
+        return "xla" if interpret or select_width_supported(s) else kernel
     return kernel if topk_impl == "select" else "xla"

@@ -281,15 +281,16 @@ def test_shapes_the_kernel_does_not_take_are_refused(kernel_impl):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_lowers_to_triton_at_glm5_dims(fp8):
     """Decode at B = 32 over 32K keys (page 64): the looped per-row scores kernel, grid (rows, S / 1024) (8 tiles of
-    128 keys a program, 2 pipeline stages); the top-k is `lax.top_k` by default (the select kernel was not faster
-    on the H200), so one Triton launch."""
+    128 keys a program, 2 pipeline stages), then the select top-k kernel (the default where it takes the row: one
+    program per row, 32 warps over 32K scores)."""
     s = jax.ShapeDtypeStruct
     cache = s((32 * 32768, 132), jnp.uint8) if fp8 else s((32 * 32768, 128), jnp.bfloat16)
     f = functools.partial(indexer.indexer_topk, block_size=64, topk=2048, impl="triton")
     calls = triton_calls(lower_for_gpu(f, s((32, 32, 128), jnp.bfloat16), s((32, 32), jnp.float32), cache,
                                        s((32,), jnp.int32), s((32,), jnp.int32), s((32, 512), jnp.int32)))
     assert [(c.name, c.grid, c.num_warps, c.num_stages) for c in calls] == [
-        ("indexer_scores_fp8_loop" if fp8 else "indexer_scores_bf16_loop", (32, 32768 // 1024, 1), 4, 2)]
+        ("indexer_scores_fp8_loop" if fp8 else "indexer_scores_bf16_loop", (32, 32768 // 1024, 1), 4, 2),
+        ("indexer_topk_select", (32, 1, 1), 32, 1)]
 
 
 def test_fp8_queries_reach_the_kernel_as_bits():
@@ -304,7 +305,8 @@ def test_fp8_queries_reach_the_kernel_as_bits():
     widen = [ln for ln in txt.splitlines() if "stablehlo.convert" in ln and "xf8E4M3FN>) ->" in ln]
     assert not widen, widen
     assert "xf8E4M3FN>) -> tensor<8x32x128xui8>" in txt  # the bitcast of the quantised queries
-    assert [(c.name, c.grid) for c in triton_calls(txt)] == [("indexer_scores_fp8_loop", (8, 256 // 128, 1))]
+    assert [(c.name, c.grid) for c in triton_calls(txt)] == [("indexer_scores_fp8_loop", (8, 256 // 128, 1)),
+                                                            ("indexer_topk_select", (8, 1, 1))]
 
 
 @pytest.mark.parametrize("fp8", [False, True])
