@@ -281,34 +281,29 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
     name = "indexer_scores_fp8" if fp8 else "indexer_scores_bf16"
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     opts = {"block_s": block_s, "page": block_size, "di": di, "fp8": fp8, "interpret": interpret}
-    bt_cache = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+    call = functools.partial(_scores_call, block_tables=block_tables, k_cache=k_cache, params=params,
+                             interpret=interpret)
 
     def per_row(token_req, kv_lens, q, weights):
         if cfg.block_n == 0 or f32:
-            return _per_row_call(token_req, kv_lens, q, weights, block_tables, k_cache, n_blk=n_blk, params=params,
-                                 name=name, opts=opts)
+            return call(functools.partial(_scores_kernel, **opts), token_req, kv_lens, q, weights, rows=None,
+                        width=block_s, n_prog=n_blk, name=name)
         block_n = min(cfg.block_n or loop_block_n(t, s, block_s), n_blk * block_s)
-        n_prog = -(-s // block_n)
-        return pl.pallas_call(
-            functools.partial(_scores_loop_kernel, fp8_dot=cfg.fp8_dot, **opts),
-            grid=(t, n_prog),
-            in_specs=[
-                pl.BlockSpec((1,), lambda i, j: (i,)),
-                pl.BlockSpec((1,), lambda i, j: (i,)),
-                pl.BlockSpec((None, h_pad, di), lambda i, j: (i, 0, 0)),
-                pl.BlockSpec((None, h_pad), lambda i, j: (i, 0)),
-                *bt_cache,
-            ],
-            out_specs=pl.BlockSpec((None, block_n), lambda i, j: (i, j)),
-            out_shape=jax.ShapeDtypeStruct((t, n_prog * block_n), jnp.float32),
-            compiler_params=params,
-            interpret=interpret,
-            name=name + "_loop",
-        )(token_req, kv_lens, q, weights, block_tables.astype(jnp.int32), k_cache)
+        return call(functools.partial(_scores_loop_kernel, fp8_dot=cfg.fp8_dot, **opts), token_req, kv_lens, q,
+                    weights, rows=None, width=block_n, n_prog=-(-s // block_n), name=name + "_loop")
 
     def row_block(token_req, kv_lens, q, weights, block_t):
-        return _row_block_call(token_req, kv_lens, q, weights, block_tables, k_cache, block_t=block_t, n_blk=n_blk,
-                               params=params, name=name + "_rows", opts=opts)
+        rows = q.shape[0]
+        t_pad = -(-rows // block_t) * block_t
+        if t_pad != rows:  # padding rows: the last row's request (keeps its block shared), kv_len 0 (write -inf)
+            pad = t_pad - rows
+            token_req = jnp.concatenate([token_req, jnp.broadcast_to(token_req[-1:], (pad,))])
+            kv_lens = jnp.pad(kv_lens, (0, pad))
+            q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
+            weights = jnp.pad(weights, ((0, pad), (0, 0)))
+        out = call(functools.partial(_scores_rows_kernel, **opts), token_req, kv_lens, q, weights, rows=block_t,
+                   width=block_s, n_prog=n_blk, name=name + "_rows")
+        return out if t_pad == rows else out[:rows]
 
     args = (token_req, kv_lens, q, weights)
     if block_t == 1 or (block_t is None and (t < ROW_BLOCK_MIN_T or f32)):
@@ -324,56 +319,30 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
     return per_row(*args)
 
 
-def _per_row_call(token_req, kv_lens, q, weights, block_tables, k_cache, *, n_blk, params, name, opts):
+def _scores_call(kernel, token_req, kv_lens, q, weights, *, block_tables, k_cache, rows, width, n_prog, params,
+                 interpret, name):
+    """One launch of a scores kernel on grid (T / rows, n_prog): program (i, j) scores query rows [i * rows, +rows)
+    (`rows` None: one row, its axis squeezed from the kernel's view of q, weights and the output) against positions
+    [j * width, +width), into float32 [T, n_prog * width]."""
     t, h_pad, di = q.shape
-    block_s = opts["block_s"]
+    r = 1 if rows is None else rows
     return pl.pallas_call(
-        functools.partial(_scores_kernel, **opts),
-        grid=(t, n_blk),
+        kernel,
+        grid=(t // r, n_prog),
         in_specs=[
-            pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec((None, h_pad, di), lambda i, j: (i, 0, 0)),
-            pl.BlockSpec((None, h_pad), lambda i, j: (i, 0)),
+            pl.BlockSpec((r,), lambda i, j: (i,)),
+            pl.BlockSpec((r,), lambda i, j: (i,)),
+            pl.BlockSpec((rows, h_pad, di), lambda i, j: (i, 0, 0)),
+            pl.BlockSpec((rows, h_pad), lambda i, j: (i, 0)),
             pl.BlockSpec(memory_space=pl.ANY),
             pl.BlockSpec(memory_space=pl.ANY),
         ],
-        out_specs=pl.BlockSpec((None, block_s), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((t, n_blk * block_s), jnp.float32),
+        out_specs=pl.BlockSpec((rows, width), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((t, n_prog * width), jnp.float32),
         compiler_params=params,
-        interpret=opts["interpret"],
+        interpret=interpret,
         name=name,
     )(token_req, kv_lens, q, weights, block_tables.astype(jnp.int32), k_cache)
-
-
-def _row_block_call(token_req, kv_lens, q, weights, block_tables, k_cache, *, block_t, n_blk, params, name, opts):
-    t, h_pad, di = q.shape
-    block_s = opts["block_s"]
-    t_pad = -(-t // block_t) * block_t
-    if t_pad != t:  # padding rows: the last row's request (keeps its block shared), kv_len 0 (write -inf)
-        pad = t_pad - t
-        token_req = jnp.concatenate([token_req, jnp.broadcast_to(token_req[-1:], (pad,))])
-        kv_lens = jnp.pad(kv_lens, (0, pad))
-        q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
-        weights = jnp.pad(weights, ((0, pad), (0, 0)))
-    out = pl.pallas_call(
-        functools.partial(_scores_rows_kernel, **opts),
-        grid=(t_pad // block_t, n_blk),
-        in_specs=[
-            pl.BlockSpec((block_t,), lambda i, j: (i,)),
-            pl.BlockSpec((block_t,), lambda i, j: (i,)),
-            pl.BlockSpec((block_t, h_pad, di), lambda i, j: (i, 0, 0)),
-            pl.BlockSpec((block_t, h_pad), lambda i, j: (i, 0)),
-            pl.BlockSpec(memory_space=pl.ANY),
-            pl.BlockSpec(memory_space=pl.ANY),
-        ],
-        out_specs=pl.BlockSpec((block_t, block_s), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((t_pad, n_blk * block_s), jnp.float32),
-        compiler_params=params,
-        interpret=opts["interpret"],
-        name=name,
-    )(token_req, kv_lens, q, weights, block_tables.astype(jnp.int32), k_cache)
-    return out if t_pad == t else out[:t]
 
 
 def indexer_topk_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int, topk: int,
