@@ -335,6 +335,7 @@ def test_fp8_w8a8_matches_oracle(kernel_impl, t, options):
 
 @pytest.mark.parametrize("t,options", [
     (5, {}),
+    (24, {}),                                                # the decode default from 16 rows: quant_h, swap_ab
     (40, {"tile": 64, "bn_up": 256, "bn_down": 256, "bk_up": 64}),
     (24, {"packed": True}),                                  # uint16 words of two K values
     (5, {"packed": True, "k_split": 2, "bk_up": 64, "bk_down": 64}),
