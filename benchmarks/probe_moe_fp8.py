@@ -31,14 +31,14 @@ K_TOP = 8
 DEFAULT_VARIANTS = {"bf16": {}, "default": {}}
 
 
-def make_case(d: int, i: int, e: int, t: int, seed: int = 0, bf16: bool = True):
+def make_case(d: int, i: int, e: int, t: int, seed: int = 0, with_bf16: bool = True):
     """(x, experts, weights, nk stacks, nk scale keywords, bf16 [E, K, N] stacks or None) for T rows."""
     keys = jax.random.split(jax.random.key(seed), 3)
     fp8 = [random_fp8(kk, shape) for kk, shape in zip(keys, ((e, i, d), (e, i, d), (e, d, i)))]  # K-major
     stacks = [q for q, _ in fp8]
     scales = dict(wg_scale=fp8[0][1], wu_scale=fp8[1][1], wd_scale=fp8[2][1])
     bf16 = [jnp.swapaxes(fp8_formats.dequantize_weight_blocks(q, s, dtype=jnp.bfloat16), 1, 2)
-            for q, s in fp8] if bf16 else None
+            for q, s in fp8] if with_bf16 else None
     rng = np.random.default_rng(seed + t)
     x = jax.random.normal(jax.random.key(seed + 7 * t), (t, d), jnp.bfloat16)
     experts = jnp.asarray(np.stack([rng.choice(e, K_TOP, replace=False) for _ in range(t)]), jnp.int32)
@@ -91,7 +91,7 @@ def main(argv=None):
     batches = [int(v) for v in args.batches.split(",")]
     if args.ncu:
         for t in batches:
-            case = make_case(d, i, e, t, bf16=args.ncu == "bf16")
+            case = make_case(d, i, e, t, with_bf16=args.ncu == "bf16")
             f = jax.jit(runner(args.ncu, variants.get(args.ncu, {}), args.impl))
             jax.block_until_ready(f(*case))
             jax.block_until_ready(f(*case))
@@ -103,7 +103,7 @@ def main(argv=None):
     peaks = device_peaks()
     rows = []
     for t in batches:
-        case = make_case(d, i, e, t, bf16="bf16" in variants)  # 19 GB more at TP = 1: leave it out there
+        case = make_case(d, i, e, t, with_bf16="bf16" in variants)  # 19 GB more at TP = 1: leave it out there
         x = case[0]
         used = len(np.unique(np.asarray(case[1])))
         want = None if args.no_ref else moe.routed_experts(x, case[1], case[2], *case[3], impl="xla", w_layout="nk",

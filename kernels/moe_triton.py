@@ -123,14 +123,13 @@ def _gate_up_step_w8a8(acc, fp8, x_ref, token, cols, wg_ref, wu_ref, e, c0, bk, 
         wg, wu = (_kmajor_words(w_ref, e, n0, bn, c0 // 2, bk // 2) for w_ref in (wg_ref, wu_ref))
     elif fp8.nk:  # K-major stacks [E, I, D]: the [bn, bk] tile is the fp8 MMA's native B operand
         wg, wu = (w_ref[e, pl.ds(n0, bn), pl.ds(c0, bk)] for w_ref in (wg_ref, wu_ref))
-    if fp8.swap:  # [bn, tile] = w [bn, bk] . x^T: the weight columns fill the MMA's M (see MoEConfig.swap_ab)
-        sa_t = sa.T
-        return (acc[0] + dot(wg, xq, trans_b=True) * (sa_t * _transposed(fp8.out_scales(fp8.refs[0], e, kb, n0, bn))),
-                acc[1] + dot(wu, xq, trans_b=True) * (sa_t * _transposed(fp8.out_scales(fp8.refs[1], e, kb, n0, bn))))
-    if not fp8.nk:
+    else:
         wg, wu = (w_ref[e, pl.ds(c0, bk), pl.ds(n0, bn)] for w_ref in (wg_ref, wu_ref))
-    return (acc[0] + dot(xq, wg, trans_b=fp8.nk) * (sa * fp8.out_scales(fp8.refs[0], e, kb, n0, bn)),
-            acc[1] + dot(xq, wu, trans_b=fp8.nk) * (sa * fp8.out_scales(fp8.refs[1], e, kb, n0, bn)))
+    sg, su = (fp8.out_scales(ref, e, kb, n0, bn) for ref in fp8.refs[:2])
+    if fp8.swap:  # [bn, tile] = w [bn, bk] . x^T: the weight columns fill the MMA's M (see MoEConfig.swap_ab)
+        sa, sg, su = sa.T, _transposed(sg), _transposed(su)
+        return (acc[0] + dot(wg, xq, trans_b=True) * (sa * sg), acc[1] + dot(wu, xq, trans_b=True) * (sa * su))
+    return (acc[0] + dot(xq, wg, trans_b=fp8.nk) * (sa * sg), acc[1] + dot(xq, wu, trans_b=fp8.nk) * (sa * su))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,6 +381,12 @@ def _transposed(scale):
     return scale if jnp.ndim(scale) == 0 else scale.T
 
 
+def word_form(n_exp: int, d: int, i: int) -> bool:
+    """Whether FP8 expert stacks of n_exp x d x i are read as uint16 words (`grouped_swiglu`'s `packed` default):
+    2**31 elements or more, past Pallas Triton's int32 offsets (see `_pair_block`)."""
+    return n_exp * d * i >= 2 ** 31
+
+
 def _round_to(x, dtype):
     """float32 x rounded to the values of `dtype` (kept float32): a rounding XLA may not elide."""
     f = jnp.finfo(dtype)
@@ -445,7 +450,7 @@ def default_config(t: int, k: int, n_exp: int, d: int, i: int, itemsize: int = 2
     Split-K needs an even count of 128-wide hidden steps (else 1)."""
     tile = tile_rows(t, k, n_exp)
     if form == "w8a8" and itemsize < 4 and tile < 64 and i % 128 == 0 and d % 128 == 0:
-        if t >= 16 and w_layout == "nk" and n_exp * d * i >= 2 ** 31:  # uint16 words (TP = 1 stacks)
+        if t >= 16 and w_layout == "nk" and word_form(n_exp, d, i):  # TP = 1 stacks
             return MoEConfig(tile=tile, bn_up=128, bk_up=128, bn_down=128, bk_down=128, num_warps=4, num_stages=4)
         if t >= 16 and w_layout == "nk":
             return MoEConfig(tile=tile, bn_up=128, bk_up=128, bn_down=128, bk_down=128, num_warps=4, num_stages=3,
@@ -544,7 +549,6 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     if cfg.swap_ab and not (act and nk):
         raise ValueError(f"moe triton: swap_ab is for form 'w8a8' over K-major ('nk') stacks; got form {form!r}, "
                          f"w_layout {w_layout!r}")
-    swap = cfg.swap_ab
     if act and (i % cfg.bn_up or d % cfg.bn_down or d % cfg.bk_up or i % cfg.bk_down):
         raise ValueError(f"moe triton: form 'w8a8' reads whole blocks: the blocks of {cfg} must divide the widths "
                          f"(hidden {d}, expert width {i})")
@@ -553,7 +557,8 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
                          f"step), got {cfg.bk_up} and {cfg.bk_down}")
     static_off = isinstance(i_offset, int)
     if packed is None:
-        packed = fp8 and max(wg.size, wd.size) >= 2 ** 31
+        packed = fp8 and word_form(n_exp, d, i)
+    # in-kernel h quantisation: not for [E, K, N] stacks as words, whose up kernel stores h as even and odd columns
     quant_h_ok = act and cfg.k_split == 1 and cfg.bn_up == FP8_BLOCK and not (packed and not nk)
     if cfg.quant_h is None:
         cfg = dataclasses.replace(cfg, quant_h=quant_h_ok)
@@ -600,9 +605,9 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
                          jax.ShapeDtypeStruct((i_h // FP8_BLOCK, n_tiles * tile), jnp.float32)]
         kernel, specs, args = _fp8_launch(
             functools.partial(_up_kernel, k=k, bk=cfg.bk_up, steps=up_steps, interpret=interpret,
-                              **({"h_dtype": out_dtype} if cfg.quant_h else {})), i_offset,
+                              h_dtype=out_dtype), i_offset,
             up_scales, tile_specs + [any_spec] * 3, (src, tile_expert, x, wg, wu), scalar=up_scalar, shift=0,
-            packed=packed, act=act, nk=nk, swap=swap, n_out=2 if cfg.quant_h else 1)
+            packed=packed, act=act, nk=nk, swap=cfg.swap_ab, n_out=2 if cfg.quant_h else 1)
         h = pl.pallas_call(
             kernel,
             grid=(i_h // bn, n_tiles),
@@ -620,7 +625,7 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
             i_offset, up_scales,
             [pl.BlockSpec((tile,), lambda n, m, c: (m,)), pl.BlockSpec((1,), lambda n, m, c: (m,))]
             + [any_spec] * 3, (src, tile_expert, x, wg, wu), scalar=up_scalar, shift=0, packed=packed, act=act,
-            nk=nk, swap=swap, n_out=2)
+            nk=nk, swap=cfg.swap_ab, n_out=2)
         g, u = pl.pallas_call(
             kernel,
             grid=(i_h // bn, n_tiles, ks),
@@ -634,8 +639,8 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
             h = _round_to(h, out_dtype)  # (excess precision), so round explicitly, as the up kernel's store does
         h = h.astype(out_dtype)
     down_scales = (wd_scale,) if fp8 else None
-    if act and h_scale is None:  # h rows of empty tiles hold garbage: their scales too, but no program reads those
-        h, h_scale = quantize_activation_blocks(h)  # rows
+    if act and h_scale is None:  # h rows of empty tiles hold garbage, their scales too; no program reads them
+        h, h_scale = quantize_activation_blocks(h)
         h_scale = h_scale.T
     if act:
         down_scales = (wd_scale, h_scale)
@@ -646,7 +651,8 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     kernel, specs, args = _fp8_launch(
         functools.partial(_down_kernel, bn=bn, bk=bk, steps=down_steps, interpret=interpret), i_offset,
         down_scales, tile_specs + [pl.BlockSpec((tile,), lambda n, m: (m,)), any_spec, any_spec],
-        (src, tile_expert, pair_w, h, wd), scalar=False, shift=shift, packed=packed, act=act, nk=nk, swap=swap)
+        (src, tile_expert, pair_w, h, wd), scalar=False, shift=shift, packed=packed, act=act, nk=nk,
+        swap=cfg.swap_ab)
     y = pl.pallas_call(
         kernel,
         grid=(_cdiv(d, bn), n_tiles),
