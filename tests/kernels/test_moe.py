@@ -117,6 +117,14 @@ def test_bad_options_are_named(kernel_impl):
         moe.routed_experts(*args, impl=kernel_impl, bn_up=8)
     with pytest.raises(ValueError, match="mode 'tiles' forces an xla form"):
         moe.routed_experts(*args, impl=kernel_impl, mode="tiles", tile=16)
+    with pytest.raises(ValueError, match="swap_ab 'yes' must be a bool"):
+        moe.routed_experts(*args, impl=kernel_impl, swap_ab="yes")
+    with pytest.raises(ValueError, match="quant_h 2 must be a bool or None"):
+        moe.routed_experts(*args, impl=kernel_impl, quant_h=2)
+    with pytest.raises(ValueError, match="swap_ab is for form 'w8a8' over K-major"):
+        moe.routed_experts(*args, impl=kernel_impl, swap_ab=True)  # bf16 experts
+    with pytest.raises(ValueError, match="quant_h quantises h in the up kernel"):
+        moe.routed_experts(*args, impl=kernel_impl, quant_h=True)
 
 
 def test_bad_shapes_are_named():
