@@ -2,7 +2,8 @@
 
 H=64 heads, rows [512 | 64], top-k 2048 indices per query row into a 32K-token context per request, B decode
 rows, bf16 and fp8_ds_mla caches. Per (cache, B) it times the xla op, today's two-launch kernel (default
-config: split-K partials, then `merge_partials`), the one-launch form (`merge="kernel"`: the last program of a
+config: split-K partials, then the Pallas Triton merge launch; and the same with XLA's `merge_partials`), the
+one-launch form (`merge="kernel"`: the last program of a
 (row, head block) merges the partials in the same launch) over a few configs, and with `--sweep` more configs
 of the two-launch form. Each op is checked against the xla op once (max relative error of o, `err`).
 
@@ -40,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import Budget, command_line, device_peaks, record, write_json
+from benchmarks.harness import Budget, command_line, cu_profiler, device_peaks, record, write_json
 from kernels import fp8_formats, sparse_mla, sparse_mla_triton
 
 H, R, DR, K, CTX = 64, 512, 64, 2048, 32768
@@ -118,20 +119,13 @@ def time_op(impl, data, reps, iters, flush, **opts):
 
 
 def profile_once(impl, data, **opts):
-    """Run one op (warmed up, compiled) between cudaProfilerStart and Stop: with `ncu --profile-from-start off`
+    """Run one op (warmed up, compiled) between cuProfilerStart and Stop: with `ncu --profile-from-start off`
     only its kernels are profiled (ncu's own cache control flushes the L2 before each)."""
-    import ctypes
-    import glob
-    import os
-
-    lib = glob.glob(os.path.join(os.path.dirname(jax.__file__), "..", "nvidia", "cuda_runtime", "lib",
-                                 "libcudart.so*"))
-    rt = ctypes.CDLL(lib[0] if lib else "libcudart.so")
     run = make_runner(impl, 1, **opts)
     jax.block_until_ready(run(*data))
-    rt.cudaProfilerStart()
+    cu_profiler(True)
     jax.block_until_ready(run(*data))
-    rt.cudaProfilerStop()
+    cu_profiler(False)
 
 
 def rel_err(out, ref):
@@ -222,9 +216,10 @@ def main(argv=None):
         data = make_case(b, fp8, args.reps)
         nbytes = bytes_moved(b, fp8)
         default = dataclasses.asdict(sparse_mla_triton.default_config(b, H, K, fp8))
-        default.update(merge="xla")  # today's two-launch default, whatever default_config picks later
+        default.update(merge="launch")  # the two-launch default (merge kernel), whatever default_config picks later
         one = one_launch_configs(b, fp8, args.one_launch == 2) if args.one_launch else []
-        cands = ([("triton_2launch", default)] + [("triton_1launch", c) for c in one]
+        xla_merge = [("triton_2launch", dict(default, merge="xla"))] if default["n_split"] > 1 else []
+        cands = ([("triton_2launch", default)] + xla_merge + [("triton_1launch", c) for c in one]
                  + [("triton_2launch", c) for c in two_launch_sweep(b, fp8, args.sweep)])
         if args.profile:
             for impl, cfg in [("xla", {})] + cands:
@@ -249,7 +244,7 @@ def main(argv=None):
                              xla_us=t_xla * 1e6, tb_s=nbytes / t / 1e12, err=rel_err(out, ref)))
         for r_ in cell[1:]:
             print(f"  {cache_name:10s} B={b:3d} {r_['impl']:15s} {r_['us']:8.1f} us  err {r_['err']:.1e}  "
-                  f"{ {k: v for k, v in r_['config'].items() if k != 'merge'} }", flush=True)
+                  f"{ {k: v for k, v in r_['config'].items() if k != 'partial_dtype'} }", flush=True)
         ok = [r_ for r_ in cell if r_["err"] < 5e-2]  # a wrong result is never the best
         best = min(ok, key=lambda r_: r_["us"])
         line = (f"BEST sparse_mla {cache_name:10s} B={b:3d}  {best['impl']:15s} {best['us']:8.1f} us "

@@ -24,7 +24,8 @@ from kernels import sparse_mla_mosaic as mosaic  # noqa: E402
 
 H, R, DR, K, CTX = 64, 512, 64, 2048, 32768
 SCALE = (192 + 64) ** -0.5
-VARIANTS = {"cp_async": dict(producer="cp_async"), "tma_gmem": dict(producer="tma", slot_source="gmem"),
+VARIANTS = {"cp_async": dict(producer="cp_async"), "cp_async_xla_merge": dict(producer="cp_async", merge="xla"),
+            "tma_gmem": dict(producer="tma", slot_source="gmem"),
             "tma_smem": dict(producer="tma", slot_source="smem"),
             "cp_async_r224": dict(producer="cp_async", consumer_registers=224, producer_registers=56),
             "share_p": dict(share_p=True),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from . import registry
+
 
 def merge_partials(o, lse, axis: int = 0):
     """Combine partials `o` [..., N, ..., D] / `lse` [..., N, ...] along `axis` (of lse; o has a trailing D).
@@ -22,3 +24,33 @@ def merge_partials(o, lse, axis: int = 0):
     o_axis = axis if axis >= 0 else axis - 1
     o_merged = jnp.sum(jnp.where(scale[..., None] > 0, scale[..., None] * o.astype(jnp.float32), 0.0), axis=o_axis)
     return o_merged, jnp.squeeze(merged_lse, axis=axis)
+
+
+def merge_splits(o, lse, *, impl: str = "xla", **kernel_options):
+    """The merge of split-K partials o [N, T, H, R] / lse [N, T, H] over N (the attention kernels' second step):
+    (o [T, H, R] float32, lse [T, H]). impl (`kernels.registry`): "xla" (`merge_partials(axis=0)`, the oracle),
+    "triton" / "triton_interpret" (one Pallas Triton launch, `kernels.lse_merge_triton`; `kernel_options` are its
+    launch fields), "auto" (the kernel on a GPU where it takes the partials, else xla)."""
+    return registry.dispatch("lse_merge", impl, o, lse, **kernel_options)
+
+
+def _merge_splits_xla(o, lse):
+    return merge_partials(o, lse, axis=0)
+
+
+def choose_impl(o, lse, **kernel_options) -> str:
+    """The "auto" rule: the Triton kernel on a GPU wherever it takes the partials (one launch against XLA's five
+    passes: BENCHMARKS.md, session 11), else the xla merge."""
+    if not registry.on_gpu():
+        return "xla"
+    try:
+        registry.check("lse_merge", "triton", o, lse)
+        return "triton"
+    except ValueError:
+        return "xla"
+
+
+registry.register("lse_merge", "xla", _merge_splits_xla)
+registry.register_triton("lse_merge", "kernels.lse_merge_triton:merge_partials_triton",
+                         supports="kernels.lse_merge_triton:supports")
+registry.register_auto("lse_merge", choose_impl)

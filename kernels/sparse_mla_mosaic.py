@@ -8,7 +8,8 @@ One CTA per (query row t, split s), three warpgroups:
   softmax statistics agree without an exchange), run the online softmax in float32 (log2 units) and accumulate
   P V into their own 256 of the R = 512 latent columns.
 Query heads are padded to 64 (wgmma's M). Slot -1 reads as a zero row and is masked out of the softmax; a row
-with no valid slot gives (0, -inf). Splits write normalised partials merged by `lse_merge.merge_partials`.
+with no valid slot gives (0, -inf). Splits write normalised partials merged by one Pallas Triton launch
+(`kernels.lse_merge_triton`, config `merge`) or `lse_merge.merge_partials`.
 
 Gathering: sm_90 has no TMA row gather, so the producer issues one TMA per (row, 64-column chunk) into a
 swizzle-only view of the K buffer ("tma_rows"). The GPU interpreter (CPU tests) does not alias `RefUnion`
@@ -29,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import fp8_formats
-from .lse_merge import merge_partials
+from .lse_merge import merge_partials, merge_splits
 
 HEADS = 64  # wgmma M: query heads per CTA (padded)
 BLOCK_K = 64  # cache rows per tile
@@ -41,7 +42,9 @@ LOG2E = math.log2(math.e)
 class MosaicSparseMLAConfig:
     """Launch config. n_split: CTAs per query row (each a contiguous share of the row's 64-slot tiles; their
     partials are merged after the launch). consumer_registers / producer_registers: `set_max_registers` of the
-    two consumer warpgroups and the producer (their sum over three warpgroups must stay <= 504)."""
+    two consumer warpgroups and the producer (their sum over three warpgroups must stay <= 504). merge (n_split >
+    1): "launch" merges the partials in one Pallas Triton launch (`kernels.lse_merge_triton`), "xla" with
+    `lse_merge.merge_partials` (five XLA passes)."""
     n_split: int = 1
     consumer_registers: int = 232
     producer_registers: int = 40
@@ -49,8 +52,11 @@ class MosaicSparseMLAConfig:
     producer: str = "cp_async"
     share_p: bool = False
     diagnostic: str = "none"
+    merge: str = "launch"
 
     def __post_init__(self):
+        if self.merge not in ("launch", "xla"):
+            raise ValueError(f"MosaicSparseMLAConfig.merge must be 'launch' or 'xla', got {self.merge!r}")
         if self.diagnostic not in ("none", "no_mask", "gather_only"):
             raise ValueError(f"MosaicSparseMLAConfig.diagnostic must be 'none', 'no_mask' or 'gather_only', "
                              f"got {self.diagnostic!r}")
@@ -595,12 +601,14 @@ def _run(q, cache, indices, *, scale, kv_lora_rank, config, interpret, return_pa
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     o, lse = kernel(q, cache, indices)
-    o, lse = o[:, :, :h], lse[:, :, :h]
     if return_partials:
-        return o, lse
+        return o[:, :, :h], lse[:, :, :h]
     if n_split == 1:
-        return o[0], lse[0]
-    return merge_partials(o, lse, axis=0)
+        return o[0, :, :h], lse[0, :, :h]
+    if config.merge == "launch":  # the kernel merges all HEADS rows; the padding heads are sliced off after
+        o, lse = merge_splits(o, lse, impl="triton_interpret" if interpret else "triton")
+        return o[:, :h], lse[:, :h]
+    return merge_partials(o[:, :, :h], lse[:, :, :h], axis=0)
 
 
 def sparse_mla_mosaic(q, cache, indices, *, scale: float, kv_lora_rank: int,

@@ -4,8 +4,9 @@ Grid (T, H / block_h, n_split). Program (t, hb, s) attends query row t's heads [
 over the indices [s * K_s, (s + 1) * K_s) of row t (K_s = K / n_split, padded with -1), gathering
 `block_k` cache rows per step straight from the cache (never a slice of it outside the kernel), with an
 online softmax in float32. Each program writes a partial (o [block_h, R] normalised, lse [block_h]); an
-empty split writes (0, -inf). The partials are combined by `kernels.lse_merge.merge_partials`, the same
-function the DCP merge uses, in a second launch, or (config `merge="kernel"`, for few rows) inside the same
+empty split writes (0, -inf). The partials are combined in a second launch by `kernels.lse_merge_triton` (one
+Pallas Triton kernel, config `merge="launch"`, the default) or by `kernels.lse_merge.merge_partials` (XLA, the
+function the DCP merge uses, `merge="xla"`), or (`merge="kernel"`, for few rows) inside the same
 launch: each program stores its partial to a workspace, passes a CTA barrier, and counts itself in with an
 acq_rel gpu-scope atomic add on a per-(row, head block) counter; the program that sees n_split - 1 merges
 (`_merged_kernel`, `_merged_call`).
@@ -33,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import fp8_formats
-from .lse_merge import merge_partials
+from .lse_merge import merge_partials, merge_splits
 from .triton_common import check_addressable, col_range, dot, gather, u8_to_bf16, u8_to_f32, u8_words, with_options
 
 
@@ -175,8 +176,9 @@ class SparseMLAConfig:
     """Launch config of the sparse MLA kernel: `block_h` heads x `block_k` keys per step (powers of two >= 16),
     `n_split` programs per (row, head block) over the indices (split-K, merged by LSE), warps, pipeline stages.
 
-    `merge` (with n_split > 1): "xla" writes the partials as outputs and merges them after the kernel
-    (`lse_merge.merge_partials`, a second launch); "kernel" merges inside the same launch: each program writes
+    `merge` (with n_split > 1): "launch" (the default) writes the partials as outputs and merges them in a second
+    Pallas Triton launch (`kernels.lse_merge_triton`: one kernel where XLA's merge is five passes); "xla" merges
+    them after the kernel with `lse_merge.merge_partials` (XLA); "kernel" merges inside the same launch: each program writes
     its partial to a workspace and counts itself in with an atomic, and the last program of a (row, head block)
     merges them (n_split must then be a power of two: the merge loads [n_split, block_h, cols] tiles).
     `partial_dtype` ("float32" or "bfloat16"): the dtype of the stored partial o (lse stays float32); bfloat16
@@ -186,7 +188,7 @@ class SparseMLAConfig:
     n_split: int
     num_warps: int
     num_stages: int
-    merge: str = "xla"
+    merge: str = "launch"
     partial_dtype: str = "float32"
 
     def __post_init__(self):
@@ -200,8 +202,8 @@ class SparseMLAConfig:
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
                 raise ValueError(f"SparseMLAConfig: {name} {v!r} must be an int >= 1")
-        if self.merge not in ("xla", "kernel"):
-            raise ValueError(f"SparseMLAConfig: merge {self.merge!r} must be 'xla' or 'kernel'")
+        if self.merge not in ("launch", "xla", "kernel"):
+            raise ValueError(f"SparseMLAConfig: merge {self.merge!r} must be 'launch', 'xla' or 'kernel'")
         if self.merge == "kernel" and not _pow2(self.n_split):
             raise ValueError(f"SparseMLAConfig: n_split {self.n_split!r} must be a power of two with merge='kernel'")
         if self.partial_dtype not in ("float32", "bfloat16"):
@@ -346,6 +348,8 @@ def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, con
         return o[:, :, :h], lse[:, :, :h]
     if ns == 1:
         o, lse = o[0], lse[0]
+    elif cfg.merge == "launch":
+        o, lse = merge_splits(o, lse, impl="triton_interpret" if interpret else "triton")
     else:
         o, lse = merge_partials(o, lse, axis=0)
     return o[:, :h], lse[:, :h]

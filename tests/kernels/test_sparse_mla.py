@@ -85,8 +85,8 @@ def _inputs(t, h, k, n, *, seed, fp8=False, r=R, dr=DR):
              else jnp.asarray(c, jnp.bfloat16))
     idx = rng.integers(0, n, size=(t, k)).astype(np.int32)
     idx[rng.uniform(size=(t, k)) < 0.2] = -1
-    idx[0] = -1  # a row with no valid index
-    if t > 1:
+    if t > 1:  # (a single row keeps its valid indices: a B = 1 case would otherwise compare zeros)
+        idx[0] = -1  # a row with no valid index
         idx[1, : min(k, 9)] = idx[1, 0] if idx[1, 0] >= 0 else 3  # duplicates
     if t > 2:
         idx[2, 1:] = -1  # a single valid index
@@ -180,7 +180,8 @@ def test_fp8_oracle_equals_attention_over_the_dequantised_cache():
 @pytest.mark.parametrize("fp8", [False, True])
 def test_lowers_to_triton_at_glm5_dims(fp8, t):
     """The Pallas -> Triton IR lowering at production shapes (B=1 and 128, H=64, K=2048, >4 GiB cache): one
-    launch of the named kernel on the grid (rows, head blocks, splits) of the default config."""
+    launch of the named kernel on the grid (rows, head blocks, splits) of the default config, then (split rows
+    only) one launch of the merge kernel over (rows, 4-head blocks, 128-column blocks)."""
     s = jax.ShapeDtypeStruct
     cache = s((3 << 20, 656), jnp.uint8) if fp8 else s((4 << 20, 576), jnp.bfloat16)  # fp8: under 2 GiB
     f = functools.partial(sparse_mla_triton.sparse_mla_triton, scale=0.0625, kv_lora_rank=R)
@@ -189,8 +190,9 @@ def test_lowers_to_triton_at_glm5_dims(fp8, t):
     # B = 1: 32-head blocks split 32 ways over K (64 programs); B = 128: 64-head blocks, no split
     want_grid = (1, 2, 32) if t == 1 else (128, 1, 1)
     assert (t, 64 // cfg.block_h, cfg.n_split) == want_grid
+    merge = [("lse_merge", (1, 16, 4), 4, 1)] if t == 1 else []
     assert [(c.name, c.grid, c.num_warps, c.num_stages) for c in calls] == [
-        ("sparse_mla_fp8" if fp8 else "sparse_mla_bf16", want_grid, cfg.num_warps, cfg.num_stages)]
+        ("sparse_mla_fp8" if fp8 else "sparse_mla_bf16", want_grid, cfg.num_warps, cfg.num_stages)] + merge
 
 
 def test_fp8_lowers_with_one_scale_tile():
@@ -199,7 +201,7 @@ def test_fp8_lowers_with_one_scale_tile():
     f = functools.partial(sparse_mla_triton.sparse_mla_triton, scale=0.0625, kv_lora_rank=64, n_split=2)
     cache = s((1000, fp8_formats.mla_row_bytes(64, 32)), jnp.uint8)
     calls = triton_calls(lower_for_gpu(f, s((4, 16, 96), jnp.bfloat16), cache, s((4, 64), jnp.int32)))
-    assert [(c.name, c.grid) for c in calls] == [("sparse_mla_fp8", (4, 1, 2))]
+    assert [(c.name, c.grid) for c in calls] == [("sparse_mla_fp8", (4, 1, 2)), ("lse_merge", (4, 4, 1))]
 
 
 def test_uint8_arrays_of_2_to_4_gib_are_refused():
