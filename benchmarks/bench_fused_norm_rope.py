@@ -73,6 +73,8 @@ def candidates(T: int, fp8: bool = False) -> list[fnt.FusedNormRopeConfig]:
             C(2, 2, 4, layout="fused", q_programs=8 * SMS, cache_programs=8 * SMS, num_stages=3),
             C(4, 2, 4, layout="interleave", q_programs=4 * SMS, cache_programs=4 * SMS, num_stages=3),
         ]
+    if fp8:  # 1-row cache blocks with FP8 caches are refused (they segfaulted Triton: FP8_MIN_CACHE_ROWS)
+        out = [dataclasses.replace(c, cache_rows=max(c.cache_rows, fnt.FP8_MIN_CACHE_ROWS)) for c in out]
     return [c for i, c in enumerate(out) if c not in out[:i]]
 
 
@@ -188,6 +190,9 @@ def main(argv=None):
     ap.add_argument("--caches", default="bfloat16,fp8_ds_mla")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--default-only", action="store_true", help="time only the default launch (no sweep)")
+    ap.add_argument("--configs", default=None,
+                    help="comma-separated indices into the candidate list of each (T, cache) (0 = the default): "
+                         "time only those (e.g. to find the launch that crashes a sweep, one process each)")
     ap.add_argument("--budget", type=float, default=200.0,
                     help="seconds: once spent, the remaining (T, cache) cells time the default launch only and the "
                          "ceilings are skipped (the run stays under about 4 minutes)")
@@ -218,7 +223,10 @@ def main(argv=None):
         ref = jax.tree.map(jnp.copy, ref)  # the caches are donated to the next run: keep a copy
         add(cache, T, "xla", None, t_xla, t_xla, nbytes)
         measured = []
-        for cfg in candidates(T, fp8)[:1] if args.default_only or over else candidates(T, fp8):
+        cands = candidates(T, fp8)
+        if args.configs is not None:
+            cands = [cands[int(i)] for i in args.configs.split(",") if int(i) < len(cands)]
+        for cfg in cands[:1] if args.default_only or over else cands:
             try:
                 t, out = time_op("triton", {"config": cfg}, data, args.iters)
             except Exception as e:  # a launch Triton cannot compile is a result of the sweep, not an error

@@ -291,15 +291,17 @@ def test_yarn_frequencies_reach_the_kernel(kernel_impl, on_gpu):
     (40, False, True, (("q_rows", 1), ("cache_rows", 8), ("num_warps", 2))),
     (23, True, False, (("q_rows", 2), ("cache_rows", 4), ("layout", "interleave"))),
     (21, False, True, (("q_rows", 1), ("cache_rows", 2), ("layout", "interleave"))),
-    (19, True, True, (("q_rows", 4), ("cache_rows", 1), ("layout", "fused"))),
+    (19, False, True, (("q_rows", 4), ("cache_rows", 1), ("layout", "fused"))),
+    (19, True, True, (("q_rows", 4), ("cache_rows", 2), ("layout", "fused"))),
     (22, False, False, (("q_rows", 2), ("cache_rows", 8), ("layout", "fused"))),
-    (23, True, True, (("q_rows", 2), ("cache_rows", 1), ("layout", "two_launch"), ("q_warps", 8))),
+    (23, False, True, (("q_rows", 2), ("cache_rows", 1), ("layout", "two_launch"), ("q_warps", 8))),
+    (23, True, True, (("q_rows", 2), ("cache_rows", 2), ("layout", "two_launch"), ("q_warps", 8))),
     # persistent programs: 3 q programs over 12 blocks, 5 cache programs over 6 blocks (one loops past the end)
     (23, True, True, (("q_rows", 2), ("cache_rows", 4), ("q_programs", 3), ("cache_programs", 5),
                       ("num_stages", 2))),
     (32, False, True, (("q_rows", 4), ("cache_rows", 2), ("q_programs", 4), ("cache_programs", 16),
                        ("layout", "interleave"))),
-    (17, True, True, (("q_rows", 1), ("cache_rows", 1), ("q_programs", 4), ("cache_programs", 3),
+    (17, True, True, (("q_rows", 1), ("cache_rows", 2), ("q_programs", 4), ("cache_programs", 3),
                       ("layout", "fused"))),
     (24, False, True, (("q_rows", 2), ("cache_rows", 2), ("q_programs", 4), ("layout", "two_launch"))),
     # fused with both parts on every program: all loads of a step first (one step, then a loop of 5 steps)
@@ -313,6 +315,17 @@ def test_uneven_row_blocks(kernel_impl, on_gpu, T, fp8, il, opts):
     kw = make_inputs(T, **TINY, fp8=fp8, seed=T + 100)
     assert_matches_oracle(kw, run_op(kw, kernel_impl, il, None, opts), run_op(kw, "xla", il), R=32, Dr=16, Di=32,
                           exact_scales=not on_gpu)
+
+
+@pytest.mark.parametrize("layout", ["split", "fused", "two_launch"])
+def test_fp8_caches_refuse_one_row_cache_blocks(kernel_impl, layout):
+    """1-row cache blocks with FP8 caches crashed Triton's compiler on the H200 (a segfault that kills the process):
+    the kernel refuses them by name, and the default config at every T gives FP8 caches 2-row cache blocks."""
+    kw = make_inputs(5, **TINY, fp8=True, seed=9)
+    with pytest.raises(ValueError, match="cache_rows 1 with an FP8 cache.*cache_rows >= 2"):
+        run_op(kw, kernel_impl, True, None, (("q_rows", 1), ("cache_rows", 1), ("layout", layout)))
+    for T in (1, 64, 255, 256, 4096, 16384, 65536):
+        assert fnr_triton.default_config(T, fp8=True).cache_rows >= fnr_triton.FP8_MIN_CACHE_ROWS, T
 
 
 def test_fp8_rows_are_the_reference_quantiser(kernel_impl):
@@ -559,6 +572,10 @@ def test_gpu_triton_matches_oracle(kernel_impl, T, cache_dtype):
 def test_gpu_launch_variants(kernel_impl, opts):
     for fp8 in (False, True):
         kw = make_inputs(4097, **GLM5, fp8=fp8, seed=77, topk=64)
+        if fp8 and dict(opts)["cache_rows"] < fnr_triton.FP8_MIN_CACHE_ROWS:  # refused: it segfaulted Triton
+            with pytest.raises(ValueError, match="cache_rows 1 with an FP8 cache"):
+                run_op(kw, kernel_impl, fp8, None, opts)
+            continue
         assert_matches_oracle(kw, run_op(kw, kernel_impl, fp8, None, opts), run_op(kw, "xla", fp8),
                               R=512, Dr=64, Di=128, exact_scales=False)
 
