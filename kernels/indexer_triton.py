@@ -41,6 +41,9 @@ from .triton_common import check_addressable, col_range, dot, gather, u8_words, 
 SCORE_BUDGET = 1 << 25  # float32 scores held at once by the top-k stage (128 MiB)
 ROW_BLOCK_MIN_T = 64  # rows from which indexer_scores_triton takes the row-block form
 ROW_BLOCK = 16  # its query rows per program: block_t unrolled [H, Di] x [Di, block_s] dots
+# rows from which the select top-k beats lax.top_k on the H200 (session 11, 32K scores: 1 row 113 / 136 us
+# against 77 / 74; 4 rows 100 against 115; 8 rows 105 against 108; 16 rows 115 against 152)
+SELECT_MIN_ROWS = 4
 LOOP_PROGRAMS = 1024  # programs the looped decode kernel aims for (about 8 per SM of an H200)
 # float32 keys (the reference dtype): Triton runs an IEEE float32 dot on the FMA units, unrolled per thread
 # ([64, 128] x [128, 128] is 8K FMAs a thread, x16 rows x2 branches in the row-block form), which ptxas took
@@ -361,7 +364,7 @@ def indexer_topk_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *
         row_chunk = 1 << max(0, (SCORE_BUDGET // max(s, 1)).bit_length() - 1)
     elif not (isinstance(row_chunk, int) and row_chunk >= 1):
         raise ValueError(f"indexer triton: row_chunk {row_chunk!r} must be an int >= 1")
-    select = topk_select_impl(s, topk, topk_impl, interpret)
+    select = topk_select_impl(s, topk, topk_impl, interpret, rows=min(q.shape[0], row_chunk))
     topk_options = {} if topk_config is None or select == "xla" else {"config": topk_config}
 
     def rows(q_, w_, r_, n_):
@@ -373,17 +376,18 @@ def indexer_topk_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *
     return (pos, val) if return_scores else pos
 
 
-def topk_select_impl(s: int, topk: int, topk_impl: str | None, interpret: bool) -> str:
-    """The "topk" impl (`kernels.indexer.select_topk`) the triton indexer runs over rows of `s` scores: the select
-    kernel ("triton", or "triton_interpret" when `interpret`) for `topk_impl` "select"; "xla" (`lax.top_k`) for
-    "lax". None: the select kernel on a GPU wherever it takes the rows (S <= SELECT_MAX_S; faster than `lax.top_k`
-    on the H200 at B = 32 and 128 with the same result bit for bit: BENCHMARKS.md, session 10), else `lax.top_k`;
-    under the interpreter None keeps `lax.top_k` (the same positions and scores; the interpreted kernel is only
-    slower, and the CPU tests check it on its own). "select" on shapes it does not take is the registry's
-    ValueError naming the constraint."""
+def topk_select_impl(s: int, topk: int, topk_impl: str | None, interpret: bool, rows: int | None = None) -> str:
+    """The "topk" impl (`kernels.indexer.select_topk`) the triton indexer runs over `rows` rows (None: many) of `s`
+    scores: the select kernel ("triton", or "triton_interpret" when `interpret`) for `topk_impl` "select"; "xla"
+    (`lax.top_k`) for "lax". None: the select kernel on a GPU for at least SELECT_MIN_ROWS rows that it takes (S <=
+    SELECT_MAX_S: faster than `lax.top_k` with the same result bit for bit), else `lax.top_k` (one program per row
+    leaves the GPU idle below that: BENCHMARKS.md, session 11); under the interpreter None keeps `lax.top_k` (the
+    same positions and scores; the interpreted kernel is only slower, and the CPU tests check it on its own).
+    "select" on shapes it does not take is the registry's ValueError naming the constraint."""
     if topk_impl not in (None, "select", "lax"):
         raise ValueError(f"indexer triton: topk_impl {topk_impl!r} must be 'select', 'lax' or None")
     kernel = "triton_interpret" if interpret else "triton"
     if topk_impl is None:
-        return "xla" if interpret or select_width_supported(s) else kernel
+        few = rows is not None and rows < SELECT_MIN_ROWS
+        return "xla" if interpret or few or select_width_supported(s) else kernel
     return kernel if topk_impl == "select" else "xla"

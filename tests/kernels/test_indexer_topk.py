@@ -99,10 +99,15 @@ def test_k_2048_of_32k(kernel_impl):
 
 def test_dispatch_takes_the_kernel_where_it_fits():
     """The triton indexer's top-k: by default the select kernel on a GPU where it takes the row (faster than
-    `lax.top_k` on the H200), `lax.top_k` for wider rows, under the interpreter and for "lax"; the select kernel
-    when asked for "select"; on a row too wide that is the registry's error naming the limit."""
+    `lax.top_k` on the H200), `lax.top_k` for wider rows, for fewer than SELECT_MIN_ROWS rows, under the
+    interpreter and for "lax"; the select kernel when asked for "select"; on a row too wide that is the registry's
+    error naming the limit."""
     wide = indexer.SELECT_MAX_S * 2
     assert indexer_triton.topk_select_impl(32768, 2048, None, False) == "triton"
+    few = indexer_triton.SELECT_MIN_ROWS
+    assert indexer_triton.topk_select_impl(32768, 2048, None, False, rows=few) == "triton"
+    assert indexer_triton.topk_select_impl(32768, 2048, None, False, rows=few - 1) == "xla"
+    assert indexer_triton.topk_select_impl(32768, 2048, "select", False, rows=1) == "triton"
     assert indexer_triton.topk_select_impl(wide, 2048, None, False) == "xla"
     assert indexer_triton.topk_select_impl(32768, 2048, None, True) == "xla"
     assert indexer_triton.topk_select_impl(32768, 2048, "select", False) == "triton"
