@@ -8,6 +8,7 @@ Records: `{"date", "commit", "device", "command", "rows": [...]}` plus any keys 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import datetime
 import json
@@ -262,3 +263,14 @@ def write_json(path: str, rec: dict) -> None:
     with open(path, "w") as f:
         json.dump(rec, f, indent=1, default=_jsonable)
         f.write("\n")
+
+
+def cu_profiler(start: bool) -> None:
+    """Start or stop Nsight Compute's capture (`ncu --profile-from-start off`) through the CUDA driver API.
+
+    The driver library is the one the process already runs on; loading a runtime `libcudart` beside jax's own
+    CUDA libraries crashed the process on the H200 image (session 11)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    rc = lib.cuProfilerStart() if start else lib.cuProfilerStop()
+    if rc:
+        raise RuntimeError(f"cuProfiler{'Start' if start else 'Stop'} returned CUDA error {rc}")

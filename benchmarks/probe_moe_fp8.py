@@ -16,7 +16,6 @@ dequantised, as the baseline. `--variants` is a JSON object {name: kernel overri
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 
 import jax
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bench_fp8_gemm import random_fp8
-from benchmarks.harness import command_line, device_peaks, op_device_time, record, write_json
+from benchmarks.harness import command_line, cu_profiler, device_peaks, op_device_time, record, write_json
 from kernels import fp8_formats, moe
 
 K_TOP = 8
@@ -65,14 +64,6 @@ def rel_err(got, want) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
-def _cu_profiler(start: bool) -> None:
-    """Start or stop Nsight Compute's capture (`--profile-from-start off`) through the driver API."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    rc = lib.cuProfilerStart() if start else lib.cuProfilerStop()
-    if rc:
-        raise RuntimeError(f"cuProfiler{'Start' if start else 'Stop'} returned {rc}")
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dims", default="6144,256,256", help="hidden, expert width (this shard's), experts")
@@ -95,9 +86,9 @@ def main(argv=None):
             f = jax.jit(runner(args.ncu, variants.get(args.ncu, {}), args.impl))
             jax.block_until_ready(f(*case))
             jax.block_until_ready(f(*case))
-            _cu_profiler(True)
+            cu_profiler(True)
             jax.block_until_ready(f(*case))
-            _cu_profiler(False)
+            cu_profiler(False)
             print(f"ncu: variant {args.ncu} T={t} captured", flush=True)
         return
     peaks = device_peaks()
