@@ -83,6 +83,23 @@ def default_config(t: int, k: int, fp8: bool = False) -> MosaicSparseMLAConfig:
     return MosaicSparseMLAConfig(n_split=n_split)
 
 
+# Shared memory one CTA may take on the H200, as Mosaic GPU reports it (max_smem_bytes)
+SMEM_LIMIT = 232448
+# Bytes beyond the scratch buffers that `shared_memory_bytes` counts (barriers and Mosaic's own scratch),
+# calibrated on the one measurement there is: share_p at R + Dr = 576 asked for 233544 bytes (session 11)
+_SMEM_OVERHEAD = 3144
+
+
+def shared_memory_bytes(width: int, config: MosaicSparseMLAConfig) -> int:
+    """Shared memory a CTA of the native kernel takes for cache rows of `width` bf16 columns: the q tile, the
+    double-buffered K tile, the slot tiles, and with `share_p` the shared P tile and its row statistics."""
+    q = HEADS * width * 2
+    k = 2 * BLOCK_K * width * 2
+    slots = 2 * BLOCK_K * 4
+    shared_p = (HEADS * BLOCK_K * 2 + 2 * HEADS * 4) if config.share_p else 0
+    return q + k + slots + shared_p + _SMEM_OVERHEAD
+
+
 def supports(q, cache, indices, *, kv_lora_rank: int, interpret: bool = False, **_) -> str | None:
     """Why this kernel cannot take the inputs (None if it can)."""
     if cache.dtype not in (jnp.bfloat16, jnp.uint8):
@@ -628,5 +645,10 @@ def sparse_mla_mosaic(q, cache, indices, *, scale: float, kv_lora_rank: int,
     config = config or default_config(q.shape[0], indices.shape[1], cache.dtype == jnp.uint8)
     if overrides:
         config = dataclasses.replace(config, **overrides)
+    need = shared_memory_bytes(q.shape[-1], config)
+    if not interpret and need > SMEM_LIMIT:  # refused before a compile that would fail with the same numbers
+        raise ValueError(f"sparse_mla_mosaic: this config needs {need} bytes of shared memory per CTA (share_p="
+                         f"{config.share_p}, rows of {q.shape[-1]} columns), over the H200's {SMEM_LIMIT}; the "
+                         "share_p schedule does not fit GLM-5's 576-column rows (BENCHMARKS.md, session 11)")
     return _run(q, cache, indices, scale=float(scale), kv_lora_rank=int(kv_lora_rank), config=config,
                 interpret=bool(interpret), return_partials=bool(return_partials))

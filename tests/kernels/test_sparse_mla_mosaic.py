@@ -135,6 +135,10 @@ def test_auto_rule_picks_registered_impls():
 def test_gpu_glm5_shapes(t, h, k, fp8, producer, schedule):
     """fp8_ds_mla has one producer (its Lane code dequantises as it gathers)."""
     q, cache, idx = _inputs(t, h, k, 200_000, seed=t + h, r=512, fp8=fp8)
+    if schedule == "share_p":  # 233544 bytes of shared memory at 576 columns: refused before the compile
+        with pytest.raises(ValueError, match="233544 bytes of shared memory.*232448"):
+            _run("mosaic", q, cache, idx, r=512, producer=producer, **SCHEDULES[schedule])
+        return
     o, lse = _run("mosaic", q, cache, idx, r=512, producer=producer, **SCHEDULES[schedule])
     if fp8:  # the oracle over the exactly dequantised rows, rounded to bf16 as the kernel's tiles are
         kv, pe = fp8_formats.dequantize_mla_rows(cache, 512, DR)
@@ -142,3 +146,17 @@ def test_gpu_glm5_shapes(t, h, k, fp8, producer, schedule):
     else:
         cache_f32 = np.asarray(cache.astype(jnp.float32))
     _check_against_numpy(o, lse, q, cache_f32, idx, 512)
+
+
+def test_shared_memory_estimate_and_refusal():
+    """The native kernel's shared memory: share_p at GLM-5's 576 columns is the 233544 bytes Mosaic GPU reported on
+    the H200 (over its 232448), refused by name before any lowering; the plain schedule fits; the interpreter
+    (no shared memory limit) still runs share_p, as the CPU tests above do."""
+    plain = sparse_mla_mosaic.MosaicSparseMLAConfig()
+    shared = sparse_mla_mosaic.MosaicSparseMLAConfig(share_p=True)
+    assert sparse_mla_mosaic.shared_memory_bytes(576, shared) == 233544
+    assert sparse_mla_mosaic.shared_memory_bytes(576, plain) < sparse_mla_mosaic.SMEM_LIMIT
+    z = jnp.zeros
+    with pytest.raises(ValueError, match="233544 bytes of shared memory.*share_p=True.*232448"):
+        sparse_mla_mosaic.sparse_mla_mosaic(z((1, 64, 576), jnp.bfloat16), z((64, 576), jnp.bfloat16),
+                                            z((1, 64), jnp.int32), scale=0.1, kv_lora_rank=512, share_p=True)
