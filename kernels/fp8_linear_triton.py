@@ -26,11 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .fp8_formats import FP8, WEIGHT_BLOCK, block_count, load_e4m3, quantize_activation_blocks
-from .triton_common import MASKED_ROW, col_range, dot, with_options
-
-
-def _pow2(v) -> bool:
-    return isinstance(v, int) and v >= 1 and v & (v - 1) == 0
+from .triton_common import MASKED_ROW, col_range, dot, is_pow2, with_options
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -51,12 +47,12 @@ class Fp8LinearConfig:
     def __post_init__(self):
         for name in ("bm", "bn"):
             v = getattr(self, name)
-            if not (_pow2(v) and v >= 16):
+            if not (is_pow2(v) and v >= 16):
                 raise ValueError(f"Fp8LinearConfig: {name} {v!r} must be a power of two >= 16")
         if self.bk not in (32, 64, 128):
             raise ValueError(f"Fp8LinearConfig: bk {self.bk!r} must be 32, 64 or 128 (a divisor of the 128-block)")
         for name in ("k_split", "num_warps"):
-            if not _pow2(getattr(self, name)):
+            if not is_pow2(getattr(self, name)):
                 raise ValueError(f"Fp8LinearConfig: {name} {getattr(self, name)!r} must be a power of two")
         if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
             raise ValueError(f"Fp8LinearConfig: num_stages {self.num_stages!r} must be an int >= 1")

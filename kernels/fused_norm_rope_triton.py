@@ -46,7 +46,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import fp8_formats as f8
 from . import rope
-from .triton_common import MASKED_ROW, check_addressable, div_rn, with_options
+from .triton_common import MASKED_ROW, check_addressable, div_rn, is_pow2, with_options
 
 
 def _p2(n: int) -> int:
@@ -525,10 +525,6 @@ def _kernel(*refs, lc: _Launch):
 
 # ------------------------------------------------------------------------------ configs
 
-def _pow2(v) -> bool:
-    return isinstance(v, int) and v >= 1 and v & (v - 1) == 0
-
-
 LAYOUTS = ("split", "interleave", "fused", "two_launch")
 
 
@@ -554,7 +550,7 @@ class FusedNormRopeConfig:
 
     def __post_init__(self):
         for name in ("q_rows", "cache_rows", "num_warps"):
-            if not _pow2(getattr(self, name)):
+            if not is_pow2(getattr(self, name)):
                 raise ValueError(f"FusedNormRopeConfig: {name} {getattr(self, name)!r} must be a power of two")
         if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
             raise ValueError(f"FusedNormRopeConfig: num_stages {self.num_stages!r} must be an int >= 1")
@@ -564,7 +560,7 @@ class FusedNormRopeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"FusedNormRopeConfig: {name} {v!r} must be an int >= 0 (0: one program per block)")
-        if not (self.q_warps == 0 or _pow2(self.q_warps)):
+        if not (self.q_warps == 0 or is_pow2(self.q_warps)):
             raise ValueError(f"FusedNormRopeConfig: q_warps {self.q_warps!r} must be 0 or a power of two")
         if self.q_warps and self.layout != "two_launch":
             raise ValueError(f"FusedNormRopeConfig: q_warps is the q launch's warps of layout 'two_launch', not "
@@ -784,7 +780,7 @@ def supports(q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_w, mla_cache,
     and the indexer key width Di must be at least Dr."""
     R = kv_norm_w.shape[0]
     Dr = kv_c.shape[-1] - R
-    if Dr < 2 or Dr % 2 or not _pow2(Dr // 2):
+    if Dr < 2 or Dr % 2 or not is_pow2(Dr // 2):
         return f"rope dim {Dr} (kv_c width {kv_c.shape[-1]} - kv_lora_rank {R}) must be 2 x a power of two"
     if index_k is not None and index_k.shape[-1] < Dr:
         return f"indexer key width {index_k.shape[-1]} must be >= the rope dim {Dr}"

@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 from . import fp8_formats
 from .chunking import map_row_chunks
 from .indexer import prepare_queries, select_topk, select_width_supported
-from .triton_common import check_addressable, col_range, dot, gather, u8_words, with_options
+from .triton_common import check_addressable, col_range, dot, gather, is_pow2, u8_words, with_options
 
 SCORE_BUDGET = 1 << 25  # float32 scores held at once by the top-k stage (128 MiB)
 ROW_BLOCK_MIN_T = 64  # rows from which indexer_scores_triton takes the row-block form
@@ -175,10 +175,6 @@ def _scores_rows_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *,
         o_ref[...] = jnp.full((block_t, block_s), -jnp.inf, jnp.float32)
 
 
-def _pow2(v) -> bool:
-    return isinstance(v, int) and v >= 1 and v & (v - 1) == 0
-
-
 @dataclasses.dataclass(frozen=True)
 class IndexerConfig:
     """Launch config of the scores kernels: `block_s` keys per tile (a power of two >= 16); `block_t` query rows per
@@ -196,11 +192,11 @@ class IndexerConfig:
     fp8_dot: bool = True
 
     def __post_init__(self):
-        if not (_pow2(self.block_s) and self.block_s >= 16):
+        if not (is_pow2(self.block_s) and self.block_s >= 16):
             raise ValueError(f"IndexerConfig: block_s {self.block_s!r} must be a power of two >= 16")
-        if self.block_t is not None and not _pow2(self.block_t):
+        if self.block_t is not None and not is_pow2(self.block_t):
             raise ValueError(f"IndexerConfig: block_t {self.block_t!r} must be a power of two (or None)")
-        if not _pow2(self.num_warps):
+        if not is_pow2(self.num_warps):
             raise ValueError(f"IndexerConfig: num_warps {self.num_warps!r} must be a power of two")
         if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
             raise ValueError(f"IndexerConfig: num_stages {self.num_stages!r} must be an int >= 1")
@@ -238,9 +234,9 @@ def supports(q, weights, k_cache, *_, **__) -> str | None:
     must be a power of two >= 16 (the narrowest dot) and the head count H at most 16 (padded) or a power of
     two."""
     t, h, di = q.shape
-    if not (_pow2(di) and di >= 16):
+    if not (is_pow2(di) and di >= 16):
         return f"indexer key width Di {di} must be a power of two >= 16"
-    if h > 16 and not _pow2(h):
+    if h > 16 and not is_pow2(h):
         return f"indexer heads H {h} must be <= 16 or a power of two"
     return None
 

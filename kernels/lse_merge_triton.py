@@ -21,13 +21,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .triton_common import with_options
+from .triton_common import is_pow2, with_options
 
 MAX_SPLITS = 64  # the split loop is unrolled: more partials than this take the xla merge
-
-
-def _pow2(v) -> bool:
-    return isinstance(v, int) and v >= 1 and v & (v - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +36,7 @@ class MergeConfig:
 
     def __post_init__(self):
         for name in ("block_h", "block_r", "num_warps"):
-            if not _pow2(getattr(self, name)):
+            if not is_pow2(getattr(self, name)):
                 raise ValueError(f"MergeConfig: {name} {getattr(self, name)!r} must be a power of two")
 
 

@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 from .moe_tiles import tile_plan, tile_rows
 from . import fp8_formats
 from .fp8_formats import FP8, WEIGHT_BLOCK as FP8_BLOCK, load_e4m3, quantize_activation_blocks
-from .triton_common import MASKED_ROW, col_range, div_rn, dot, gather, with_options
+from .triton_common import MASKED_ROW, col_range, div_rn, dot, gather, is_pow2, with_options
 
 
 def _block(n: int, cap: int) -> int:
@@ -393,10 +393,6 @@ def _round_to(x, dtype):
     return jax.lax.reduce_precision(x, exponent_bits=f.nexp, mantissa_bits=f.nmant)
 
 
-def _pow2(v) -> bool:
-    return isinstance(v, int) and v >= 1 and v & (v - 1) == 0
-
-
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Launch config of the grouped-GEMM kernels: `tile` rows per expert tile; up kernel blocks (`bn_up`
@@ -423,10 +419,10 @@ class MoEConfig:
     def __post_init__(self):
         for name in ("tile", "bn_up", "bk_up", "bn_down", "bk_down"):
             v = getattr(self, name)
-            if not (_pow2(v) and v >= 16):
+            if not (is_pow2(v) and v >= 16):
                 raise ValueError(f"MoEConfig: {name} {v!r} must be a power of two >= 16")
         for name in ("num_warps", "k_split"):
-            if not _pow2(getattr(self, name)):
+            if not is_pow2(getattr(self, name)):
                 raise ValueError(f"MoEConfig: {name} {getattr(self, name)!r} must be a power of two")
         if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
             raise ValueError(f"MoEConfig: num_stages {self.num_stages!r} must be an int >= 1")

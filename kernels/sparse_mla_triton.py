@@ -35,7 +35,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import fp8_formats
 from .lse_merge import merge_partials, merge_splits
-from .triton_common import check_addressable, col_range, dot, gather, u8_to_bf16, u8_to_f32, u8_words, with_options
+from .triton_common import (check_addressable, col_range, dot, gather, is_pow2, u8_to_bf16, u8_to_f32, u8_words,
+                            with_options)
 
 
 def _load_rows(cache_ref, slot, valid, r, dr, tile, fp8, n_parts, interpret):
@@ -167,10 +168,6 @@ def _merged_kernel(idx_ref, q_ref, cache_ref, _count_in_ref, o_ref, lse_ref, par
         count_ref[t, hb] = jnp.int32(0)  # back to zero: a counter buffer kept across calls stays valid
 
 
-def _pow2(v) -> bool:
-    return isinstance(v, int) and v >= 1 and v & (v - 1) == 0
-
-
 @dataclasses.dataclass(frozen=True)
 class SparseMLAConfig:
     """Launch config of the sparse MLA kernel: `block_h` heads x `block_k` keys per step (powers of two >= 16),
@@ -178,9 +175,9 @@ class SparseMLAConfig:
 
     `merge` (with n_split > 1): "launch" (the default) writes the partials as outputs and merges them in a second
     Pallas Triton launch (`kernels.lse_merge_triton`: one kernel where XLA's merge is five passes); "xla" merges
-    them after the kernel with `lse_merge.merge_partials` (XLA); "kernel" merges inside the same launch: each program writes
-    its partial to a workspace and counts itself in with an atomic, and the last program of a (row, head block)
-    merges them (n_split must then be a power of two: the merge loads [n_split, block_h, cols] tiles).
+    them after the kernel with `lse_merge.merge_partials` (XLA); "kernel" merges inside the same launch: each
+    program writes its partial to a workspace and counts itself in with an atomic, and the last program of a
+    (row, head block) merges them (n_split must then be a power of two: the merge loads [n_split, block_h, cols] tiles).
     `partial_dtype` ("float32" or "bfloat16"): the dtype of the stored partial o (lse stays float32); bfloat16
     halves the bytes the merge reads, at one more bf16 rounding of o (p is already rounded to bf16)."""
     block_h: int
@@ -194,9 +191,9 @@ class SparseMLAConfig:
     def __post_init__(self):
         for name in ("block_h", "block_k"):
             v = getattr(self, name)
-            if not (_pow2(v) and v >= 16):
+            if not (is_pow2(v) and v >= 16):
                 raise ValueError(f"SparseMLAConfig: {name} {v!r} must be a power of two >= 16")
-        if not _pow2(self.num_warps):
+        if not is_pow2(self.num_warps):
             raise ValueError(f"SparseMLAConfig: num_warps {self.num_warps!r} must be a power of two")
         for name in ("n_split", "num_stages"):
             v = getattr(self, name)
@@ -204,7 +201,7 @@ class SparseMLAConfig:
                 raise ValueError(f"SparseMLAConfig: {name} {v!r} must be an int >= 1")
         if self.merge not in ("launch", "xla", "kernel"):
             raise ValueError(f"SparseMLAConfig: merge {self.merge!r} must be 'launch', 'xla' or 'kernel'")
-        if self.merge == "kernel" and not _pow2(self.n_split):
+        if self.merge == "kernel" and not is_pow2(self.n_split):
             raise ValueError(f"SparseMLAConfig: n_split {self.n_split!r} must be a power of two with merge='kernel'")
         if self.partial_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"SparseMLAConfig: partial_dtype {self.partial_dtype!r} must be 'float32' or 'bfloat16'")
@@ -265,7 +262,7 @@ def supports(q, cache, indices, *, kv_lora_rank: int, **_) -> str | None:
     r = kv_lora_rank
     dr = q.shape[-1] - r
     for name, v in (("kv_lora_rank", r), ("rope dim (q width - kv_lora_rank)", dr)):
-        if not _pow2(v):
+        if not is_pow2(v):
             return f"{name} {v} must be a power of two"
     return None
 

@@ -37,14 +37,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .indexer import select_width_supported
-from .triton_common import with_options
+from .triton_common import is_pow2, with_options
 
 KEY_MIN = -(2**31)  # the key of positions past kv_lens: below every score's key (-inf is -2139095041)
 KEY_MAX = 2**31 - 1
-
-
-def _pow2(v) -> bool:
-    return isinstance(v, int) and v >= 1 and v & (v - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +53,7 @@ class TopkConfig:
     sort: str = "xla"
 
     def __post_init__(self):
-        if self.num_warps is not None and not (_pow2(self.num_warps) and self.num_warps <= 32):
+        if self.num_warps is not None and not (is_pow2(self.num_warps) and self.num_warps <= 32):
             raise ValueError(f"TopkConfig: num_warps {self.num_warps!r} must be a power of two <= 32 (or None)")
         if self.sort not in ("kernel", "xla", "none"):
             raise ValueError(f"TopkConfig: sort {self.sort!r} must be 'kernel', 'xla' or 'none'")

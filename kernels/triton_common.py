@@ -22,6 +22,11 @@ from . import fp8_formats
 MASKED_ROW = 2**30
 
 
+def is_pow2(v) -> bool:
+    """Whether `v` is an int power of two (>= 1): launch-config fields that size Triton tiles must be."""
+    return isinstance(v, int) and v >= 1 and v & (v - 1) == 0
+
+
 def with_options(cfg, options: dict, op: str):
     """The frozen launch config `cfg` with fields replaced by `options`; a name that is not a field of it is a
     ValueError naming the op, the unknown names and the known ones."""
