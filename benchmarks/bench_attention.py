@@ -32,8 +32,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OPS = {
     "sparse_mla": ("bench_sparse_mla.py", ["--batches", "1,32,128", "--one_launch", "0", "--budget_s", "60"],
                    "sparse_mla"),
-    "sparse_mla_mosaic": ("probe_sparse_mla_mosaic.py", ["--batches", "128,32,1", "--variants", "cp_async,cp_async_xla_merge",
-                                                         "--baselines", "xla"], "sparse_mla"),
+    "sparse_mla_mosaic": ("probe_sparse_mla_mosaic.py",
+                          ["--batches", "128,32,1", "--variants", "cp_async,cp_async_xla_merge", "--baselines", "xla"],
+                          "sparse_mla"),
     "indexer": ("bench_indexer.py", ["--batches", "32,128,1", "--sweep", "0", "--old", "0"], "indexer"),
     "fused_norm_rope": ("bench_fused_norm_rope.py", ["--budget", "60"], "fused_norm_rope"),
 }
@@ -57,7 +58,8 @@ def main(argv=None):
     ap.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
     ap.add_argument("--timeout_s", type=int, default=240, help="per op benchmark")
     ap.add_argument("--merge", action="store_true",
-                    help="keep the rows of ops not run now from an existing --out (several device calls, one file)")
+                    help="keep the rows (and failures) of ops not run now from an existing --out "
+                         "(several device calls, one file)")
     ap.add_argument("--extra", action="append", default=[],
                     help="op=ARGS: extra arguments for one op's script (e.g. 'sparse_mla=--batches 1,32,128')")
     args = ap.parse_args(argv)
@@ -69,12 +71,13 @@ def main(argv=None):
     for op in ops:
         if op not in OPS:
             raise SystemExit(f"bench_attention: unknown op {op!r} (ops: {', '.join(OPS)})")
-    rows, failed, commands = [], [], {}
+    rows, failed, kept_failed, commands = [], [], [], {}
     if args.merge and os.path.exists(args.out):
         with open(args.out) as f:
             old = json.load(f)
         commands = {k: v for k, v in old.get("commands", {}).items() if k not in ops}
         rows = [r for r in old.get("rows", []) if r.get("source") in commands]
+        kept_failed = [op for op in old.get("failed", []) if op in commands]
     for op in ops:
         script, base, row_op = OPS[op]
         with tempfile.TemporaryDirectory() as tmp:
@@ -100,11 +103,12 @@ def main(argv=None):
                 if "us" in row and row.get("op", row_op) == row_op:
                     rows.append({k: row[k] for k in KEEP if k in row} | {"op": row_op, "source": op})
             print(f"bench_attention: {op}: {len(got.get('rows', []))} rows in {time.time() - t0:.0f} s", flush=True)
-    rec = harness.record(rows, command=harness.command_line(script=__file__), commands=commands, failed=failed)
+    rec = harness.record(rows, command=harness.command_line(script=__file__), commands=commands,
+                         failed=kept_failed + failed)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     harness.write_json(args.out, rec)
     print(f"bench_attention: {len(rows)} rows -> {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
-    return 1 if failed else 0
+    return 1 if failed else 0  # this call's ops; a kept failure was reported by its own call
 
 
 if __name__ == "__main__":

@@ -61,8 +61,8 @@ json.dump({{"rows": rows}}, open(a.out, "w"))
 
 def test_bench_attention_merges_halves_and_the_probe_rows(tmp_path, monkeypatch):
     """bench_attention: each op's rows keep the KEEP fields and their source; the Mosaic probe's timing rows become
-    sparse_mla rows with the probe's own xla time of the same (cache, B); --merge keeps the rows of ops not run now
-    and replaces those that are; an op that fails is named in "failed"."""
+    sparse_mla rows with the probe's own xla time of the same (cache, B); --merge keeps the rows and failures of ops
+    not run now and replaces those that are; an op that fails is named in "failed"."""
     from benchmarks import bench_attention as ba
 
     probe_rows = [{"step": "correct_bf16_x", "ok": True},
@@ -91,3 +91,4 @@ def test_bench_attention_merges_halves_and_the_probe_rows(tmp_path, monkeypatch)
     assert ba.main(["--ops", "sparse_mla_mosaic", "--merge", "--out", str(out)]) == 0  # replaced, not doubled
     again = json.loads(out.read_text())
     assert [r["source"] for r in again["rows"]] == ["fused_norm_rope", "sparse_mla_mosaic"]
+    assert again["failed"] == ["indexer"]  # the earlier call's failure is kept with its command
