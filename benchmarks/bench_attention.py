@@ -38,7 +38,7 @@ OPS = {
     "indexer": ("bench_indexer.py", ["--batches", "32,128,1", "--sweep", "0", "--old", "0"], "indexer"),
     "fused_norm_rope": ("bench_fused_norm_rope.py", ["--budget", "60"], "fused_norm_rope"),
 }
-KEEP = ("op", "stage", "cache", "B", "T", "impl", "config", "us", "xla_us", "tb_s")
+KEEP = ("op", "stage", "cache", "B", "T", "impl", "config", "us", "xla_us", "tb_s", "kernel_us", "xla_kernel_us")
 PROBE_CACHE = {"bf16": "bf16", "fp8": "fp8_ds_mla"}
 
 
@@ -46,9 +46,10 @@ def _probe_rows(rows: list[dict]) -> list[dict]:
     """The Mosaic probe's timing rows as sparse_mla rows: cache named as bench_sparse_mla names it, xla_us from the
     probe's own xla row of the same (cache, B); its correctness rows are dropped (a failed variant is not timed)."""
     timed = [r for r in rows if r.get("step") == "time" and "us" in r]
-    xla = {(r["cache"], r["B"]): r["us"] for r in timed if r["impl"] == "xla"}
+    xla = {(r["cache"], r["B"]): r for r in timed if r["impl"] == "xla"}
     return [dict(op="sparse_mla", cache=PROBE_CACHE.get(r["cache"], r["cache"]), B=r["B"], impl=r["impl"],
-                 us=r["us"], xla_us=xla.get((r["cache"], r["B"])), tb_s=r.get("tb_s"))
+                 us=r["us"], xla_us=xla.get((r["cache"], r["B"]), {}).get("us"), tb_s=r.get("tb_s"),
+                 kernel_us=r.get("kernel_us"), xla_kernel_us=xla.get((r["cache"], r["B"]), {}).get("kernel_us"))
             for r in timed if r["impl"] != "xla"]
 
 

@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import Budget, budgeted_sweep, command_line, per_op_time, record, timeit, write_json
+from benchmarks.harness import (Budget, budgeted_sweep, command_line, per_op_kernel_time, per_op_time, per_rep,
+                                record, timeit, write_json)
 from kernels import fp8_formats, indexer, indexer_triton, topk_triton
 
 HI, DI, TOPK, CTX, PAGE = 32, 128, 2048, 32768, 64
@@ -42,8 +43,8 @@ TOPK_SWEEP = [dict(_stop=0), dict(_stop=1), dict(_stop=3), dict(sort="none"), di
 
 
 def make_case(b, fp8, reps, seed=0):
-    """(cache, block tables, q [reps, B, H, Di], w [reps, B, H], requests [reps, B], lens [reps, B]): rep i reads
-    requests i*B .. (mod max(B, 16) regions of 32K keys in shuffled pages)."""
+    """(cache, block tables, q, w, requests, lens), the last four `reps` arrays each ([B, H, Di], [B, H], [B], [B];
+    `harness.per_rep`): rep i reads requests i*B .. (mod max(B, 16) regions of 32K keys in shuffled pages)."""
     regions = max(b, 16)
     k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(seed), 4)
     n_pages = regions * CTX // PAGE
@@ -56,7 +57,7 @@ def make_case(b, fp8, reps, seed=0):
     req = ((jnp.arange(reps)[:, None] * b + jnp.arange(b)[None, :]) % regions).astype(jnp.int32)
     lens = jnp.full((reps, b), CTX, jnp.int32)
     jax.block_until_ready((cache, bt, q, w))
-    return cache, bt, q, w, req, lens
+    return (cache, bt, *map(per_rep, (q, w, req, lens)))  # per-rep arrays: the timed executables slice nothing
 
 
 def bytes_moved(b, fp8):
@@ -144,6 +145,8 @@ def main(argv=None):
     ap.add_argument("--xla", type=int, default=1, help="also time the whole xla op")
     ap.add_argument("--old", type=int, default=1, help="also time the previous impl (one-tile scores + lax.top_k)")
     ap.add_argument("--budget_s", type=float, default=30.0, help="wall budget of each of the two sweeps")
+    ap.add_argument("--kernel_time", type=int, default=1,
+                    help="1: scores + top-k also by its GPU kernel time (a profiler trace)")
     ap.add_argument("--out", default="bench_indexer.json")
     args = ap.parse_args(argv)
     rows, checks, best = [], [], {}
@@ -151,12 +154,14 @@ def main(argv=None):
     def log(s):
         print(s, flush=True)
 
-    def emit(stage, fmt, b, impl, cfg, sec, xla_sec=None, nbytes=None):
+    def emit(stage, fmt, b, impl, cfg, sec, xla_sec=None, nbytes=None, kernel_sec=None, xla_kernel_sec=None):
+        us = (lambda x: None if x is None else x * 1e6)
         row = dict(op="indexer", stage=stage, cache=fmt, B=b, impl=impl, config=cfg, us=sec * 1e6,
-                   xla_us=None if xla_sec is None else xla_sec * 1e6,
-                   tb_s=None if nbytes is None else nbytes / sec / 1e12)
+                   xla_us=us(xla_sec), tb_s=None if nbytes is None else nbytes / sec / 1e12,
+                   kernel_us=us(kernel_sec), xla_kernel_us=us(xla_kernel_sec))
         rows.append(row)
         log(f"  {stage:12s} {fmt:4s} B={b:4d} {impl:11s} {row['us']:9.1f} us"
+            + ("" if kernel_sec is None else f" (kernels {row['kernel_us']:.1f})")
             + ("" if xla_sec is None else f"  (xla {row['xla_us']:.1f} us)")
             + ("" if nbytes is None else f"  {row['tb_s']:.2f} TB/s") + f"  {cfg}")
         if impl == "triton" and ((stage, fmt, b) not in best or best[(stage, fmt, b)]["us"] > row["us"]):
@@ -191,6 +196,15 @@ def main(argv=None):
             def op_time(make, args_):
                 return per_op_time(make, args_, args.reps, args.iters)[0]
 
+            def kernel_time(make, args_):  # GPU kernel seconds per op (a profiler trace), None if it failed
+                if not args.kernel_time:
+                    return None
+                try:
+                    return per_op_kernel_time(make, args_, args.reps, runs=3)
+                except Exception as e:  # noqa: BLE001 - the wall-clock row stands without it
+                    log(f"kernel time failed: {type(e).__name__}: {str(e)[:200]}")
+                    return None
+
             # scores alone
             emit("scores", fmt, b, "triton", {}, op_time(lambda n: scores_runner(n, {}), data), nbytes=nbytes)
             if args.old:
@@ -209,7 +223,7 @@ def main(argv=None):
 
             # top-k alone, on the kernel's scores (one array per rep)
             cache, bt, q, w, req, lens = data
-            sc = jnp.stack(scores_runner(args.reps, {})(*data))
+            sc = tuple(scores_runner(args.reps, {})(*data))
             x_tk = op_time(lambda n: topk_runner(n, "xla", {}), (sc, lens))
             emit("topk", fmt, b, "xla", {}, x_tk, x_tk)
             emit("topk", fmt, b, "triton", {}, op_time(lambda n: topk_runner(n, "triton", {}), (sc, lens)), x_tk)
@@ -218,16 +232,19 @@ def main(argv=None):
                     topk_runner(args.reps, "triton", c), sc, lens, warmup=1, reps=args.iters) / args.reps)
             del sc
 
-            # scores + top-k
-            x_all = op_time(lambda n: total_runner(n, "xla", {}), data) if args.xla else None
-            emit("scores+topk", fmt, b, "triton", {}, op_time(lambda n: total_runner(n, "triton", {}), data), x_all,
-                 nbytes)
+            # scores + top-k (the whole op also by its kernels' time)
+            make_xla = functools.lru_cache(None)(lambda n: total_runner(n, "xla", {}))
+            make_tri = functools.lru_cache(None)(lambda n: total_runner(n, "triton", {}))
+            x_all = op_time(make_xla, data) if args.xla else None
+            kx_all = kernel_time(make_xla, data) if args.xla else None
+            emit("scores+topk", fmt, b, "triton", {}, op_time(make_tri, data), x_all, nbytes,
+                 kernel_time(make_tri, data), kx_all)
             if args.old:
                 old = dict(OLD_SCORES, topk_impl="lax")
                 emit("scores+topk", fmt, b, "triton_old", old, op_time(lambda n: total_runner(n, "triton", old), data),
                      x_all, nbytes)
             if x_all is not None:
-                emit("scores+topk", fmt, b, "xla", {}, x_all, x_all, nbytes)
+                emit("scores+topk", fmt, b, "xla", {}, x_all, x_all, nbytes, kx_all, kx_all)
             first = False
             del data
             save()

@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import Budget, command_line, cu_profiler, device_peaks, record, write_json
+from benchmarks.harness import (Budget, command_line, cu_profiler, device_peaks, per_op_kernel_time, per_rep, record,
+                                write_json)
 from kernels import fp8_formats, sparse_mla, sparse_mla_triton
 
 H, R, DR, K, CTX = 64, 512, 64, 2048, 32768
@@ -49,7 +50,8 @@ SCALE = (192 + 64) ** -0.5
 
 
 def make_case(b, fp8, reps, seed=0):
-    """(cache, q [reps, b, H, R + Dr], idx [reps, b, K]): row r of rep i reads region (i * b + r) % regions."""
+    """(cache, q, idx): q and idx are `reps` arrays [b, H, R + Dr] and [b, K] (`harness.per_rep`, so the timed
+    executable slices nothing); row r of rep i reads region (i * b + r) % regions."""
     regions = max(b, 16)
     if fp8:  # a uint8 cache must stay under 2 GiB (triton_common.check_addressable): at most 99 regions
         regions = min(regions, (2**31 - 1) // (CTX * fp8_formats.mla_row_bytes(R, DR)))
@@ -70,7 +72,7 @@ def make_case(b, fp8, reps, seed=0):
     region = (jnp.arange(reps)[:, None, None] * b + jnp.arange(b)[None, :, None]) % regions
     idx = (region * CTX + pos).astype(jnp.int32)
     jax.block_until_ready((cache, q, idx))
-    return cache, q, idx
+    return cache, per_rep(q), per_rep(idx)
 
 
 def bytes_moved(b, fp8):
@@ -110,12 +112,20 @@ def cold_median(fn, args, iters, flush):
     return statistics.median(times)
 
 
-def time_op(impl, data, reps, iters, flush, **opts):
-    """(seconds per op, the 1-op executable's (o, lse) for rep 0): (T(reps) - T(1)) / (reps - 1)."""
+def time_op(impl, data, reps, iters, flush, kernel_time=False, **opts):
+    """(seconds per op, GPU kernel seconds per op or None, the 1-op executable's (o, lse) for rep 0): wall clock
+    (T(reps) - T(1)) / (reps - 1), kernels by a profiler trace of the same two executables
+    (`harness.per_op_kernel_time`, each run after the L2 flush), when `kernel_time`."""
     lo, hi = make_runner(impl, 1, **opts), make_runner(impl, reps, **opts)
     t_lo = cold_median(lo, data, iters, flush)
     t_hi = cold_median(hi, data, iters, flush)
-    return max(t_hi - t_lo, 1e-9) / (reps - 1), lo(*data)[0]
+    k = None
+    if kernel_time:
+        try:
+            k = per_op_kernel_time({1: lo, reps: hi}.get, data, reps, lo=1, runs=3, before=flush)
+        except Exception as e:  # noqa: BLE001 - the wall-clock row stands without it
+            print(f"  kernel time failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
+    return max(t_hi - t_lo, 1e-9) / (reps - 1), k, lo(*data)[0]
 
 
 def profile_once(impl, data, **opts):
@@ -202,6 +212,8 @@ def main(argv=None):
     ap.add_argument("--profile", type=int, default=0,
                     help="1: no timing; each op once inside cudaProfilerStart/Stop (run under ncu "
                          "--profile-from-start off); a line per op says which, in order")
+    ap.add_argument("--kernel_time", type=int, default=1,
+                    help="1: for xla and the first two candidates, also the GPU kernel time (a profiler trace)")
     ap.add_argument("--out", default="bench_sparse_mla.json")
     args = ap.parse_args(argv)
     budget = Budget(args.budget_s)
@@ -226,24 +238,29 @@ def main(argv=None):
                 print(f"PROFILE {cache_name} B={b} {impl} {cfg}", flush=True)
                 profile_once("xla" if impl == "xla" else "triton", data, **cfg)
             continue
-        t_xla, ref = time_op("xla", data, args.reps, args.iters, flush)
+        kt = bool(args.kernel_time)
+        t_xla, k_xla, ref = time_op("xla", data, args.reps, args.iters, flush, kt)
+        us = (lambda s: None if s is None else s * 1e6)
         cell = [dict(op="sparse_mla", cache=cache_name, B=b, impl="xla", config=None, us=t_xla * 1e6,
-                     xla_us=t_xla * 1e6, tb_s=nbytes / t_xla / 1e12, err=0.0)]
+                     xla_us=t_xla * 1e6, tb_s=nbytes / t_xla / 1e12, err=0.0, kernel_us=us(k_xla),
+                     xla_kernel_us=us(k_xla))]
         for i, (impl, cfg) in enumerate(cands):
             if budget.spent() and i > 1:  # the default and the first one-launch config always run
                 skipped.append(dict(cache=cache_name, B=b, impl=impl, config=cfg))
                 continue
             try:
-                t, out = time_op("triton", data, args.reps, args.iters, flush, **cfg)
+                t, k, out = time_op("triton", data, args.reps, args.iters, flush, kt and i < 2, **cfg)
             except Exception as e:  # a config that does not compile (shared memory, registers) is a result
                 print(f"  {cache_name} B={b} {impl} {cfg}: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr,
                       flush=True)
                 failed.append(dict(cache=cache_name, B=b, impl=impl, config=cfg, error=str(e)[:300]))
                 continue
             cell.append(dict(op="sparse_mla", cache=cache_name, B=b, impl=impl, config=cfg, us=t * 1e6,
-                             xla_us=t_xla * 1e6, tb_s=nbytes / t / 1e12, err=rel_err(out, ref)))
+                             xla_us=t_xla * 1e6, tb_s=nbytes / t / 1e12, err=rel_err(out, ref), kernel_us=us(k),
+                             xla_kernel_us=us(k_xla)))
         for r_ in cell[1:]:
-            print(f"  {cache_name:10s} B={b:3d} {r_['impl']:15s} {r_['us']:8.1f} us  err {r_['err']:.1e}  "
+            kern = "" if r_["kernel_us"] is None else f" (kernels {r_['kernel_us']:.1f})"
+            print(f"  {cache_name:10s} B={b:3d} {r_['impl']:15s} {r_['us']:8.1f} us{kern}  err {r_['err']:.1e}  "
                   f"{ {k: v for k, v in r_['config'].items() if k != 'partial_dtype'} }", flush=True)
         ok = [r_ for r_ in cell if r_["err"] < 5e-2]  # a wrong result is never the best
         best = min(ok, key=lambda r_: r_["us"])

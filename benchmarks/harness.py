@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import datetime
+import glob
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -123,6 +125,74 @@ def per_op_time(make: Callable[[int], Callable], args: tuple, reps: int, iters: 
     t_hi = timeit(make(reps), *args, warmup=warmup, reps=iters)
     t_lo = timeit(make(lo), *args, warmup=warmup, reps=iters)
     return max(t_hi - t_lo, 1e-9) / (reps - lo), t_hi / reps
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# kernel time from a profile
+
+#: lines of a GPU plane that XLA derives from the kernels (their spans repeat the kernels' own)
+DERIVED_LINES = ("XLA Modules", "XLA Ops", "XLA TraceMe", "TensorFlow Ops", "TensorFlow Name Scope",
+                 "Framework Name Scope", "Steps", "Source code", "Host Offload Ops")
+
+
+def kernel_seconds(planes) -> float | None:
+    """Summed duration in seconds of the events on the stream lines of a profile's GPU planes ("/device:GPU:*"),
+    i.e. the kernels (and device memsets/copies) the device ran; XLA's derived lines (`DERIVED_LINES`) are left
+    out. None when there is no GPU plane (a CPU run). `planes`: `jax.profiler.ProfileData.planes`, or objects
+    with the same `name` / `lines` / `events` / `duration_ns` fields."""
+    total, found = 0.0, False
+    for plane in planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        found = True
+        for line in plane.lines:
+            if line.name in DERIVED_LINES:
+                continue
+            total += sum(e.duration_ns for e in line.events)
+    return total * 1e-9 if found else None
+
+
+def traced_kernel_seconds(call: Callable[[], Any], runs: int = 5, before: Callable[[], Any] | None = None) -> float:
+    """GPU kernel seconds of one `call()`: the kernels of `runs` calls (after one untraced warm-up), each after
+    `before()` (traced too, e.g. an L2 flush: take differences, as `per_op_kernel_time` does, to cancel it),
+    summed from a `jax.profiler` trace, divided by `runs`. This is the device's busy time, without the gaps in
+    which it waits for the host to launch the next kernel. RuntimeError where the trace holds no GPU plane."""
+    _check_count("runs", runs, 1)
+    jax.block_until_ready(call())
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(runs):
+                if before is not None:
+                    jax.block_until_ready(before())
+                jax.block_until_ready(call())
+        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            raise RuntimeError(f"traced_kernel_seconds: the profiler wrote no .xplane.pb under {d}")
+        seconds = kernel_seconds(jax.profiler.ProfileData.from_file(paths[0]).planes)
+    if seconds is None:
+        raise RuntimeError("traced_kernel_seconds: the trace has no GPU plane (kernel time is measured on a GPU)")
+    return seconds / runs
+
+
+def per_op_kernel_time(make: Callable[[int], Callable], args: tuple, reps: int, lo: int = 1, runs: int = 5,
+                       before: Callable[[], Any] | None = None) -> float:
+    """GPU kernel seconds of one op: (K(reps) - K(lo)) / (reps - lo), K the `traced_kernel_seconds` of the
+    executables `make(reps)` and `make(lo)` on `args` (the kernels both run once, and `before`, cancel)."""
+    if reps <= lo:
+        raise ValueError(f"reps ({reps}) must exceed lo ({lo}): the difference of the two executables is the time")
+    hi_fn, lo_fn = make(reps), make(lo)
+    k_hi = traced_kernel_seconds(lambda: hi_fn(*args), runs, before)
+    k_lo = traced_kernel_seconds(lambda: lo_fn(*args), runs, before)
+    return max(k_hi - k_lo, 1e-9) / (reps - lo)
+
+
+def per_rep(x) -> tuple:
+    """The slices x[0], x[1], ... of x's leading axis as separate device arrays. A benchmark that runs op i of an
+    executable on inputs[i] then passes these, so the timed executable reads each op's inputs as they are instead
+    of slicing them first (a copy kernel per input per op, not part of the op)."""
+    out = tuple(x[i] for i in range(x.shape[0]))
+    jax.block_until_ready(out)
+    return out
 
 
 def nudge(x, y):

@@ -28,7 +28,7 @@ VARIANTS = {"cp_async": dict(producer="cp_async"), "cp_async_xla_merge": dict(pr
             "tma_gmem": dict(producer="tma", slot_source="gmem"),
             "tma_smem": dict(producer="tma", slot_source="smem"),
             "cp_async_r224": dict(producer="cp_async", consumer_registers=224, producer_registers=56),
-            "share_p": dict(share_p=True),
+            "share_p": dict(share_p=True), "no_share_p": dict(share_p=False),
             "diag_no_mask": dict(diagnostic="no_mask"), "diag_gather_only": dict(diagnostic="gather_only")}
 
 
@@ -47,7 +47,16 @@ def case(b, reps, fp8=False, seed=0):
     pos = (a * jnp.arange(K)[None, None, :] + c) % CTX
     region = (jnp.arange(reps)[:, None, None] * b + jnp.arange(b)[None, :, None]) % regions
     idx = (region * CTX + pos).astype(jnp.int32)
-    return cache, q, idx
+    return cache, harness.per_rep(q), harness.per_rep(idx)  # the timed executables slice nothing
+
+
+def kernel_us(make, data, reps):
+    """The op's GPU kernel microseconds (`harness.per_op_kernel_time`, a profiler trace), None if it failed."""
+    try:
+        return harness.per_op_kernel_time(make, data, reps, lo=2, runs=3) * 1e6
+    except Exception as e:  # noqa: BLE001 - the wall-clock row stands without it
+        print(f"PROBE kernel time FAIL {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None
 
 
 def runner(fn, reps):
@@ -64,6 +73,10 @@ def main(argv=None):
     ap.add_argument("--variants", default="cp_async,tma_smem")
     ap.add_argument("--caches", default="bf16,fp8")
     ap.add_argument("--baselines", default="xla,triton")
+    ap.add_argument("--splits", choices=("both", "default"), default="both",
+                    help="time each variant at n_split 1 and the default's, or at the default's only")
+    ap.add_argument("--kernel_time", type=int, default=1,
+                    help="1: beside each wall-clock time, the op's GPU kernel time from a profiler trace")
     args = ap.parse_args(argv)
     rows = []
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
@@ -124,17 +137,21 @@ def main(argv=None):
         for kind, v in ok:
             if kind != cache_kind:
                 continue
-            for n_split in sorted({1, mosaic.default_config(b, K).n_split}):
+            for n_split in sorted({mosaic.default_config(b, K).n_split} | ({1} if args.splits == "both" else set())):
                 impls[f"mosaic_{v}_s{n_split}"] = functools.partial(mosaic.sparse_mla_mosaic, n_split=n_split,
                                                                     **VARIANTS[v])
         times = {}
         for name, fn in impls.items():
             op = functools.partial(fn, scale=SCALE, kv_lora_rank=R)
+            make = functools.lru_cache(None)(functools.partial(runner, op))  # one compile for both timers
             try:
-                us = harness.per_op_time(lambda n: runner(op, n), (cache, q, idx), reps, 7, lo=2)[0] * 1e6
+                us = harness.per_op_time(make, (cache, q, idx), reps, 7, lo=2)[0] * 1e6
                 times[name] = us
-                print(f"PROBE time {cache_kind} B={b} {name} {us:.1f} us {nbytes / us / 1e6:.2f} TB/s", flush=True)
-                rows.append(dict(step="time", cache=cache_kind, B=b, impl=name, us=us, tb_s=nbytes / us / 1e6))
+                kus = kernel_us(make, (cache, q, idx), reps) if args.kernel_time else None
+                print(f"PROBE time {cache_kind} B={b} {name} {us:.1f} us {nbytes / us / 1e6:.2f} TB/s"
+                      + ("" if kus is None else f"  kernels {kus:.1f} us"), flush=True)
+                rows.append(dict(step="time", cache=cache_kind, B=b, impl=name, us=us, tb_s=nbytes / us / 1e6,
+                                 kernel_us=kus))
             except Exception as e:  # noqa: BLE001
                 print(f"PROBE time {cache_kind} B={b} {name} FAIL {type(e).__name__}: {str(e)[:1500]}", flush=True)
                 rows.append(dict(step="time", B=b, impl=name, error=str(e)[:3000]))
@@ -142,7 +159,12 @@ def main(argv=None):
             if row_.get("step") == "time" and row_.get("B") == b and row_.get("cache") == cache_kind:
                 row_["xla_us"] = times.get("xla")
         del cache, q, idx
-    with open(args.out, "w") as f:
+        save(args.out, rows)  # after every (B, cache): a run cut short by its timeout keeps what it measured
+    save(args.out, rows)
+
+
+def save(path, rows):
+    with open(path, "w") as f:
         json.dump(dict(date=time.strftime("%Y-%m-%d"), commit=harness.git_commit(), rows=rows), f, indent=1)
 
 

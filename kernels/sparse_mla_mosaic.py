@@ -4,9 +4,11 @@ FlashMLA's sm90 sparse decode (design: docs/mosaic_sparse_mla.md).
 One CTA per (query row t, split s), three warpgroups:
 - warpgroup 2, the producer, gathers the row's selected cache rows 64 at a time into a double-buffered shared
   memory tile [64, R + Dr] in the (8, 64)-tiled, 128-byte-swizzled form wgmma reads;
-- warpgroups 0 and 1, the consumers, each compute S = q K^T for all 64 (padded) heads (identical work, so their
-  softmax statistics agree without an exchange), run the online softmax in float32 (log2 units) and accumulate
-  P V into their own 256 of the R = 512 latent columns.
+- warpgroups 0 and 1, the consumers, accumulate P V into their own 256 of the R = 512 latent columns. By default
+  (`share_p`, FlashMLA's split) consumer 0 alone computes S = q K^T for all 64 (padded) heads and the online
+  softmax in float32 (log2 units), and hands P (bf16) and the rescale factors to consumer 1 through shared memory;
+  with share_p=False each consumer computes the same S itself (identical work, so their statistics agree
+  without an exchange).
 Query heads are padded to 64 (wgmma's M). Slot -1 reads as a zero row and is masked out of the softmax; a row
 with no valid slot gives (0, -inf). Splits write normalised partials merged by one Pallas Triton launch
 (`kernels.lse_merge_triton`, config `merge`) or `lse_merge.merge_partials`.
@@ -44,13 +46,15 @@ class MosaicSparseMLAConfig:
     partials are merged after the launch). consumer_registers / producer_registers: `set_max_registers` of the
     two consumer warpgroups and the producer (their sum over three warpgroups must stay <= 504). merge (n_split >
     1): "launch" merges the partials in one Pallas Triton launch (`kernels.lse_merge_triton`), "xla" with
-    `lse_merge.merge_partials` (five XLA passes)."""
+    `lse_merge.merge_partials` (five XLA passes). share_p: one QK^T per tile, shared through shared memory (the
+    default: 107 against 164 us of kernel time at B = 128, BENCHMARKS.md session 12); False: both consumers
+    compute it."""
     n_split: int = 1
     consumer_registers: int = 232
     producer_registers: int = 40
     slot_source: str = "gmem"
     producer: str = "cp_async"
-    share_p: bool = False
+    share_p: bool = True
     diagnostic: str = "none"
     merge: str = "launch"
 
@@ -85,19 +89,30 @@ def default_config(t: int, k: int, fp8: bool = False) -> MosaicSparseMLAConfig:
 
 # Shared memory one CTA may take on the H200, as Mosaic GPU reports it (max_smem_bytes)
 SMEM_LIMIT = 232448
-# Bytes beyond the scratch buffers that `shared_memory_bytes` counts (barriers and Mosaic's own scratch),
-# calibrated on the one measurement there is: share_p at R + Dr = 576 asked for 233544 bytes (session 11)
-_SMEM_OVERHEAD = 3144
+# Mosaic GPU's reduction scratch (CompilerParams.reduction_scratch_bytes default). The kernel's reductions are
+# along S rows, inside a warp (shuffles), so the share_p schedule, which needs the room, sets it to 0.
+_REDUCTION_SCRATCH = 2048
+# Bytes beyond the scratch buffers and the reduction scratch that `shared_memory_bytes` counts (barriers,
+# alignment), calibrated on the one measurement there is: share_p at R + Dr = 576, with the slot tiles and the
+# default reduction scratch, asked for 233544 bytes (session 11)
+_SMEM_OVERHEAD = 3144 - _REDUCTION_SCRATCH
+
+
+def _slot_tiles(config: MosaicSparseMLAConfig) -> bool:
+    """Whether the launch keeps the slot ids in shared memory (only the TMA producer reads them from there)."""
+    return config.slot_source == "smem"
 
 
 def shared_memory_bytes(width: int, config: MosaicSparseMLAConfig) -> int:
     """Shared memory a CTA of the native kernel takes for cache rows of `width` bf16 columns: the q tile, the
-    double-buffered K tile, the slot tiles, and with `share_p` the shared P tile and its row statistics."""
+    double-buffered K tile, the slot tiles (slot_source "smem"), with `share_p` the shared P tile and its row
+    statistics, and Mosaic GPU's reduction scratch (none with share_p)."""
     q = HEADS * width * 2
     k = 2 * BLOCK_K * width * 2
-    slots = 2 * BLOCK_K * 4
+    slots = 2 * BLOCK_K * 4 if _slot_tiles(config) else 0
     shared_p = (HEADS * BLOCK_K * 2 + 2 * HEADS * 4) if config.share_p else 0
-    return q + k + slots + shared_p + _SMEM_OVERHEAD
+    scratch = 0 if config.share_p else _REDUCTION_SCRATCH
+    return q + k + slots + shared_p + scratch + _SMEM_OVERHEAD
 
 
 def supports(q, cache, indices, *, kv_lora_rank: int, interpret: bool = False, **_) -> str | None:
@@ -594,8 +609,8 @@ def _run(q, cache, indices, *, scale, kv_lora_rank, config, interpret, return_pa
     k_view = (k_tiled, k_rows) if interpret else plgpu.RefUnion(k_tiled, k_rows)
     cp_async = config.producer == "cp_async" and not interpret
     kernel = plgpu.kernel(
-        functools.partial(_kernel, scale=scale, r=r, width=width,
-                          tiles_per_split=tiles_per_split, config=config, interpret=interpret),
+        functools.partial(_kernel, scale=scale, r=r, width=width, tiles_per_split=tiles_per_split, config=config,
+                          interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((n_split, t_rows, HEADS, r), jnp.float32),
                   jax.ShapeDtypeStruct((n_split, t_rows, HEADS), jnp.float32)),
         scratch_types=(
@@ -604,8 +619,8 @@ def _run(q, cache, indices, *, scale, kv_lora_rank, config, interpret, return_pa
             plgpu.Barrier(num_arrivals=1),
             plgpu.Barrier(num_arrivals=1 if cp_async else BLOCK_K * n_cols, num_barriers=2),
             plgpu.Barrier(num_arrivals=2, num_barriers=2),
-            plgpu.SMEM((2, BLOCK_K), jnp.int32),
-            plgpu.Barrier(num_arrivals=1, num_barriers=2),
+            plgpu.SMEM((2, BLOCK_K), jnp.int32) if _slot_tiles(config) else None,
+            plgpu.Barrier(num_arrivals=1, num_barriers=2) if _slot_tiles(config) else None,
             (plgpu.SMEM((HEADS, BLOCK_K), jnp.bfloat16, transforms=(tiling, swizzle)),
              plgpu.SMEM((2, HEADS), jnp.float32), plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1))
             if config.share_p else None,
@@ -614,7 +629,8 @@ def _run(q, cache, indices, *, scale, kv_lora_rank, config, interpret, return_pa
         grid_names=("t", "s"),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, reduction_scratch_bytes=0 if config.share_p else _REDUCTION_SCRATCH),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     o, lse = kernel(q, cache, indices)
@@ -648,7 +664,7 @@ def sparse_mla_mosaic(q, cache, indices, *, scale: float, kv_lora_rank: int,
     need = shared_memory_bytes(q.shape[-1], config)
     if not interpret and need > SMEM_LIMIT:  # refused before a compile that would fail with the same numbers
         raise ValueError(f"sparse_mla_mosaic: this config needs {need} bytes of shared memory per CTA (share_p="
-                         f"{config.share_p}, rows of {q.shape[-1]} columns), over the H200's {SMEM_LIMIT}; the "
-                         "share_p schedule does not fit GLM-5's 576-column rows (BENCHMARKS.md, session 11)")
+                         f"{config.share_p}, slot_source={config.slot_source!r}, rows of {q.shape[-1]} columns), "
+                         f"over the H200's {SMEM_LIMIT}")
     return _run(q, cache, indices, scale=float(scale), kv_lora_rank=int(kv_lora_rank), config=config,
                 interpret=bool(interpret), return_partials=bool(return_partials))

@@ -74,6 +74,65 @@ def test_per_op_time_cancels_the_fixed_cost(clock):
         harness.per_op_time(make, (), 1, iters=2)
 
 
+class _Ev:
+    def __init__(self, ns):
+        self.duration_ns = ns
+
+
+class _Line:
+    def __init__(self, name, *ns):
+        self.name, self.events = name, [_Ev(n) for n in ns]
+
+
+class _Plane:
+    def __init__(self, name, *lines):
+        self.name, self.lines = name, list(lines)
+
+
+def test_kernel_seconds_sums_stream_lines_of_gpu_planes():
+    """Hand-made planes: the stream lines of every GPU plane add up; XLA's derived lines and host planes do not."""
+    planes = [_Plane("/host:CPU", _Line("python", 5_000)),
+              _Plane("/device:GPU:0", _Line("Stream #13(Compute)", 1_000, 2_500), _Line("XLA Ops", 3_500),
+                     _Line("XLA Modules", 3_500), _Line("Stream #14(MemcpyD2H)", 500)),
+              _Plane("/device:GPU:1", _Line("Stream #13(Compute)", 250))]
+    assert harness.kernel_seconds(planes) == pytest.approx(4_250e-9)
+    assert harness.kernel_seconds([_Plane("/host:CPU", _Line("python", 5))]) is None
+    assert harness.kernel_seconds([_Plane("/device:GPU:0")]) == 0.0
+
+
+def test_traced_kernel_seconds_needs_a_gpu():
+    """On the CPU the trace has no GPU plane: a RuntimeError that says so, not a zero."""
+    f = jax.jit(lambda x: x * 2)
+    with pytest.raises(RuntimeError, match="no GPU plane"):
+        harness.traced_kernel_seconds(lambda: f(jax.numpy.ones(4)), runs=1)
+
+
+def test_per_op_kernel_time_takes_the_difference(monkeypatch):
+    """(K(reps) - K(lo)) / (reps - lo) over scripted kernel seconds of 3 + 2 n; `before` reaches the tracer."""
+    seen = []
+
+    def fake(call, runs, before):
+        seen.append((runs, before))
+        return call()
+    monkeypatch.setattr(harness, "traced_kernel_seconds", fake)
+
+    def make(n):
+        return lambda *args: 3.0 + 2.0 * n if args == ("a",) else None
+    flush = object()
+    assert harness.per_op_kernel_time(make, ("a",), 8, lo=2, runs=4, before=flush) == pytest.approx(2.0)
+    assert seen == [(4, flush), (4, flush)]
+    with pytest.raises(ValueError, match="must exceed lo"):
+        harness.per_op_kernel_time(make, ("a",), 2, lo=2)
+
+
+def test_per_rep_splits_the_leading_axis():
+    x = jax.numpy.arange(24).reshape(3, 2, 4)
+    parts = harness.per_rep(x)
+    assert isinstance(parts, tuple) and len(parts) == 3
+    for i, p in enumerate(parts):
+        np.testing.assert_array_equal(np.asarray(p), np.arange(24).reshape(3, 2, 4)[i])
+
+
 def test_device_time_of_a_loop_body():
     """On CPU the loop of 11 adds must not be cheaper than the loop of 1: a non-negative, finite figure."""
     t = harness.device_time(lambda c, k: c + k, jax.numpy.ones(4), jax.numpy.ones(4), reps=10, iters=2)
