@@ -16,7 +16,8 @@ kernel cut short after each stage (`topk_select(_stop=...)`: 0 row load + bounds
 so the top-k's time splits by stage.
 
 Rows: {"op": "indexer", "stage": "scores" | "topk" | "scores+topk", "cache", "B", "impl", "config", "us", "xla_us",
-"tb_s"} (sweep rows carry "amortised_us" instead of "us"); the best row per stage is printed at the end.
+"tb_s", "kernel_us", "xla_kernel_us"} (sweep rows carry "amortised_us" instead of "us"; the kernel times, from a
+profiler trace, on the scores + top-k rows); the best row per stage is printed at the end.
 
     PYTHONPATH=. python3 benchmarks/bench_indexer.py --out $OUT/bench_indexer.json
 """

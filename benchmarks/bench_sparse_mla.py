@@ -13,7 +13,8 @@ each T is the median of `iters` runs, and before every timed run a 256 MB write 
 the cache rows come from HBM as in decode (at B = 1 all reps of one run read 38 MB: the L2 would hold them).
 Effective TB/s = bytes that must be read and written (gathered cache rows + q + o/lse + indices) / time.
 
-Rows (JSON, --out): {"op": "sparse_mla", "cache", "B", "impl", "config", "us", "xla_us", "tb_s", "err"};
+Rows (JSON, --out): {"op": "sparse_mla", "cache", "B", "impl", "config", "us", "xla_us", "tb_s", "err",
+"kernel_us", "xla_kernel_us"} (the kernel times, from a profiler trace, for xla and the first two candidates);
 impl is "xla", "triton_2launch" (the default config and --sweep configs) or "triton_1launch". The best per
 (cache, B) is printed (a config whose result is off the xla op by 5% or more never is). B = 1..32, both
 caches, in about 3 minutes on an H200 (estimated from a first run; --budget_s 60: past it, each (cache, B)
