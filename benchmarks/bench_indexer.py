@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import (Budget, budgeted_sweep, command_line, per_op_kernel_time, per_op_time, per_rep,
-                                record, timeit, write_json)
+from benchmarks.harness import (Budget, budgeted_sweep, command_line, kernel_time_or_none, micros, per_op_time,
+                                per_rep, record, timeit, write_json)
 from kernels import fp8_formats, indexer, indexer_triton, topk_triton
 
 HI, DI, TOPK, CTX, PAGE = 32, 128, 2048, 32768, 64
@@ -156,10 +156,9 @@ def main(argv=None):
         print(s, flush=True)
 
     def emit(stage, fmt, b, impl, cfg, sec, xla_sec=None, nbytes=None, kernel_sec=None, xla_kernel_sec=None):
-        us = (lambda x: None if x is None else x * 1e6)
         row = dict(op="indexer", stage=stage, cache=fmt, B=b, impl=impl, config=cfg, us=sec * 1e6,
-                   xla_us=us(xla_sec), tb_s=None if nbytes is None else nbytes / sec / 1e12,
-                   kernel_us=us(kernel_sec), xla_kernel_us=us(xla_kernel_sec))
+                   xla_us=micros(xla_sec), tb_s=None if nbytes is None else nbytes / sec / 1e12,
+                   kernel_us=micros(kernel_sec), xla_kernel_us=micros(xla_kernel_sec))
         rows.append(row)
         log(f"  {stage:12s} {fmt:4s} B={b:4d} {impl:11s} {row['us']:9.1f} us"
             + ("" if kernel_sec is None else f" (kernels {row['kernel_us']:.1f})")
@@ -198,13 +197,7 @@ def main(argv=None):
                 return per_op_time(make, args_, args.reps, args.iters)[0]
 
             def kernel_time(make, args_):  # GPU kernel seconds per op (a profiler trace), None if it failed
-                if not args.kernel_time:
-                    return None
-                try:
-                    return per_op_kernel_time(make, args_, args.reps, runs=3)
-                except Exception as e:  # noqa: BLE001 - the wall-clock row stands without it
-                    log(f"kernel time failed: {type(e).__name__}: {str(e)[:200]}")
-                    return None
+                return kernel_time_or_none(make, args_, args.reps, log=log) if args.kernel_time else None
 
             # scores alone
             emit("scores", fmt, b, "triton", {}, op_time(lambda n: scores_runner(n, {}), data), nbytes=nbytes)

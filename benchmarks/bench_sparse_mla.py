@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import (Budget, command_line, cu_profiler, device_peaks, per_op_kernel_time, per_rep, record,
-                                write_json)
+from benchmarks.harness import (Budget, command_line, cu_profiler, device_peaks, kernel_time_or_none, micros, per_rep,
+                                record, write_json)
 from kernels import fp8_formats, sparse_mla, sparse_mla_triton
 
 H, R, DR, K, CTX = 64, 512, 64, 2048, 32768
@@ -120,12 +120,7 @@ def time_op(impl, data, reps, iters, flush, kernel_time=False, **opts):
     lo, hi = make_runner(impl, 1, **opts), make_runner(impl, reps, **opts)
     t_lo = cold_median(lo, data, iters, flush)
     t_hi = cold_median(hi, data, iters, flush)
-    k = None
-    if kernel_time:
-        try:
-            k = per_op_kernel_time({1: lo, reps: hi}.get, data, reps, lo=1, runs=3, before=flush)
-        except Exception as e:  # noqa: BLE001 - the wall-clock row stands without it
-            print(f"  kernel time failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
+    k = kernel_time_or_none({1: lo, reps: hi}.get, data, reps, before=flush) if kernel_time else None
     return max(t_hi - t_lo, 1e-9) / (reps - 1), k, lo(*data)[0]
 
 
@@ -241,10 +236,9 @@ def main(argv=None):
             continue
         kt = bool(args.kernel_time)
         t_xla, k_xla, ref = time_op("xla", data, args.reps, args.iters, flush, kt)
-        us = (lambda s: None if s is None else s * 1e6)
         cell = [dict(op="sparse_mla", cache=cache_name, B=b, impl="xla", config=None, us=t_xla * 1e6,
-                     xla_us=t_xla * 1e6, tb_s=nbytes / t_xla / 1e12, err=0.0, kernel_us=us(k_xla),
-                     xla_kernel_us=us(k_xla))]
+                     xla_us=t_xla * 1e6, tb_s=nbytes / t_xla / 1e12, err=0.0, kernel_us=micros(k_xla),
+                     xla_kernel_us=micros(k_xla))]
         for i, (impl, cfg) in enumerate(cands):
             if budget.spent() and i > 1:  # the default and the first one-launch config always run
                 skipped.append(dict(cache=cache_name, B=b, impl=impl, config=cfg))
@@ -257,8 +251,8 @@ def main(argv=None):
                 failed.append(dict(cache=cache_name, B=b, impl=impl, config=cfg, error=str(e)[:300]))
                 continue
             cell.append(dict(op="sparse_mla", cache=cache_name, B=b, impl=impl, config=cfg, us=t * 1e6,
-                             xla_us=t_xla * 1e6, tb_s=nbytes / t / 1e12, err=rel_err(out, ref), kernel_us=us(k),
-                             xla_kernel_us=us(k_xla)))
+                             xla_us=t_xla * 1e6, tb_s=nbytes / t / 1e12, err=rel_err(out, ref), kernel_us=micros(k),
+                             xla_kernel_us=micros(k_xla)))
         for r_ in cell[1:]:
             kern = "" if r_["kernel_us"] is None else f" (kernels {r_['kernel_us']:.1f})"
             print(f"  {cache_name:10s} B={b:3d} {r_['impl']:15s} {r_['us']:8.1f} us{kern}  err {r_['err']:.1e}  "

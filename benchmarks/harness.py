@@ -186,6 +186,24 @@ def per_op_kernel_time(make: Callable[[int], Callable], args: tuple, reps: int, 
     return max(k_hi - k_lo, 1e-9) / (reps - lo)
 
 
+def kernel_time_or_none(make: Callable[[int], Callable], args: tuple, reps: int, lo: int = 1, runs: int = 3,
+                        before: Callable[[], Any] | None = None,
+                        log: Callable[[str], Any] | None = None) -> float | None:
+    """`per_op_kernel_time`, or None when the trace fails (no GPU, no profiler plugin): a bench's wall-clock row
+    stands without its kernel time. The failure is told to `log` (default stderr)."""
+    try:
+        return per_op_kernel_time(make, args, reps, lo=lo, runs=runs, before=before)
+    except Exception as e:  # noqa: BLE001 - any failure of the trace leaves the row without the figure
+        (log or (lambda s: print(s, file=sys.stderr, flush=True)))(
+            f"kernel time failed: {type(e).__name__}: {str(e)[:300]}")
+        return None
+
+
+def micros(seconds: float | None) -> float | None:
+    """Seconds as microseconds; None stays None (a figure that was not measured)."""
+    return None if seconds is None else seconds * 1e6
+
+
 def per_rep(x) -> tuple:
     """The slices x[0], x[1], ... of x's leading axis as separate device arrays. A benchmark that runs op i of an
     executable on inputs[i] then passes these, so the timed executable reads each op's inputs as they are instead

@@ -50,15 +50,6 @@ def case(b, reps, fp8=False, seed=0):
     return cache, harness.per_rep(q), harness.per_rep(idx)  # the timed executables slice nothing
 
 
-def kernel_us(make, data, reps):
-    """The op's GPU kernel microseconds (`harness.per_op_kernel_time`, a profiler trace), None if it failed."""
-    try:
-        return harness.per_op_kernel_time(make, data, reps, lo=2, runs=3) * 1e6
-    except Exception as e:  # noqa: BLE001 - the wall-clock row stands without it
-        print(f"PROBE kernel time FAIL {type(e).__name__}: {str(e)[:300]}", flush=True)
-        return None
-
-
 def runner(fn, reps):
     @jax.jit
     def run(cache, q, idx):
@@ -147,7 +138,10 @@ def main(argv=None):
             try:
                 us = harness.per_op_time(make, (cache, q, idx), reps, 7, lo=2)[0] * 1e6
                 times[name] = us
-                kus = kernel_us(make, (cache, q, idx), reps) if args.kernel_time else None
+                kus = None
+                if args.kernel_time:
+                    kus = harness.micros(harness.kernel_time_or_none(
+                        make, (cache, q, idx), reps, lo=2, log=lambda m: print(f"PROBE {m}", flush=True)))
                 print(f"PROBE time {cache_kind} B={b} {name} {us:.1f} us {nbytes / us / 1e6:.2f} TB/s"
                       + ("" if kus is None else f"  kernels {kus:.1f} us"), flush=True)
                 rows.append(dict(step="time", cache=cache_kind, B=b, impl=name, us=us, tb_s=nbytes / us / 1e6,

@@ -103,6 +103,11 @@ def _slot_tiles(config: MosaicSparseMLAConfig) -> bool:
     return config.slot_source == "smem"
 
 
+def _reduction_scratch(config: MosaicSparseMLAConfig) -> int:
+    """The launch's `reduction_scratch_bytes`: none with share_p (its P tile takes the room)."""
+    return 0 if config.share_p else _REDUCTION_SCRATCH
+
+
 def shared_memory_bytes(width: int, config: MosaicSparseMLAConfig) -> int:
     """Shared memory a CTA of the native kernel takes for cache rows of `width` bf16 columns: the q tile, the
     double-buffered K tile, the slot tiles (slot_source "smem"), with `share_p` the shared P tile and its row
@@ -111,8 +116,7 @@ def shared_memory_bytes(width: int, config: MosaicSparseMLAConfig) -> int:
     k = 2 * BLOCK_K * width * 2
     slots = 2 * BLOCK_K * 4 if _slot_tiles(config) else 0
     shared_p = (HEADS * BLOCK_K * 2 + 2 * HEADS * 4) if config.share_p else 0
-    scratch = 0 if config.share_p else _REDUCTION_SCRATCH
-    return q + k + slots + shared_p + scratch + _SMEM_OVERHEAD
+    return q + k + slots + shared_p + _reduction_scratch(config) + _SMEM_OVERHEAD
 
 
 def supports(q, cache, indices, *, kv_lora_rank: int, interpret: bool = False, **_) -> str | None:
@@ -630,7 +634,7 @@ def _run(q, cache, indices, *, scale, kv_lora_rank, config, interpret, return_pa
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
-            approx_math=True, reduction_scratch_bytes=0 if config.share_p else _REDUCTION_SCRATCH),
+            approx_math=True, reduction_scratch_bytes=_reduction_scratch(config)),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     o, lse = kernel(q, cache, indices)

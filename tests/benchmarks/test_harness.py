@@ -125,6 +125,25 @@ def test_per_op_kernel_time_takes_the_difference(monkeypatch):
         harness.per_op_kernel_time(make, ("a",), 2, lo=2)
 
 
+def test_kernel_time_or_none(monkeypatch):
+    """The kernel time when the trace works; None and one log line naming the error when it fails (on the CPU: no
+    GPU plane), with the arguments passed through."""
+    seen, logged = [], []
+
+    def fake(make, args, reps, lo, runs, before):
+        seen.append((args, reps, lo, runs, before))
+        return 2.5
+    monkeypatch.setattr(harness, "per_op_kernel_time", fake)
+    assert harness.kernel_time_or_none(None, ("a",), 8, lo=2, before=print) == 2.5
+    assert seen == [(("a",), 8, 2, 3, print)]
+    monkeypatch.undo()
+    f = jax.jit(lambda x: x * 2)
+    x = jax.numpy.ones(4)
+    assert harness.kernel_time_or_none(lambda n: f, (x,), 3, runs=1, log=logged.append) is None
+    assert len(logged) == 1 and logged[0].startswith("kernel time failed: RuntimeError") and "no GPU plane" in logged[0]
+    assert harness.micros(None) is None and harness.micros(2.5e-6) == pytest.approx(2.5)
+
+
 def test_per_rep_splits_the_leading_axis():
     x = jax.numpy.arange(24).reshape(3, 2, 4)
     parts = harness.per_rep(x)
