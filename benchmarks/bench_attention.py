@@ -38,7 +38,8 @@ OPS = {
     "indexer": ("bench_indexer.py", ["--batches", "32,128,1", "--sweep", "0", "--old", "0"], "indexer"),
     "fused_norm_rope": ("bench_fused_norm_rope.py", ["--budget", "60"], "fused_norm_rope"),
 }
-KEEP = ("op", "stage", "cache", "B", "T", "impl", "config", "us", "xla_us", "tb_s", "kernel_us", "xla_kernel_us")
+KEEP = ("op", "stage", "cache", "B", "T", "impl", "config", "us", "xla_us", "tb_s", "kernel_us", "xla_kernel_us",
+        "device_us", "xla_device_us")
 PROBE_CACHE = {"bf16": "bf16", "fp8": "fp8_ds_mla"}
 
 
@@ -49,7 +50,8 @@ def _probe_rows(rows: list[dict]) -> list[dict]:
     xla = {(r["cache"], r["B"]): r for r in timed if r["impl"] == "xla"}
     return [dict(op="sparse_mla", cache=PROBE_CACHE.get(r["cache"], r["cache"]), B=r["B"], impl=r["impl"],
                  us=r["us"], xla_us=xla.get((r["cache"], r["B"]), {}).get("us"), tb_s=r.get("tb_s"),
-                 kernel_us=r.get("kernel_us"), xla_kernel_us=xla.get((r["cache"], r["B"]), {}).get("kernel_us"))
+                 kernel_us=r.get("kernel_us"), xla_kernel_us=xla.get((r["cache"], r["B"]), {}).get("kernel_us"),
+                 device_us=r.get("device_us"), xla_device_us=xla.get((r["cache"], r["B"]), {}).get("device_us"))
             for r in timed if r["impl"] != "xla"]
 
 

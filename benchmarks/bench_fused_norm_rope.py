@@ -16,7 +16,8 @@ read and write half of them each), "q_copy" (a copy of q_c: the q part's 8192 B 
 "q_norm_triton" (the q part alone, `fused_norm_rope_triton.q_norm_triton`, with the q fields of the configs).
 
 Configs: `candidates(T)` (the default launch first). Rows {"op", "cache", "T", "impl", "config", "us",
-"xla_us", "tb_s"} go to --out (Triton rows also "mismatch": the fraction of q / cache elements off the xla
+"xla_us", "tb_s", "kernel_us", "device_us", "xla_kernel_us", "xla_device_us"} (the trace times, for xla and the
+default launch: kernel time and device span per op from a profiler trace, without the host's dispatch) go to --out (Triton rows also "mismatch": the fraction of q / cache elements off the xla
 op's after the timed runs, which all write the same rows; a config above 1e-3 is reported WRONG and not
 ranked); the best config per (T, cache) is printed.
 
@@ -35,7 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import command_line, device_peaks, median_seconds, record, write_json
+from benchmarks.harness import (TraceTimes, command_line, device_peaks, median_seconds, record, trace_micros,
+                                traced_times, write_json)
 from kernels import fp8_formats as f8
 from kernels import fused_norm_rope as fnr
 from kernels import fused_norm_rope_triton as fnt
@@ -146,9 +148,11 @@ def build(impl, options):
     return run
 
 
-def time_op(impl, options, data, iters):
-    """Seconds per op (the median of `iters` runs of `build`'s runner after one warm-up run, / the sets) and the
-    last run's (q outputs, MLA cache, indexer cache)."""
+def time_op(impl, options, data, iters, traced=False):
+    """Seconds per op (the median of `iters` runs of `build`'s runner after one warm-up run, / the sets), the
+    last run's (q outputs, MLA cache, indexer cache) and, when `traced`, the `harness.TraceTimes` per op (a
+    profiler trace of 3 runs, / the sets: the device's time without the executable's host dispatch, which the
+    wall figure spreads over the sets) or None."""
     sets, weights = data[0], data[1]
     run = build(impl, options)
     last = []
@@ -158,7 +162,16 @@ def time_op(impl, options, data, iters):
         last[:] = [qs]
         return qs, data[2], data[3]
     t = median_seconds(call, warmup=1, reps=iters) / len(sets)
-    return t, (last[0], data[2], data[3])
+    out = (last[0], data[2], data[3])
+    tt = None
+    if traced:
+        try:
+            tt = traced_times(call, runs=3)
+            tt = TraceTimes(tt.kernel / len(sets), tt.span / len(sets))
+        except Exception as e:  # noqa: BLE001 - no trace (CPU, no profiler): the wall figure stands alone
+            print(f"  trace times failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        out = (last[0], data[2], data[3])
+    return t, out, tt
 
 
 @jax.jit
@@ -206,10 +219,11 @@ def main(argv=None):
     tokens = [int(t) for t in args.tokens.split(",")]
     rows, best, failed = [], [], []
 
-    def add(cache, T, impl, config, t, t_xla, nbytes):
+    def add(cache, T, impl, config, t, t_xla, nbytes, traced=None, xla_traced=None):
         row = dict(op="fused_norm_rope", cache=cache, T=T, impl=impl,
                    config=None if config is None else dict(dataclasses.asdict(config), label=config.label()),
-                   us=t * 1e6, xla_us=None if t_xla is None else t_xla * 1e6, tb_s=nbytes / t / 1e12)
+                   us=t * 1e6, xla_us=None if t_xla is None else t_xla * 1e6, tb_s=nbytes / t / 1e12,
+                   **trace_micros(traced), **{f"xla_{k}": v for k, v in trace_micros(xla_traced).items()})
         rows.append(row)
         return row
 
@@ -219,26 +233,27 @@ def main(argv=None):
         over = time.perf_counter() - t_start > args.budget
         data = list(make_inputs(T, fp8, REPS.get(T, 4)))
         nbytes = bytes_per_token(fp8) * T
-        t_xla, ref = time_op("xla", {}, data, args.iters)
+        t_xla, ref, tt_xla = time_op("xla", {}, data, args.iters, traced=True)
         ref = jax.tree.map(jnp.copy, ref)  # the caches are donated to the next run: keep a copy
-        add(cache, T, "xla", None, t_xla, t_xla, nbytes)
+        add(cache, T, "xla", None, t_xla, t_xla, nbytes, tt_xla, tt_xla)
         measured = []
         cands = candidates(T, fp8)
         if args.configs is not None:
             cands = [cands[int(i)] for i in args.configs.split(",") if int(i) < len(cands)]
-        for cfg in cands[:1] if args.default_only or over else cands:
+        for i, cfg in enumerate(cands[:1] if args.default_only or over else cands):
             try:
-                t, out = time_op("triton", {"config": cfg}, data, args.iters)
+                t, out, tt = time_op("triton", {"config": cfg}, data, args.iters, traced=i == 0)
             except Exception as e:  # a launch Triton cannot compile is a result of the sweep, not an error
                 failed.append(dict(T=T, cache=cache, config=cfg.label(), error=f"{type(e).__name__}: {str(e)[:500]}"))
                 print(f"  T={T} {cache} {cfg.label()}: FAILED {failed[-1]['error'][:200]}", flush=True)
                 continue
-            row = add(cache, T, "triton", cfg, t, t_xla, nbytes)
+            row = add(cache, T, "triton", cfg, t, t_xla, nbytes, tt, tt_xla)
             # every run writes the same rows: the final caches and q equal the xla op's (within rounding)
             row["mismatch"] = float(_mismatch(out, ref))
             if row["mismatch"] <= 1e-3:
                 measured.append(row)
-            print(f"  T={T:6d} {cache:10s} {cfg.label():48s} {t * 1e6:9.1f} us {row['tb_s']:.2f} TB/s "
+            dev_us = "" if tt is None else f" (kernels {row['kernel_us']:.1f}, device {row['device_us']:.1f})"
+            print(f"  T={T:6d} {cache:10s} {cfg.label():48s} {t * 1e6:9.1f} us{dev_us} {row['tb_s']:.2f} TB/s "
                   f"[{time.perf_counter() - t_start:.0f} s]"
                   + ("" if row["mismatch"] <= 1e-3 else f"  WRONG: {row['mismatch']:.2e} of elements off"), flush=True)
             del out

@@ -16,8 +16,9 @@ kernel cut short after each stage (`topk_select(_stop=...)`: 0 row load + bounds
 so the top-k's time splits by stage.
 
 Rows: {"op": "indexer", "stage": "scores" | "topk" | "scores+topk", "cache", "B", "impl", "config", "us", "xla_us",
-"tb_s", "kernel_us", "xla_kernel_us"} (sweep rows carry "amortised_us" instead of "us"; the kernel times, from a
-profiler trace, on the scores + top-k rows); the best row per stage is printed at the end.
+"tb_s", "kernel_us", "device_us", "xla_kernel_us", "xla_device_us"} (sweep rows carry "amortised_us" instead of
+"us"; the trace times, on the scores + top-k rows: kernel time and device span from a profiler trace, harness
+docstring); the best row per stage is printed at the end.
 
     PYTHONPATH=. python3 benchmarks/bench_indexer.py --out $OUT/bench_indexer.json
 """
@@ -32,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import (Budget, budgeted_sweep, command_line, kernel_time_or_none, micros, per_op_time,
+from benchmarks.harness import (trace_micros, traced_times_or_none, Budget, budgeted_sweep, command_line, micros, per_op_time,
                                 per_rep, record, timeit, write_json)
 from kernels import fp8_formats, indexer, indexer_triton, topk_triton
 
@@ -155,13 +156,13 @@ def main(argv=None):
     def log(s):
         print(s, flush=True)
 
-    def emit(stage, fmt, b, impl, cfg, sec, xla_sec=None, nbytes=None, kernel_sec=None, xla_kernel_sec=None):
+    def emit(stage, fmt, b, impl, cfg, sec, xla_sec=None, nbytes=None, traced=None, xla_traced=None):
         row = dict(op="indexer", stage=stage, cache=fmt, B=b, impl=impl, config=cfg, us=sec * 1e6,
                    xla_us=micros(xla_sec), tb_s=None if nbytes is None else nbytes / sec / 1e12,
-                   kernel_us=micros(kernel_sec), xla_kernel_us=micros(xla_kernel_sec))
+                   **trace_micros(traced), **{f"xla_{k}": v for k, v in trace_micros(xla_traced).items()})
         rows.append(row)
         log(f"  {stage:12s} {fmt:4s} B={b:4d} {impl:11s} {row['us']:9.1f} us"
-            + ("" if kernel_sec is None else f" (kernels {row['kernel_us']:.1f})")
+            + ("" if traced is None else f" (kernels {row['kernel_us']:.1f}, device {row['device_us']:.1f})")
             + ("" if xla_sec is None else f"  (xla {row['xla_us']:.1f} us)")
             + ("" if nbytes is None else f"  {row['tb_s']:.2f} TB/s") + f"  {cfg}")
         if impl == "triton" and ((stage, fmt, b) not in best or best[(stage, fmt, b)]["us"] > row["us"]):
@@ -196,8 +197,8 @@ def main(argv=None):
             def op_time(make, args_):
                 return per_op_time(make, args_, args.reps, args.iters)[0]
 
-            def kernel_time(make, args_):  # GPU kernel seconds per op (a profiler trace), None if it failed
-                return kernel_time_or_none(make, args_, args.reps, log=log) if args.kernel_time else None
+            def kernel_time(make, args_):  # harness.TraceTimes per op (a profiler trace), None if it failed
+                return traced_times_or_none(make, args_, args.reps, log=log) if args.kernel_time else None
 
             # scores alone
             emit("scores", fmt, b, "triton", {}, op_time(lambda n: scores_runner(n, {}), data), nbytes=nbytes)

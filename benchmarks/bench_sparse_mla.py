@@ -14,7 +14,9 @@ the cache rows come from HBM as in decode (at B = 1 all reps of one run read 38 
 Effective TB/s = bytes that must be read and written (gathered cache rows + q + o/lse + indices) / time.
 
 Rows (JSON, --out): {"op": "sparse_mla", "cache", "B", "impl", "config", "us", "xla_us", "tb_s", "err",
-"kernel_us", "xla_kernel_us"} (the kernel times, from a profiler trace, for xla and the first two candidates);
+"kernel_us", "device_us", "xla_kernel_us", "xla_device_us"} (from a profiler trace, for xla and the first two
+candidates: the op's kernel time, and its device span, first kernel to last, which counts the idle gaps between its
+kernels but not the host's work per input array that the wall clock `us` includes, harness docstring);
 impl is "xla", "triton_2launch" (the default config and --sweep configs) or "triton_1launch". The best per
 (cache, B) is printed (a config whose result is off the xla op by 5% or more never is). B = 1..32, both
 caches, in about 3 minutes on an H200 (estimated from a first run; --budget_s 60: past it, each (cache, B)
@@ -42,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import (Budget, command_line, cu_profiler, device_peaks, kernel_time_or_none, micros, per_rep,
+from benchmarks.harness import (Budget, command_line, cu_profiler, device_peaks, per_rep, trace_micros, traced_times_or_none,
                                 record, write_json)
 from kernels import fp8_formats, sparse_mla, sparse_mla_triton
 
@@ -114,13 +116,13 @@ def cold_median(fn, args, iters, flush):
 
 
 def time_op(impl, data, reps, iters, flush, kernel_time=False, **opts):
-    """(seconds per op, GPU kernel seconds per op or None, the 1-op executable's (o, lse) for rep 0): wall clock
-    (T(reps) - T(1)) / (reps - 1), kernels by a profiler trace of the same two executables
-    (`harness.per_op_kernel_time`, each run after the L2 flush), when `kernel_time`."""
+    """(seconds per op, `harness.TraceTimes` per op or None, the 1-op executable's (o, lse) for rep 0): wall clock
+    (T(reps) - T(1)) / (reps - 1); kernel time and device span by a profiler trace of the same two executables
+    (`harness.per_op_traced_times`, each run after the L2 flush), when `kernel_time`."""
     lo, hi = make_runner(impl, 1, **opts), make_runner(impl, reps, **opts)
     t_lo = cold_median(lo, data, iters, flush)
     t_hi = cold_median(hi, data, iters, flush)
-    k = kernel_time_or_none({1: lo, reps: hi}.get, data, reps, before=flush) if kernel_time else None
+    k = traced_times_or_none({1: lo, reps: hi}.get, data, reps, before=flush) if kernel_time else None
     return max(t_hi - t_lo, 1e-9) / (reps - 1), k, lo(*data)[0]
 
 
@@ -236,9 +238,10 @@ def main(argv=None):
             continue
         kt = bool(args.kernel_time)
         t_xla, k_xla, ref = time_op("xla", data, args.reps, args.iters, flush, kt)
+        xla_trace = {f"xla_{k}": v for k, v in trace_micros(k_xla).items()}
         cell = [dict(op="sparse_mla", cache=cache_name, B=b, impl="xla", config=None, us=t_xla * 1e6,
-                     xla_us=t_xla * 1e6, tb_s=nbytes / t_xla / 1e12, err=0.0, kernel_us=micros(k_xla),
-                     xla_kernel_us=micros(k_xla))]
+                     xla_us=t_xla * 1e6, tb_s=nbytes / t_xla / 1e12, err=0.0, **trace_micros(k_xla),
+                     **xla_trace)]
         for i, (impl, cfg) in enumerate(cands):
             if budget.spent() and i > 1:  # the default and the first one-launch config always run
                 skipped.append(dict(cache=cache_name, B=b, impl=impl, config=cfg))
@@ -251,10 +254,11 @@ def main(argv=None):
                 failed.append(dict(cache=cache_name, B=b, impl=impl, config=cfg, error=str(e)[:300]))
                 continue
             cell.append(dict(op="sparse_mla", cache=cache_name, B=b, impl=impl, config=cfg, us=t * 1e6,
-                             xla_us=t_xla * 1e6, tb_s=nbytes / t / 1e12, err=rel_err(out, ref), kernel_us=micros(k),
-                             xla_kernel_us=micros(k_xla)))
+                             xla_us=t_xla * 1e6, tb_s=nbytes / t / 1e12, err=rel_err(out, ref), **trace_micros(k),
+                             **xla_trace))
         for r_ in cell[1:]:
-            kern = "" if r_["kernel_us"] is None else f" (kernels {r_['kernel_us']:.1f})"
+            kern = ("" if r_["kernel_us"] is None
+                    else f" (kernels {r_['kernel_us']:.1f}, device {r_['device_us']:.1f})")
             print(f"  {cache_name:10s} B={b:3d} {r_['impl']:15s} {r_['us']:8.1f} us{kern}  err {r_['err']:.1e}  "
                   f"{ {k: v for k, v in r_['config'].items() if k != 'partial_dtype'} }", flush=True)
         ok = [r_ for r_ in cell if r_["err"] < 5e-2]  # a wrong result is never the best

@@ -7,15 +7,11 @@
 #   mla        the Mosaic sparse MLA share_p schedule beside cp_async (written, not run this session)
 # Every step under its own timeout; logs and JSON under $OUT/r, packed into one tarball.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT/r"; R="$OUT/r"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+source "$(dirname "$0")/gpu_prelude.sh"  # cd to the repository, OUT, R, the exports, step()
 P=benchmarks/probe_moe_fp8.py
 TP8=6144,256,256   # hidden, expert width, experts: a GLM-5.2 TP = 8 shard (plain e4m3)
 TP1=6144,2048,256  # the whole stack on one device (uint16 words)
 
-step() { local name=$1 t=$2; shift 2
-  timeout "$t" "$@" > "$R/$name.log" 2>&1; echo "$name rc=$?" | tee -a "$R/rc.txt"; }
 # probe NAME TIMEOUT DIMS BATCHES VARIANTS [flags]: the variants' table at the end of the log
 probe() { local name=$1 t=$2 dims=$3 b=$4 v=$5; shift 5
   step "$name" "$t" python3 $P --dims "$dims" --batches "$b" --variants "$v" --iters 3 --out "$R/$name.json" "$@"

@@ -13,11 +13,7 @@
 #   e2e     the engine decode step (bench preset, impl auto, 32K context) bf16 and FP8
 # Every step under its own timeout; logs and JSON under $OUT/r, packed into one tarball.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT/r"; R="$OUT/r"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-step() { local name=$1 t=$2; shift 2
-  timeout "$t" "$@" > "$R/$name.log" 2>&1; echo "$name rc=$?" | tee -a "$R/rc.txt"; }
+source "$(dirname "$0")/gpu_prelude.sh"  # cd to the repository, OUT, R, the exports, step()
 M=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
 M=$M,launch__grid_size,launch__registers_per_thread
 # ncu_list NAME FROM_START(on|off) ARGS...: off captures between the script's cuProfilerStart / Stop only

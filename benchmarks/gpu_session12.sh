@@ -8,11 +8,7 @@
 #   final   the sparse MLA GPU tests (Mosaic and Triton) at the final code, then attn1
 # Every step under its own timeout; logs and JSON under $OUT/r, packed into one tarball.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT/r"; R="$OUT/r"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-step() { local name=$1 t=$2; shift 2
-  timeout "$t" "$@" > "$R/$name.log" 2>&1; echo "$name rc=$?" | tee -a "$R/rc.txt"; }
+source "$(dirname "$0")/gpu_prelude.sh"  # cd to the repository, OUT, R, the exports, step()
 VARIANTS=${VARIANTS:-cp_async,no_share_p}
 
 for what in "$@"; do case $what in

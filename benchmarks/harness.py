@@ -3,6 +3,9 @@
 Timing (DESIGN.md, Benchmarks): warm up, then the median of many `jax.block_until_ready` timings. Kernel tables
 take the device time of one op as the difference of two executables that run it n_hi and n_lo times
 (`per_op_time`; `device_time` builds them as `fori_loop`s), so the fixed cost of dispatching an executable cancels.
+Where the two executables differ in the arrays they take or return (one per op, `per_rep`), a host clock also counts
+the host's work per array (on the GPU machine here about 25 us each, BENCHMARKS.md session 13); the device times of a
+profiler trace (`per_op_traced_times`: kernel time and the device's span) do not.
 Records: `{"date", "commit", "device", "command", "rows": [...]}` plus any keys a script adds.
 """
 
@@ -135,73 +138,127 @@ DERIVED_LINES = ("XLA Modules", "XLA Ops", "XLA TraceMe", "TensorFlow Ops", "Ten
                  "Framework Name Scope", "Steps", "Source code", "Host Offload Ops")
 
 
-def kernel_seconds(planes) -> float | None:
-    """Summed duration in seconds of the events on the stream lines of a profile's GPU planes ("/device:GPU:*"),
-    i.e. the kernels (and device memsets/copies) the device ran; XLA's derived lines (`DERIVED_LINES`) are left
-    out. None when there is no GPU plane (a CPU run). `planes`: `jax.profiler.ProfileData.planes`, or objects
-    with the same `name` / `lines` / `events` / `duration_ns` fields."""
-    total, found = 0.0, False
+def _stream_events(planes):
+    """The events on the stream lines of a profile's GPU planes, or None when it has no GPU plane."""
+    events, found = [], False
     for plane in planes:
         if not plane.name.startswith("/device:GPU"):
             continue
         found = True
         for line in plane.lines:
-            if line.name in DERIVED_LINES:
-                continue
-            total += sum(e.duration_ns for e in line.events)
-    return total * 1e-9 if found else None
+            if line.name not in DERIVED_LINES:
+                events.extend(line.events)
+    return events if found else None
 
 
-def traced_kernel_seconds(call: Callable[[], Any], runs: int = 5, before: Callable[[], Any] | None = None) -> float:
-    """GPU kernel seconds of one `call()`: the kernels of `runs` calls (after one untraced warm-up), each after
-    `before()` (traced too, e.g. an L2 flush: take differences, as `per_op_kernel_time` does, to cancel it),
-    summed from a `jax.profiler` trace, divided by `runs`. This is the device's busy time, without the gaps in
-    which it waits for the host to launch the next kernel. RuntimeError where the trace holds no GPU plane."""
+def kernel_seconds(planes) -> float | None:
+    """Summed duration in seconds of the events on the stream lines of a profile's GPU planes ("/device:GPU:*"),
+    i.e. the kernels (and device memsets/copies) the device ran; XLA's derived lines (`DERIVED_LINES`) are left
+    out. None when there is no GPU plane (a CPU run). `planes`: `jax.profiler.ProfileData.planes`, or objects
+    with the same `name` / `lines` / `events` / `duration_ns` fields."""
+    events = _stream_events(planes)
+    return None if events is None else sum(e.duration_ns for e in events) * 1e-9
+
+
+def _program_id(event):
+    return next((str(v) for k, v in getattr(event, "stats", ()) if k == "program_id"), None)
+
+
+def span_seconds(planes) -> float | None:
+    """Device seconds from the first kernel to the last of each run of the trace's last executable, summed over
+    its runs: its device wall time, idle gaps between its kernels included, the host's work before its first
+    kernel (argument handling, launch) not. A run is a stretch of stream events (in time order) of that
+    executable's `program_id` stat, other executables' events (an L2 flush between runs) ending it. None when
+    there is no GPU plane; 0.0 when it has no event with a `program_id`."""
+    events = _stream_events(planes)
+    if events is None:
+        return None
+    events = sorted((e for e in events if _program_id(e) is not None), key=lambda e: e.start_ns)
+    if not events:
+        return 0.0
+    last = max(events, key=lambda e: e.start_ns + e.duration_ns)
+    total, first, end = 0.0, None, None
+    for e in events + [None]:
+        if e is not None and _program_id(e) == _program_id(last):
+            first = e.start_ns if first is None else first
+            end = max(end or 0, e.start_ns + e.duration_ns)
+        elif first is not None:
+            total, first, end = total + (end - first), None, None
+    return total * 1e-9
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceTimes:
+    """Device seconds of a call (or of one op, as a difference) read from a profiler trace: `kernel`, the time
+    its kernels ran (`kernel_seconds`), and `span`, the device's wall time from its first kernel to its last
+    (`span_seconds`): the two differ by the device's idle gaps between the kernels."""
+
+    kernel: float
+    span: float
+
+
+def traced_times(call: Callable[[], Any], runs: int = 5, before: Callable[[], Any] | None = None) -> TraceTimes:
+    """`TraceTimes` of one `call()`: `runs` calls (after one untraced warm-up), each after `before()` (traced
+    too, e.g. an L2 flush, by default a one-kernel marker that ends a run for `span_seconds`: its kernels count in
+    `kernel`, so take differences, as `per_op_traced_times` does; not in `span`, which follows the call's own
+    executable), from one `jax.profiler` trace, divided by `runs`.
+    Unlike a host clock, neither figure counts the host's work before the device starts. RuntimeError where the
+    trace holds no GPU plane."""
     _check_count("runs", runs, 1)
+    if before is None:  # a one-kernel marker between the runs, so that `span_seconds` tells them apart
+        marker, one = jax.jit(lambda x: x + 1), jnp.zeros((1,), jnp.int32)
+        before = lambda: marker(one)  # noqa: E731
+    jax.block_until_ready(before())
     jax.block_until_ready(call())
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(runs):
-                if before is not None:
-                    jax.block_until_ready(before())
+                jax.block_until_ready(before())
                 jax.block_until_ready(call())
         paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         if not paths:
-            raise RuntimeError(f"traced_kernel_seconds: the profiler wrote no .xplane.pb under {d}")
-        seconds = kernel_seconds(jax.profiler.ProfileData.from_file(paths[0]).planes)
-    if seconds is None:
-        raise RuntimeError("traced_kernel_seconds: the trace has no GPU plane (kernel time is measured on a GPU)")
-    return seconds / runs
+            raise RuntimeError(f"traced_times: the profiler wrote no .xplane.pb under {d}")
+        profile = jax.profiler.ProfileData.from_file(paths[0])
+        planes = list(profile.planes)  # an iterator: both figures read it
+        kernel, span = kernel_seconds(planes), span_seconds(planes)
+    if kernel is None:
+        raise RuntimeError("traced_times: the trace has no GPU plane (kernel time is measured on a GPU)")
+    return TraceTimes(kernel / runs, span / runs)
 
 
-def per_op_kernel_time(make: Callable[[int], Callable], args: tuple, reps: int, lo: int = 1, runs: int = 5,
-                       before: Callable[[], Any] | None = None) -> float:
-    """GPU kernel seconds of one op: (K(reps) - K(lo)) / (reps - lo), K the `traced_kernel_seconds` of the
-    executables `make(reps)` and `make(lo)` on `args` (the kernels both run once, and `before`, cancel)."""
+def per_op_traced_times(make: Callable[[int], Callable], args: tuple, reps: int, lo: int = 1, runs: int = 5,
+                        before: Callable[[], Any] | None = None) -> TraceTimes:
+    """`TraceTimes` of one op: (X(reps) - X(lo)) / (reps - lo) for both figures, X the `traced_times` of the
+    executables `make(reps)` and `make(lo)` on `args` (what both run once, and `before`, cancels)."""
     if reps <= lo:
         raise ValueError(f"reps ({reps}) must exceed lo ({lo}): the difference of the two executables is the time")
     hi_fn, lo_fn = make(reps), make(lo)
-    k_hi = traced_kernel_seconds(lambda: hi_fn(*args), runs, before)
-    k_lo = traced_kernel_seconds(lambda: lo_fn(*args), runs, before)
-    return max(k_hi - k_lo, 1e-9) / (reps - lo)
+    hi = traced_times(lambda: hi_fn(*args), runs, before)
+    low = traced_times(lambda: lo_fn(*args), runs, before)
+    return TraceTimes(max(hi.kernel - low.kernel, 1e-9) / (reps - lo), max(hi.span - low.span, 1e-9) / (reps - lo))
 
 
-def kernel_time_or_none(make: Callable[[int], Callable], args: tuple, reps: int, lo: int = 1, runs: int = 3,
-                        before: Callable[[], Any] | None = None,
-                        log: Callable[[str], Any] | None = None) -> float | None:
-    """`per_op_kernel_time`, or None when the trace fails (no GPU, no profiler plugin): a bench's wall-clock row
-    stands without its kernel time. The failure is told to `log` (default stderr)."""
+def traced_times_or_none(make: Callable[[int], Callable], args: tuple, reps: int, lo: int = 1, runs: int = 3,
+                         before: Callable[[], Any] | None = None,
+                         log: Callable[[str], Any] | None = None) -> TraceTimes | None:
+    """`per_op_traced_times`, or None when the trace fails (no GPU, no profiler plugin): a bench's wall-clock row
+    stands without its device times. The failure is told to `log` (default stderr)."""
     try:
-        return per_op_kernel_time(make, args, reps, lo=lo, runs=runs, before=before)
-    except Exception as e:  # noqa: BLE001 - any failure of the trace leaves the row without the figure
+        return per_op_traced_times(make, args, reps, lo=lo, runs=runs, before=before)
+    except Exception as e:  # noqa: BLE001 - any failure of the trace leaves the row without the figures
         (log or (lambda s: print(s, file=sys.stderr, flush=True)))(
-            f"kernel time failed: {type(e).__name__}: {str(e)[:300]}")
+            f"trace times failed: {type(e).__name__}: {str(e)[:300]}")
         return None
 
 
 def micros(seconds: float | None) -> float | None:
     """Seconds as microseconds; None stays None (a figure that was not measured)."""
     return None if seconds is None else seconds * 1e6
+
+
+def trace_micros(times: TraceTimes | None) -> dict:
+    """{"kernel_us", "device_us"} of a `TraceTimes` (both None when it was not measured), for a bench's row."""
+    return {"kernel_us": micros(times and times.kernel), "device_us": micros(times and times.span)}
 
 
 def per_rep(x) -> tuple:

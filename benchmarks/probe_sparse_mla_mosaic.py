@@ -138,14 +138,14 @@ def main(argv=None):
             try:
                 us = harness.per_op_time(make, (cache, q, idx), reps, 7, lo=2)[0] * 1e6
                 times[name] = us
-                kus = None
-                if args.kernel_time:
-                    kus = harness.micros(harness.kernel_time_or_none(
-                        make, (cache, q, idx), reps, lo=2, log=lambda m: print(f"PROBE {m}", flush=True)))
+                traced = harness.trace_micros(harness.traced_times_or_none(
+                    make, (cache, q, idx), reps, lo=2, log=lambda m: print(f"PROBE {m}", flush=True))
+                    if args.kernel_time else None)
                 print(f"PROBE time {cache_kind} B={b} {name} {us:.1f} us {nbytes / us / 1e6:.2f} TB/s"
-                      + ("" if kus is None else f"  kernels {kus:.1f} us"), flush=True)
+                      + ("" if traced["kernel_us"] is None else
+                         f"  kernels {traced['kernel_us']:.1f} us  device {traced['device_us']:.1f} us"), flush=True)
                 rows.append(dict(step="time", cache=cache_kind, B=b, impl=name, us=us, tb_s=nbytes / us / 1e6,
-                                 kernel_us=kus))
+                                 **traced))
             except Exception as e:  # noqa: BLE001
                 print(f"PROBE time {cache_kind} B={b} {name} FAIL {type(e).__name__}: {str(e)[:1500]}", flush=True)
                 rows.append(dict(step="time", B=b, impl=name, error=str(e)[:3000]))

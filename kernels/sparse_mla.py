@@ -71,10 +71,11 @@ def sparse_mla(q, cache, indices, *, scale: float, kv_lora_rank: int, impl: str 
                              **kernel_options)
 
 
-# Query rows from which the Mosaic kernel beats the Triton one, per cache format (BENCHMARKS.md, "Attention
-# kernels, session 9": at 32 rows 81 vs 93 us bf16, 82 vs 156 us fp8; at 128, 203 vs 199 us bf16 (165 vs 241 in
-# another run), 205 vs 386 us fp8; at 1 row both ~xla's time, Triton kept)
-MOSAIC_MIN_ROWS = {"bf16": 32, "fp8_ds_mla": 32}
+# Query rows from which the Mosaic kernel beats the Triton one, per cache format. Session 13 measured the device
+# time of each op (BENCHMARKS.md, "Session 13"): at 1 row Mosaic 9.7 vs Triton 15.2 us bf16, 11.5 vs 19.0 fp8; at
+# 32 rows 38.4 vs 59.3 and 51.5 vs 101.6; at 128 rows 107.2 vs 178.6 and 146.8 vs 348.4 (session 9's contrary
+# figures at 1 row were host clock differences, which count the host's work per input array).
+MOSAIC_MIN_ROWS = {"bf16": 1, "fp8_ds_mla": 1}
 
 
 def choose_impl(q, cache, indices, *, scale: float, kv_lora_rank: int, **kernel_options) -> str:

@@ -75,13 +75,14 @@ def test_per_op_time_cancels_the_fixed_cost(clock):
 
 
 class _Ev:
-    def __init__(self, ns):
-        self.duration_ns = ns
+    def __init__(self, ns, start=0, program=None):
+        self.duration_ns, self.start_ns = ns, start
+        self.stats = [] if program is None else [("correlation_id", 1), ("program_id", program)]
 
 
 class _Line:
     def __init__(self, name, *ns):
-        self.name, self.events = name, [_Ev(n) for n in ns]
+        self.name, self.events = name, [n if isinstance(n, _Ev) else _Ev(n) for n in ns]
 
 
 class _Plane:
@@ -100,47 +101,73 @@ def test_kernel_seconds_sums_stream_lines_of_gpu_planes():
     assert harness.kernel_seconds([_Plane("/device:GPU:0")]) == 0.0
 
 
-def test_traced_kernel_seconds_needs_a_gpu():
+def test_span_seconds_follows_the_last_executable():
+    """Hand-made stream events: two runs of program 7, each after a flush (program 3), the second with an idle gap
+    between its kernels; the span is first kernel to last per run (gap included), the flushes left out, events
+    without a program_id ignored, derived lines and host planes too."""
+    ev = _Ev
+    stream = _Line("Stream #14(Compute)",
+                   ev(100, 0, 3),                 # flush
+                   ev(10, 200, 7), ev(20, 215, 7),  # run 1: 200 .. 235
+                   ev(5, 300, None),              # a memcpy without program_id
+                   ev(100, 400, 3),               # flush
+                   ev(10, 600, 7), ev(10, 650, 7))  # run 2: 600 .. 660, a 40 ns gap inside
+    planes = [_Plane("/host:CPU", _Line("python", ev(5_000, 0, 7))),
+              _Plane("/device:GPU:0", stream, _Line("XLA Modules", ev(9_999, 0, 7)))]
+    assert harness.span_seconds(planes) == pytest.approx((35 + 60) * 1e-9)
+    assert harness.kernel_seconds(planes) == pytest.approx((100 + 10 + 20 + 5 + 100 + 10 + 10) * 1e-9)
+    assert harness.span_seconds([_Plane("/host:CPU")]) is None
+    assert harness.span_seconds([_Plane("/device:GPU:0", _Line("Stream #1", 40))]) == 0.0
+
+
+def test_traced_times_needs_a_gpu():
     """On the CPU the trace has no GPU plane: a RuntimeError that says so, not a zero."""
     f = jax.jit(lambda x: x * 2)
     with pytest.raises(RuntimeError, match="no GPU plane"):
-        harness.traced_kernel_seconds(lambda: f(jax.numpy.ones(4)), runs=1)
+        harness.traced_times(lambda: f(jax.numpy.ones(4)), runs=1)
 
 
-def test_per_op_kernel_time_takes_the_difference(monkeypatch):
-    """(K(reps) - K(lo)) / (reps - lo) over scripted kernel seconds of 3 + 2 n; `before` reaches the tracer."""
+def test_per_op_traced_times_takes_the_difference(monkeypatch):
+    """(X(reps) - X(lo)) / (reps - lo) for both figures over scripted times (kernels 3 + 2 n, span 5 + 4 n);
+    `before` reaches the tracer."""
     seen = []
 
     def fake(call, runs, before):
         seen.append((runs, before))
-        return call()
-    monkeypatch.setattr(harness, "traced_kernel_seconds", fake)
+        n = call()
+        return harness.TraceTimes(3.0 + 2.0 * n, 5.0 + 4.0 * n)
+    monkeypatch.setattr(harness, "traced_times", fake)
 
     def make(n):
-        return lambda *args: 3.0 + 2.0 * n if args == ("a",) else None
+        return lambda *args: n if args == ("a",) else None
     flush = object()
-    assert harness.per_op_kernel_time(make, ("a",), 8, lo=2, runs=4, before=flush) == pytest.approx(2.0)
+    got = harness.per_op_traced_times(make, ("a",), 8, lo=2, runs=4, before=flush)
+    assert got.kernel == pytest.approx(2.0) and got.span == pytest.approx(4.0)
     assert seen == [(4, flush), (4, flush)]
     with pytest.raises(ValueError, match="must exceed lo"):
-        harness.per_op_kernel_time(make, ("a",), 2, lo=2)
+        harness.per_op_traced_times(make, ("a",), 2, lo=2)
 
 
-def test_kernel_time_or_none(monkeypatch):
-    """The kernel time when the trace works; None and one log line naming the error when it fails (on the CPU: no
-    GPU plane), with the arguments passed through."""
+def test_traced_times_or_none(monkeypatch):
+    """The times when the trace works; None and one log line naming the error when it fails (on the CPU: no
+    GPU plane), with the arguments passed through; `trace_micros` turns either into a row's fields."""
     seen, logged = [], []
+    times = harness.TraceTimes(2.5e-6, 3.5e-6)
 
     def fake(make, args, reps, lo, runs, before):
         seen.append((args, reps, lo, runs, before))
-        return 2.5
-    monkeypatch.setattr(harness, "per_op_kernel_time", fake)
-    assert harness.kernel_time_or_none(None, ("a",), 8, lo=2, before=print) == 2.5
+        return times
+    monkeypatch.setattr(harness, "per_op_traced_times", fake)
+    assert harness.traced_times_or_none(None, ("a",), 8, lo=2, before=print) is times
     assert seen == [(("a",), 8, 2, 3, print)]
     monkeypatch.undo()
     f = jax.jit(lambda x: x * 2)
     x = jax.numpy.ones(4)
-    assert harness.kernel_time_or_none(lambda n: f, (x,), 3, runs=1, log=logged.append) is None
-    assert len(logged) == 1 and logged[0].startswith("kernel time failed: RuntimeError") and "no GPU plane" in logged[0]
+    assert harness.traced_times_or_none(lambda n: f, (x,), 3, runs=1, log=logged.append) is None
+    assert len(logged) == 1 and logged[0].startswith("trace times failed: RuntimeError") and "no GPU plane" in logged[0]
+    assert harness.trace_micros(None) == {"kernel_us": None, "device_us": None}
+    got = harness.trace_micros(times)
+    assert got["kernel_us"] == pytest.approx(2.5) and got["device_us"] == pytest.approx(3.5)
     assert harness.micros(None) is None and harness.micros(2.5e-6) == pytest.approx(2.5)
 
 

@@ -61,15 +61,15 @@ json.dump({{"rows": rows}}, open(a.out, "w"))
 
 def test_bench_attention_merges_halves_and_the_probe_rows(tmp_path, monkeypatch):
     """bench_attention: each op's rows keep the KEEP fields and their source; the Mosaic probe's timing rows become
-    sparse_mla rows with the probe's own xla time (wall and kernels) of the same (cache, B); --merge keeps the rows and failures of ops
+    sparse_mla rows with the probe's own xla time (wall, kernels, device span) of the same (cache, B); --merge keeps the rows and failures of ops
     not run now and replaces those that are; an op that fails is named in "failed"."""
     from benchmarks import bench_attention as ba
 
     probe_rows = [{"step": "correct_bf16_x", "ok": True},
                   {"step": "time", "cache": "fp8", "B": 32, "impl": "xla", "us": 100.0, "tb_s": 0.2,
-                   "kernel_us": 30.0},
+                   "kernel_us": 30.0, "device_us": 31.0},
                   {"step": "time", "cache": "fp8", "B": 32, "impl": "mosaic_cp_async_s4", "us": 40.0, "tb_s": 0.5,
-                   "kernel_us": 12.0}]
+                   "kernel_us": 12.0, "device_us": 13.0}]
     fused_rows = [{"op": "fused_norm_rope", "cache": "bfloat16", "T": 64, "impl": "triton", "us": 3.0,
                    "xla_us": 9.0, "tb_s": 1.0, "mismatch": 0.0}]
     (tmp_path / "probe.py").write_text(_FAKE_OP.format(ROWS=repr(probe_rows)))
@@ -84,7 +84,7 @@ def test_bench_attention_merges_halves_and_the_probe_rows(tmp_path, monkeypatch)
     first = json.loads(out.read_text())
     assert first["rows"] == [{"op": "sparse_mla", "cache": "fp8_ds_mla", "B": 32, "impl": "mosaic_cp_async_s4",
                               "us": 40.0, "xla_us": 100.0, "tb_s": 0.5, "kernel_us": 12.0, "xla_kernel_us": 30.0,
-                              "source": "sparse_mla_mosaic"}]
+                              "device_us": 13.0, "xla_device_us": 31.0, "source": "sparse_mla_mosaic"}]
     assert ba.main(["--ops", "fused_norm_rope,indexer", "--merge", "--out", str(out)]) == 1
     merged = json.loads(out.read_text())
     assert [r["source"] for r in merged["rows"]] == ["sparse_mla_mosaic", "fused_norm_rope"]
