@@ -1,5 +1,6 @@
-"""On the GPU: the engine with the Pallas Triton ops (the GPU default) against the same engine on the xla
-references, through the DCP=1 shard_map path, bf16 and fp8_ds_mla caches."""
+"""On the GPU: the engine on its GPU default, impl "auto" (each op's fastest Pallas kernel per shape: Mosaic GPU
+sparse MLA at these 64 heads, Pallas Triton for the rest), against the same engine on the xla references, through
+the DCP=1 shard_map path, bf16 and fp8_ds_mla caches."""
 
 import numpy as np
 import pytest
@@ -21,12 +22,12 @@ def ckpt(tmp_path_factory):
 
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_ds_mla"])
 def test_triton_engine_as_accurate_as_xla_engine(ckpt, kv):
-    """Both bf16 engines against the float32 xla engine: the Triton path's error is no more than 1.25x the
+    """Both bf16 engines against the float32 xla engine: the kernel path's error is no more than 1.25x the
     xla path's at the same precision (H200, 2026-11-29, these inputs: bf16 cache 0.031 vs 0.029, fp8
     0.051 vs 0.054; Triton vs xla directly 0.024 / 0.049, i.e. within bf16's own error)."""
     ids = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 200))  # 200 > index_topk: sparse
     tri = glm_dsa.load(ckpt, dtype="bfloat16", kv_cache_dtype=kv, max_model_len=512, progress=False)
-    assert tri.impl == "triton"
+    assert tri.impl == "auto"
     ref = glm_dsa.load(ckpt, dtype="bfloat16", kv_cache_dtype=kv, max_model_len=512, progress=False, impl="xla")
     exact = glm_dsa.load(ckpt, dtype="float32", max_model_len=512, progress=False, impl="xla").logits(ids)
     rel = lambda x: np.linalg.norm(x - exact) / np.linalg.norm(exact)  # noqa: E731
@@ -35,12 +36,12 @@ def test_triton_engine_as_accurate_as_xla_engine(ckpt, kv):
 
 
 def test_float32_triton_engine_matches_float32_xla_engine(ckpt):
-    """A float32 model on the GPU default (Triton) path: the float32 kernel tiles compile at the real head
+    """A float32 model on the GPU default (auto) path: the float32 kernel tiles compile at the real head
     geometry, and with IEEE float32 dots everywhere (`step.matmul_precision`) the logits agree with the xla
     path to float32 rounding, far below bf16's 0.03 above (a TF32 dot anywhere would show as ~1e-3)."""
     ids = np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 200))
     tri = glm_dsa.load(ckpt, dtype="float32", max_model_len=512, progress=False)
-    assert tri.impl == "triton"
+    assert tri.impl == "auto"
     exact = glm_dsa.load(ckpt, dtype="float32", max_model_len=512, progress=False, impl="xla").logits(ids)
     got = tri.logits(ids)
     assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 2e-4
