@@ -17,9 +17,10 @@ read and write half of them each), "q_copy" (a copy of q_c: the q part's 8192 B 
 
 Configs: `candidates(T)` (the default launch first). Rows {"op", "cache", "T", "impl", "config", "us",
 "xla_us", "tb_s", "kernel_us", "device_us", "xla_kernel_us", "xla_device_us"} (the trace times, for xla and the
-default launch: kernel time and device span per op from a profiler trace, without the host's dispatch) go to --out (Triton rows also "mismatch": the fraction of q / cache elements off the xla
-op's after the timed runs, which all write the same rows; a config above 1e-3 is reported WRONG and not
-ranked); the best config per (T, cache) is printed.
+default launch: kernel time and device span per op from a profiler trace, without the host's dispatch) go to
+--out (Triton rows also "mismatch": the fraction of q / cache elements off the xla op's after the timed runs,
+which all write the same rows; a config above 1e-3 is reported WRONG and not ranked); the best config per
+(T, cache) is printed.
 
     PYTHONPATH=. python3 benchmarks/bench_fused_norm_rope.py --out bench_fused_norm_rope.json --ceilings
 """
@@ -162,7 +163,6 @@ def time_op(impl, options, data, iters, traced=False):
         last[:] = [qs]
         return qs, data[2], data[3]
     t = median_seconds(call, warmup=1, reps=iters) / len(sets)
-    out = (last[0], data[2], data[3])
     tt = None
     if traced:
         try:
@@ -170,8 +170,7 @@ def time_op(impl, options, data, iters, traced=False):
             tt = TraceTimes(tt.kernel / len(sets), tt.span / len(sets))
         except Exception as e:  # noqa: BLE001 - no trace (CPU, no profiler): the wall figure stands alone
             print(f"  trace times failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        out = (last[0], data[2], data[3])
-    return t, out, tt
+    return t, (last[0], data[2], data[3]), tt  # the traced runs, if any, donated the earlier caches
 
 
 @jax.jit
@@ -223,7 +222,7 @@ def main(argv=None):
         row = dict(op="fused_norm_rope", cache=cache, T=T, impl=impl,
                    config=None if config is None else dict(dataclasses.asdict(config), label=config.label()),
                    us=t * 1e6, xla_us=None if t_xla is None else t_xla * 1e6, tb_s=nbytes / t / 1e12,
-                   **trace_micros(traced), **{f"xla_{k}": v for k, v in trace_micros(xla_traced).items()})
+                   **trace_micros(traced), **trace_micros(xla_traced, "xla_"))
         rows.append(row)
         return row
 

@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import (trace_micros, traced_times_or_none, Budget, budgeted_sweep, command_line, micros, per_op_time,
-                                per_rep, record, timeit, write_json)
+from benchmarks.harness import (Budget, budgeted_sweep, command_line, micros, per_op_time, per_rep, record, timeit,
+                                trace_micros, traced_times_or_none, write_json)
 from kernels import fp8_formats, indexer, indexer_triton, topk_triton
 
 HI, DI, TOPK, CTX, PAGE = 32, 128, 2048, 32768, 64
@@ -159,7 +159,7 @@ def main(argv=None):
     def emit(stage, fmt, b, impl, cfg, sec, xla_sec=None, nbytes=None, traced=None, xla_traced=None):
         row = dict(op="indexer", stage=stage, cache=fmt, B=b, impl=impl, config=cfg, us=sec * 1e6,
                    xla_us=micros(xla_sec), tb_s=None if nbytes is None else nbytes / sec / 1e12,
-                   **trace_micros(traced), **{f"xla_{k}": v for k, v in trace_micros(xla_traced).items()})
+                   **trace_micros(traced), **trace_micros(xla_traced, "xla_"))
         rows.append(row)
         log(f"  {stage:12s} {fmt:4s} B={b:4d} {impl:11s} {row['us']:9.1f} us"
             + ("" if traced is None else f" (kernels {row['kernel_us']:.1f}, device {row['device_us']:.1f})")

@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.harness import (Budget, command_line, cu_profiler, device_peaks, per_rep, trace_micros, traced_times_or_none,
-                                record, write_json)
+from benchmarks.harness import (Budget, command_line, cu_profiler, device_peaks, per_rep, record, trace_micros,
+                                traced_times_or_none, write_json)
 from kernels import fp8_formats, sparse_mla, sparse_mla_triton
 
 H, R, DR, K, CTX = 64, 512, 64, 2048, 32768
@@ -238,7 +238,7 @@ def main(argv=None):
             continue
         kt = bool(args.kernel_time)
         t_xla, k_xla, ref = time_op("xla", data, args.reps, args.iters, flush, kt)
-        xla_trace = {f"xla_{k}": v for k, v in trace_micros(k_xla).items()}
+        xla_trace = trace_micros(k_xla, "xla_")
         cell = [dict(op="sparse_mla", cache=cache_name, B=b, impl="xla", config=None, us=t_xla * 1e6,
                      xla_us=t_xla * 1e6, tb_s=nbytes / t_xla / 1e12, err=0.0, **trace_micros(k_xla),
                      **xla_trace)]

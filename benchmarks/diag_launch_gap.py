@@ -9,20 +9,17 @@ trace of each long chain (the host's thunk launches beside the GPU's kernels) un
     PYTHONPATH=. python3 benchmarks/diag_launch_gap.py --trace_dir $OUT/traces --out $OUT/gap.json
 
 Cases: sparse MLA bf16 (B = 1 and 128; impls mosaic, triton, xla), a tiny Pallas Triton kernel and a tiny XLA
-fusion (1 MiB each: launch cost, no work), and a one-program Pallas Mosaic GPU kernel with 32 or 128 KiB of shared
-memory (a launch above 48 KiB must opt in to it). Rows: {"case", "cmdbuf", "us",
-"kernel_us", "device_us", "gap_us", "t_hi_us", "t_lo_us", "trace"} (device_us: the device's span per op, first kernel
-to last, `harness.span_seconds`).
+fusion (1 MiB each: launch cost, no work). (Session 13's run also had a one-program Mosaic GPU kernel with 32 or
+128 KiB of shared memory; it failed to lower on the GPU, an AssertionError, and was dropped.) Rows: {"case",
+"cmdbuf", "us", "kernel_us", "device_us", "gap_us", "t_hi_us", "t_lo_us", "trace"} (device_us: the device's span
+per op, first kernel to last, `harness.span_seconds`).
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import os
-import shutil
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from benchmarks import bench_sparse_mla as bsm
-from benchmarks.harness import command_line, micros, per_op_traced_times, per_rep, record, write_json
+from benchmarks.harness import command_line, micros, per_op_traced_times, per_rep, record, stream_events, write_json
 
 NO_CMDBUF = {"xla_gpu_enable_command_buffer": ""}
 
@@ -50,17 +47,6 @@ def tiny_triton(x):
                           compiler_params=pltriton.CompilerParams(num_warps=4))(x)
 
 
-def tiny_mosaic(x):
-    """x + 1 by one Mosaic GPU program holding all of x (and the output) in shared memory: x of 64 x 64 f32
-    needs 32 KiB, 64 x 256 needs 128 KiB, over the 48 KiB a launch gets without opting in."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    def body(x_ref, o_ref):
-        o_ref[...] = x_ref[...] + 1.0
-    return pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                          compiler_params=plgpu.CompilerParams())(x)
-
-
 def tiny_xla(x):
     return x + 1.0
 
@@ -76,36 +62,13 @@ def mla_chain(impl, reps):
     return lambda cache, q, idx: [op(q[i], cache, idx[i]) for i in range(reps)]
 
 
-def keep_trace(call, path, before=None):
-    """One profiler trace of `call()` (after `before()`), its .xplane.pb copied to `path`."""
-    jax.block_until_ready(call())
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(3):
-                if before is not None:
-                    before()
-                jax.block_until_ready(call())
-        found = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        if found:
-            shutil.copy(found[0], path)
-            return path
-    return None
-
-
 def timeline(path):
-    """(kernels, host) of a kept trace: the GPU's stream events and the host's events, each a list of
-    (start_ns, end_ns, name, line) sorted by start (XLA's derived GPU lines left out)."""
-    from benchmarks.harness import DERIVED_LINES
-    kernels, host = [], []
-    for plane in jax.profiler.ProfileData.from_file(path).planes:
-        gpu = plane.name.startswith("/device:GPU")
-        if not gpu and not plane.name.startswith("/host:CPU"):
-            continue
-        for line in plane.lines:
-            if gpu and line.name in DERIVED_LINES:
-                continue
-            for e in line.events:
-                (kernels if gpu else host).append((e.start_ns, e.start_ns + e.duration_ns, e.name, line.name))
+    """(kernels, host) of a kept trace: the GPU's stream events (`harness.stream_events`) and the host's events,
+    each a list of (start_ns, end_ns, name, line) sorted by start."""
+    planes = list(jax.profiler.ProfileData.from_file(path).planes)
+    kernels = [(e.start_ns, e.start_ns + e.duration_ns, e.name, "") for e in stream_events(planes) or ()]
+    host = [(e.start_ns, e.start_ns + e.duration_ns, e.name, line.name)
+            for plane in planes if plane.name.startswith("/host:CPU") for line in plane.lines for e in line.events]
     return sorted(kernels), sorted(host)
 
 
@@ -152,12 +115,9 @@ def main(argv=None):
                 t_hi = bsm.cold_median(hi, args, a.iters, flush if use_flush else (lambda: None))
                 t_lo = bsm.cold_median(lo, args, a.iters, flush if use_flush else (lambda: None))
                 us = micros(max(t_hi - t_lo, 1e-9) / (a.reps - 1))
-                tt = per_op_traced_times({1: lo, a.reps: hi}.get, args, a.reps, before=before, runs=3)
+                trace = os.path.join(a.trace_dir, f"{name}_{cmdbuf}.xplane.pb") if a.trace_dir else None
+                tt = per_op_traced_times({1: lo, a.reps: hi}.get, args, a.reps, before=before, runs=3, keep=trace)
                 k, span = micros(tt.kernel), micros(tt.span)
-                trace = None
-                if a.trace_dir:
-                    trace = keep_trace(lambda: hi(*args), os.path.join(a.trace_dir, f"{name}_{cmdbuf}.xplane.pb"),
-                                       before)
                 row = {"case": name, "cmdbuf": cmdbuf, "us": us, "kernel_us": k, "device_us": span, "gap_us": us - k,
                        "t_hi_us": micros(t_hi), "t_lo_us": micros(t_lo), "trace": trace}
             except Exception as e:  # noqa: BLE001 - one failing case leaves the others' rows
@@ -168,9 +128,6 @@ def main(argv=None):
     x = per_rep(jnp.zeros((a.reps, 4096, 64), jnp.float32))
     for name, op in (("tiny_xla", tiny_xla), ("tiny_triton", tiny_triton)):
         measure(name, lambda n, op=op: chain(op, n), x, use_flush=False)
-    for cols in (64, 256):
-        measure(f"tiny_mosaic_{cols // 2}KiB_smem", lambda n: chain(tiny_mosaic, n),
-                per_rep(jnp.zeros((a.reps, 64, cols), jnp.float32)), use_flush=False)
     for b in (int(s) for s in a.batches.split(",") if s):
         data = bsm.make_case(b, False, a.reps)
         for impl in a.impls.split(","):

@@ -14,11 +14,13 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import datetime
+import functools
 import glob
 import json
 import math
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -138,8 +140,9 @@ DERIVED_LINES = ("XLA Modules", "XLA Ops", "XLA TraceMe", "TensorFlow Ops", "Ten
                  "Framework Name Scope", "Steps", "Source code", "Host Offload Ops")
 
 
-def _stream_events(planes):
-    """The events on the stream lines of a profile's GPU planes, or None when it has no GPU plane."""
+def stream_events(planes):
+    """The events on the stream lines of a profile's GPU planes (XLA's derived lines, `DERIVED_LINES`, left out),
+    or None when it has no GPU plane."""
     events, found = [], False
     for plane in planes:
         if not plane.name.startswith("/device:GPU"):
@@ -156,7 +159,7 @@ def kernel_seconds(planes) -> float | None:
     i.e. the kernels (and device memsets/copies) the device ran; XLA's derived lines (`DERIVED_LINES`) are left
     out. None when there is no GPU plane (a CPU run). `planes`: `jax.profiler.ProfileData.planes`, or objects
     with the same `name` / `lines` / `events` / `duration_ns` fields."""
-    events = _stream_events(planes)
+    events = stream_events(planes)
     return None if events is None else sum(e.duration_ns for e in events) * 1e-9
 
 
@@ -170,7 +173,7 @@ def span_seconds(planes) -> float | None:
     kernel (argument handling, launch) not. A run is a stretch of stream events (in time order) of that
     executable's `program_id` stat, other executables' events (an L2 flush between runs) ending it. None when
     there is no GPU plane; 0.0 when it has no event with a `program_id`."""
-    events = _stream_events(planes)
+    events = stream_events(planes)
     if events is None:
         return None
     events = sorted((e for e in events if _program_id(e) is not None), key=lambda e: e.start_ns)
@@ -197,17 +200,25 @@ class TraceTimes:
     span: float
 
 
-def traced_times(call: Callable[[], Any], runs: int = 5, before: Callable[[], Any] | None = None) -> TraceTimes:
+@functools.lru_cache(None)
+def _run_marker() -> Callable[[], Any]:
+    """A call that runs one tiny kernel: what `traced_times` puts between runs when the caller gives no `before`
+    (compiled once per process, not per trace)."""
+    marker, one = jax.jit(lambda x: x + 1), jnp.zeros((1,), jnp.int32)
+    return lambda: marker(one)
+
+
+def traced_times(call: Callable[[], Any], runs: int = 5, before: Callable[[], Any] | None = None,
+                 keep: str | None = None) -> TraceTimes:
     """`TraceTimes` of one `call()`: `runs` calls (after one untraced warm-up), each after `before()` (traced
     too, e.g. an L2 flush, by default a one-kernel marker that ends a run for `span_seconds`: its kernels count in
     `kernel`, so take differences, as `per_op_traced_times` does; not in `span`, which follows the call's own
-    executable), from one `jax.profiler` trace, divided by `runs`.
+    executable), from one `jax.profiler` trace, divided by `runs`. `keep`: a path the trace's .xplane.pb is copied
+    to (for `benchmarks/diag_launch_gap.py --summarise`).
     Unlike a host clock, neither figure counts the host's work before the device starts. RuntimeError where the
     trace holds no GPU plane."""
     _check_count("runs", runs, 1)
-    if before is None:  # a one-kernel marker between the runs, so that `span_seconds` tells them apart
-        marker, one = jax.jit(lambda x: x + 1), jnp.zeros((1,), jnp.int32)
-        before = lambda: marker(one)  # noqa: E731
+    before = before or _run_marker()
     jax.block_until_ready(before())
     jax.block_until_ready(call())
     with tempfile.TemporaryDirectory() as d:
@@ -218,6 +229,8 @@ def traced_times(call: Callable[[], Any], runs: int = 5, before: Callable[[], An
         paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         if not paths:
             raise RuntimeError(f"traced_times: the profiler wrote no .xplane.pb under {d}")
+        if keep is not None:
+            shutil.copy(paths[0], keep)
         profile = jax.profiler.ProfileData.from_file(paths[0])
         planes = list(profile.planes)  # an iterator: both figures read it
         kernel, span = kernel_seconds(planes), span_seconds(planes)
@@ -227,13 +240,14 @@ def traced_times(call: Callable[[], Any], runs: int = 5, before: Callable[[], An
 
 
 def per_op_traced_times(make: Callable[[int], Callable], args: tuple, reps: int, lo: int = 1, runs: int = 5,
-                        before: Callable[[], Any] | None = None) -> TraceTimes:
+                        before: Callable[[], Any] | None = None, keep: str | None = None) -> TraceTimes:
     """`TraceTimes` of one op: (X(reps) - X(lo)) / (reps - lo) for both figures, X the `traced_times` of the
-    executables `make(reps)` and `make(lo)` on `args` (what both run once, and `before`, cancels)."""
+    executables `make(reps)` and `make(lo)` on `args` (what both run once, and `before`, cancels); `keep`: where
+    to copy the `reps` executable's trace."""
     if reps <= lo:
         raise ValueError(f"reps ({reps}) must exceed lo ({lo}): the difference of the two executables is the time")
     hi_fn, lo_fn = make(reps), make(lo)
-    hi = traced_times(lambda: hi_fn(*args), runs, before)
+    hi = traced_times(lambda: hi_fn(*args), runs, before, keep)
     low = traced_times(lambda: lo_fn(*args), runs, before)
     return TraceTimes(max(hi.kernel - low.kernel, 1e-9) / (reps - lo), max(hi.span - low.span, 1e-9) / (reps - lo))
 
@@ -256,9 +270,10 @@ def micros(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e6
 
 
-def trace_micros(times: TraceTimes | None) -> dict:
-    """{"kernel_us", "device_us"} of a `TraceTimes` (both None when it was not measured), for a bench's row."""
-    return {"kernel_us": micros(times and times.kernel), "device_us": micros(times and times.span)}
+def trace_micros(times: TraceTimes | None, prefix: str = "") -> dict:
+    """{prefix + "kernel_us", prefix + "device_us"} of a `TraceTimes` (both None when it was not measured), for a
+    bench's row ("xla_" for the xla op's figures beside an op's)."""
+    return {f"{prefix}kernel_us": micros(times and times.kernel), f"{prefix}device_us": micros(times and times.span)}
 
 
 def per_rep(x) -> tuple:

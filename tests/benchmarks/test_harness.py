@@ -129,11 +129,11 @@ def test_traced_times_needs_a_gpu():
 
 def test_per_op_traced_times_takes_the_difference(monkeypatch):
     """(X(reps) - X(lo)) / (reps - lo) for both figures over scripted times (kernels 3 + 2 n, span 5 + 4 n);
-    `before` reaches the tracer."""
+    `before` reaches the tracer, `keep` only the `reps` executable's trace."""
     seen = []
 
-    def fake(call, runs, before):
-        seen.append((runs, before))
+    def fake(call, runs, before, keep=None):
+        seen.append((runs, before, keep))
         n = call()
         return harness.TraceTimes(3.0 + 2.0 * n, 5.0 + 4.0 * n)
     monkeypatch.setattr(harness, "traced_times", fake)
@@ -143,7 +143,10 @@ def test_per_op_traced_times_takes_the_difference(monkeypatch):
     flush = object()
     got = harness.per_op_traced_times(make, ("a",), 8, lo=2, runs=4, before=flush)
     assert got.kernel == pytest.approx(2.0) and got.span == pytest.approx(4.0)
-    assert seen == [(4, flush), (4, flush)]
+    assert seen == [(4, flush, None), (4, flush, None)]
+    seen.clear()
+    harness.per_op_traced_times(make, ("a",), 8, lo=2, runs=4, before=flush, keep="hi.xplane.pb")
+    assert seen == [(4, flush, "hi.xplane.pb"), (4, flush, None)]
     with pytest.raises(ValueError, match="must exceed lo"):
         harness.per_op_traced_times(make, ("a",), 2, lo=2)
 

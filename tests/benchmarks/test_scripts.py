@@ -61,8 +61,9 @@ json.dump({{"rows": rows}}, open(a.out, "w"))
 
 def test_bench_attention_merges_halves_and_the_probe_rows(tmp_path, monkeypatch):
     """bench_attention: each op's rows keep the KEEP fields and their source; the Mosaic probe's timing rows become
-    sparse_mla rows with the probe's own xla time (wall, kernels, device span) of the same (cache, B); --merge keeps the rows and failures of ops
-    not run now and replaces those that are; an op that fails is named in "failed"."""
+    sparse_mla rows with the probe's own xla time (wall, kernels, device span) of the same (cache, B); --merge
+    keeps the rows and failures of ops not run now and replaces those that are; an op that fails is named in
+    "failed"."""
     from benchmarks import bench_attention as ba
 
     probe_rows = [{"step": "correct_bf16_x", "ok": True},
