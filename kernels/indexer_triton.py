@@ -144,6 +144,64 @@ def _scores_loop_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *,
     jax.lax.fori_loop(busy, tiles, blank, 0)
 
 
+def _scores_prefetch_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *, block_s, page, di, fp8,
+                            fp8_dot, interpret):
+    """`_scores_loop_kernel` with the loads software-pipelined by hand (`IndexerConfig.prefetch`): iteration i
+    issues the key gather of tile i + 1 and the page lookup of tile i + 2 before it scores tile i (carried in the
+    loop), so a tile's two dependent round trips (block table, then the keys) overlap the previous tiles instead of
+    following each other (the H200 showed the plain loop at ~3.6 us a tile with 12 warps an SM: latency, not
+    bandwidth; BENCHMARKS.md, session 14). Same scores as the plain loop."""
+    req = req_ref[0]
+    n = len_ref[0]
+    tiles = o_ref.shape[0] // block_s
+    start = pl.program_id(1) * o_ref.shape[0]
+    q = q_ref[...]
+    if fp8:
+        q = jax.lax.bitcast_convert_type(q, fp8_formats.FP8)
+        if not fp8_dot:
+            q = q.astype(jnp.bfloat16)
+    w = w_ref[...]
+    busy = jnp.clip((n - start + block_s - 1) // block_s, 0, tiles)
+
+    def positions(i):
+        return start + i * block_s + jax.lax.iota(jnp.int32, block_s)
+
+    def pages(i):
+        return bt_ref[req, jnp.minimum(positions(i) // page, bt_ref.shape[1] - 1)]
+
+    def keys(i, pg):  # tile i's key bytes (and FP8 scales); invisible keys read row 0
+        pos = positions(i)
+        slot = jnp.where(pos < n, jnp.maximum(pg, 0) * page + pos % page, 0)
+        k = k_ref[slot[:, None], col_range(0, di)[None, :]]
+        if not fp8:
+            return k, jnp.zeros((block_s,), jnp.float32)
+        return k, jnp.sum(jax.lax.bitcast_convert_type(u8_words(k_ref[slot[:, None], col_range(di, 4)[None, :]])[0],
+                                                       jnp.float32), axis=1)
+
+    def tile(i, carry):
+        k, s_k, pg_next = carry
+        k_next, s_next = keys(i + 1, pg_next)  # issued before this tile's math: in flight while it runs
+        pg_after = pages(i + 2)
+        kd = k
+        if fp8:
+            kd = jax.lax.bitcast_convert_type(k, fp8_formats.FP8)
+            if not fp8_dot:
+                kd = kd.astype(jnp.bfloat16)
+        sc = jnp.sum(jnp.maximum(dot(kd, q, trans_b=True), 0.0) * w[None, :], axis=1)
+        if fp8:
+            sc = sc * s_k
+        o_ref[pl.ds(pl.multiple_of(i * block_s, block_s), block_s)] = jnp.where(positions(i) < n, sc, -jnp.inf)
+        return k_next, s_next, pg_after
+
+    def blank(i, carry):
+        o_ref[pl.ds(pl.multiple_of(i * block_s, block_s), block_s)] = jnp.full((block_s,), -jnp.inf, jnp.float32)
+        return carry
+
+    k0, s0 = keys(0, pages(0))
+    jax.lax.fori_loop(0, busy, tile, (k0, s0, pages(1)))
+    jax.lax.fori_loop(busy, tiles, blank, 0)
+
+
 def _scores_rows_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *, block_s, page, di, fp8,
                         interpret):
     """Rows [i * block_t, +block_t) x keys [j * block_s, +block_s): one key-tile gather when the rows share a
@@ -183,13 +241,15 @@ class IndexerConfig:
     step's R requests leave runs of ROW_BLOCK rows on average: (R - 1) * ROW_BLOCK <= T); warps; pipeline stages.
     Per-row, bf16 and FP8 caches: `block_n` keys per program (a multiple of block_s looped over in tiles; None:
     `loop_block_n` of the shapes; 0: the one-tile kernel without a loop), `fp8_dot` e4m3 tensor-core dots for an
-    FP8 cache (False: keys decoded to bf16)."""
+    FP8 cache (False: keys decoded to bf16), `prefetch` the loop with its loads pipelined by hand one tile ahead
+    (`_scores_prefetch_kernel`)."""
     block_s: int
     block_t: int | None
     num_warps: int = 4
     num_stages: int = 1
     block_n: int | None = None
     fp8_dot: bool = True
+    prefetch: bool = False
 
     def __post_init__(self):
         if not (is_pow2(self.block_s) and self.block_s >= 16):
@@ -288,7 +348,8 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
             return call(functools.partial(_scores_kernel, **opts), token_req, kv_lens, q, weights, rows=None,
                         width=block_s, n_prog=n_blk, name=name)
         block_n = min(cfg.block_n or loop_block_n(t, s, block_s), n_blk * block_s)
-        return call(functools.partial(_scores_loop_kernel, fp8_dot=cfg.fp8_dot, **opts), token_req, kv_lens, q,
+        loop = _scores_prefetch_kernel if cfg.prefetch else _scores_loop_kernel
+        return call(functools.partial(loop, fp8_dot=cfg.fp8_dot, **opts), token_req, kv_lens, q,
                     weights, rows=None, width=block_n, n_prog=-(-s // block_n), name=name + "_loop")
 
     def row_block(token_req, kv_lens, q, weights, block_t):

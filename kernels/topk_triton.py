@@ -21,6 +21,9 @@ padding past S the minimum int32). The kernel then
 The H200 saw (bench_indexer.py, 2026-12-01, an earlier form of steps 1-3): positions and scores equal to
 `lax.top_k`'s bit for bit at B = 32 x 32K, also with relu-style zero ties and rows of 1..2049 keys.
 
+Rows that split into 4 chunks of at least k scores take two launches of the kernel (`TopkConfig.chunks`): each
+chunk's own top k, then the top k of the 4k candidates, so 32 rows keep 128 SMs busy instead of 32.
+
 Registered as impl "triton" of the op "topk" (`kernels.indexer.select_topk`), whose "xla" impl,
 `kernels.indexer.topk_positions`, is the reference and the fallback (`kernels.indexer_triton.topk_select_impl` takes
 it for rows wider than SELECT_MAX_S). Launch configs are `TopkConfig`s.
@@ -46,17 +49,24 @@ KEY_MAX = 2**31 - 1
 @dataclasses.dataclass(frozen=True)
 class TopkConfig:
     """Launch config of the select kernel. `num_warps` None: S_pad / 1024 clamped to [1, 32] (32 keys a thread at
-    32K); `sort`: the output order, "xla" (score desc, position asc, as `lax.top_k`, by one `lax.sort` of the [T, k]
-    selection after the kernel), "kernel" (the same order by a bitonic network in the same program: ~20 s of
-    Triton compile per shape on the H200) or "none" (position order: the same set, the same scores)."""
+    32K), or 8 keys a thread in the passes of a chunked select; `sort`: the output order, "xla" (score desc,
+    position asc, as `lax.top_k`, by one `lax.sort` of the [T, k] selection after the kernel), "kernel" (the same
+    order by a bitonic network in the same program: ~20 s of Triton compile per shape on the H200) or "none"
+    (position order: the same set, the same scores); `chunks` C: the two-pass select (`_chunked_select`) where a
+    row splits into C chunks of at least k scores, one pass elsewhere (C = 1: always one pass). The default 4 is
+    the H200's best at 32 rows of 32K, k = 2048 (BENCHMARKS.md, session 14: the select 26.6 us in two passes
+    against 55.8 in one; 2 and 8 chunks slower)."""
     num_warps: int | None = None
     sort: str = "xla"
+    chunks: int = 4
 
     def __post_init__(self):
         if self.num_warps is not None and not (is_pow2(self.num_warps) and self.num_warps <= 32):
             raise ValueError(f"TopkConfig: num_warps {self.num_warps!r} must be a power of two <= 32 (or None)")
         if self.sort not in ("kernel", "xla", "none"):
             raise ValueError(f"TopkConfig: sort {self.sort!r} must be 'kernel', 'xla' or 'none'")
+        if not (isinstance(self.chunks, int) and not isinstance(self.chunks, bool) and self.chunks >= 1):
+            raise ValueError(f"TopkConfig: chunks {self.chunks!r} must be an int >= 1")
 
 
 # ------------------------------------------------------------------------------------------------- in-kernel
@@ -221,8 +231,9 @@ def topk_select(scores, kv_lens, topk: int, width: int | None = None, *, config:
     (default S') columns, any right padding -inf as the reference assumes), equal to
     `kernels.indexer.topk_positions(scores, kv_lens, topk, width)` (`TopkConfig.sort` "none": the same entries in
     position order). `config` (default `TopkConfig()`), `overrides` replace its fields by name (None keeps a field);
-    `interpret`: the Pallas interpreter. `_stop` (the benchmark's stage breakdown only; its outputs are then not a
-    top-k): 0 ends after the row load and its bounds, 1 after tau and the tie cut, 3 after the scatter."""
+    `interpret`: the Pallas interpreter. `TopkConfig.chunks` C > 1 (where the row splits into C chunks of at least
+    k scores, else one pass): `_chunked_select`. `_stop` (the benchmark's stage breakdown only; its outputs are then
+    not a top-k): 0 ends after the row load and its bounds, 1 after tau and the tie cut, 3 after the scatter."""
     t, s_cols = scores.shape
     s = s_cols if width is None else min(width, s_cols)
     k = min(topk, s)
@@ -230,11 +241,22 @@ def topk_select(scores, kv_lens, topk: int, width: int | None = None, *, config:
     if why or k < 1:
         raise ValueError(f"topk_select: {why or f'top-k of {k} < 1'}")
     cfg = with_options(config or TopkConfig(), {k_: v for k_, v in overrides.items() if v is not None}, "topk")
+    if cfg.chunks > 1 and -(-s // cfg.chunks) >= k and _stop == 4:
+        return _chunked_select(scores, kv_lens, k, s, cfg, interpret)
+    pos, val = _select_call(scores, kv_lens, k, s, cfg.num_warps, cfg.sort, interpret, _stop)
+    return _order(pos, val, cfg.sort)
+
+
+def _select_call(scores, kv_lens, k: int, s: int, num_warps: int | None, sort: str, interpret: bool,
+                 stop: int = 4):
+    """One launch of the select kernel: grid (T,), (positions, scores) [T, k] in position order (`sort` "xla" or
+    "none") or in the reference order ("kernel")."""
+    t, s_cols = scores.shape
     s_pad = max(16, pl.next_power_of_2(s))
     k_pad = max(16, pl.next_power_of_2(k))
-    warps = cfg.num_warps or max(1, min(32, s_pad // 1024))
-    kernel = functools.partial(_select_kernel, k=k, s=s, s_cols=s_cols, s_pad=s_pad, sort=cfg.sort,
-                               interpret=interpret, stop=_stop)
+    warps = num_warps or max(1, min(32, s_pad // 1024))
+    kernel = functools.partial(_select_kernel, k=k, s=s, s_cols=s_cols, s_pad=s_pad, sort=sort,
+                               interpret=interpret, stop=stop)
     pos, val = pl.pallas_call(
         kernel,
         grid=(t,),
@@ -245,8 +267,45 @@ def topk_select(scores, kv_lens, topk: int, width: int | None = None, *, config:
         interpret=interpret,
         name="indexer_topk_select",
     )(kv_lens.astype(jnp.int32), scores.astype(jnp.float32))
-    pos, val = pos[:, :k], val[:, :k]
-    if cfg.sort == "xla":  # position order -> (score desc, position asc); -1 padding (score -inf) stays last
-        neg, pos = jax.lax.sort((jnp.where(pos >= 0, -val, jnp.inf), pos), dimension=1, is_stable=True, num_keys=1)
-        val = jnp.where(pos >= 0, -neg, -jnp.inf)
-    return pos, val
+    return pos[:, :k], val[:, :k]
+
+
+def _order(pos, val, sort: str):
+    """The selection, which the kernel left in position order unless `sort` is "kernel", in the order `sort` asks:
+    "xla" by one stable `lax.sort` on the score (score desc, then position asc; the -1 padding, score -inf, stays
+    last), "none" and "kernel" as it is."""
+    if sort != "xla":
+        return pos, val
+    neg, pos = jax.lax.sort((jnp.where(pos >= 0, -val, jnp.inf), pos), dimension=1, is_stable=True, num_keys=1)
+    return pos, jnp.where(pos >= 0, -neg, -jnp.inf)
+
+
+def _chunked_select(scores, kv_lens, k: int, s: int, cfg: TopkConfig, interpret: bool):
+    """The top-k in two launches that keep more SMs busy than one program per row (issue 17: 32 rows leave 100 of
+    the H200's 132 SMs idle). Pass 1: each of the row's C chunks of w = ceil(S / C) scores (-inf past S) takes its
+    own top k (all k kept, whatever kv_lens says), in position order. The row's top k under the order (score desc,
+    position asc) is in the union of the chunks' top k: a key with k better keys in the whole row has fewer in
+    its own chunk only if it is among the chunk's k best. Pass 2: the top k of the C * k candidates with kv_lens'
+    bound, the candidate's index standing in for its position (chunks in order, positions ascending in each, so
+    the two orders agree and ties break the same way); then the candidates' positions are read back."""
+    t, s_cols = scores.shape
+    c = cfg.chunks
+    w = -(-s // c)
+    x = scores[:, :s] if s_cols > s else scores
+    if c * w != x.shape[1]:
+        x = jnp.pad(x, ((0, 0), (0, c * w - x.shape[1])), constant_values=-jnp.inf)
+    full = jnp.full((t * c,), w, jnp.int32)
+    pos1, val1 = _select_call(x.reshape(t * c, w), full, k, w, cfg.num_warps or _chunk_warps(w), "none",
+                              interpret)
+    base = (jnp.arange(t * c, dtype=jnp.int32) % c * w)[:, None]
+    cand_pos = (pos1 + base).reshape(t, c * k)  # every slot holds a real entry: w >= k
+    cand_val = val1.reshape(t, c * k)
+    sort = "kernel" if cfg.sort == "kernel" else "none"
+    idx, val = _select_call(cand_val, kv_lens, k, c * k, cfg.num_warps or _chunk_warps(c * k), sort, interpret)
+    pos = jnp.where(idx >= 0, jnp.take_along_axis(cand_pos, jnp.maximum(idx, 0), axis=1), -1)
+    return _order(pos, val, cfg.sort)
+
+
+def _chunk_warps(width: int) -> int:
+    """Warps of a chunked pass over rows of `width` scores: 8 scores a thread (at most 32 warps)."""
+    return max(1, min(32, max(16, pl.next_power_of_2(width)) // 256))

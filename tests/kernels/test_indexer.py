@@ -221,6 +221,34 @@ def test_row_block_kernel(case, fp8, on_gpu, interpret):
     _compare_topk(pos, val, pos_ref, val_ref, n, topk, ref)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("block_n", [64, 96])
+def test_prefetch_loop_scores_equal_the_plain_loop(fp8, block_n, on_gpu, interpret):
+    """IndexerConfig(prefetch=True), the loop with its loads one tile ahead, gives the plain loop's scores (the
+    same operations: bit for bit under the interpreter) and the oracle's, over rows that end inside a tile, rows
+    whose programs hold no visible key, a zero-length row and a last program of fewer tiles."""
+    args = _inputs([1, 17, 96, 45, 0, 60, 33], h=16, fp8=fp8, seed=block_n)
+    q, w, cache, req, n, bt, page = args
+    qp, wp = indexer.prepare_queries(q, w, cache)
+
+    def f(**opts):
+        return np.asarray(jax.jit(functools.partial(indexer_triton.indexer_scores_triton, block_size=page, block_s=32,
+                                                    block_t=1, block_n=block_n, interpret=interpret, **opts))(
+            qp, wp, cache, req, n, bt))
+
+    new, plain = f(prefetch=True), f()
+    if on_gpu:
+        np.testing.assert_allclose(new, plain, rtol=1e-6, atol=0)
+    else:
+        np.testing.assert_array_equal(new, plain)
+    ref = _oracle_scores(*args)
+    s = ref.shape[1]
+    fin = np.isfinite(ref)
+    np.testing.assert_array_equal(np.isfinite(new[:, :s]), fin)
+    assert np.all(new[:, s:] == -np.inf)
+    np.testing.assert_allclose(new[:, :s][fin], ref[fin], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("t, requests, rows_kernel", [(63, 1, False), (64, 1, True), (64, 5, True), (64, 6, False),
                                                     (256, 17, True), (256, 18, False)])
 def test_row_block_chosen_by_shapes(t, requests, rows_kernel):
@@ -282,7 +310,7 @@ def test_shapes_the_kernel_does_not_take_are_refused(kernel_impl):
 def test_lowers_to_triton_at_glm5_dims(fp8):
     """Decode at B = 32 over 32K keys (page 64): the looped per-row scores kernel, grid (rows, S / 1024) (8 tiles of
     128 keys a program, 2 pipeline stages), then the select top-k kernel (the default where it takes the row: one
-    program per row, 32 warps over 32K scores)."""
+    program per chunk of 8K scores, then one per row over the 8K candidates, 32 warps each)."""
     s = jax.ShapeDtypeStruct
     cache = s((32 * 32768, 132), jnp.uint8) if fp8 else s((32 * 32768, 128), jnp.bfloat16)
     f = functools.partial(indexer.indexer_topk, block_size=64, topk=2048, impl="triton")
@@ -290,7 +318,7 @@ def test_lowers_to_triton_at_glm5_dims(fp8):
                                        s((32,), jnp.int32), s((32,), jnp.int32), s((32, 512), jnp.int32)))
     assert [(c.name, c.grid, c.num_warps, c.num_stages) for c in calls] == [
         ("indexer_scores_fp8_loop" if fp8 else "indexer_scores_bf16_loop", (32, 32768 // 1024, 1), 4, 2),
-        ("indexer_topk_select", (32, 1, 1), 32, 1)]
+        ("indexer_topk_select", (128, 1, 1), 32, 1), ("indexer_topk_select", (32, 1, 1), 32, 1)]
 
 
 def test_fp8_queries_reach_the_kernel_as_bits():
@@ -306,6 +334,7 @@ def test_fp8_queries_reach_the_kernel_as_bits():
     assert not widen, widen
     assert "xf8E4M3FN>) -> tensor<8x32x128xui8>" in txt  # the bitcast of the quantised queries
     assert [(c.name, c.grid) for c in triton_calls(txt)] == [("indexer_scores_fp8_loop", (8, 256 // 128, 1)),
+                                                            ("indexer_topk_select", (32, 1, 1)),
                                                             ("indexer_topk_select", (8, 1, 1))]
 
 

@@ -57,7 +57,7 @@ _CASES = {
 def test_select_equals_lax_top_k(kernel_impl, case):
     build, lens, k, opts = _CASES[case]
     scores = build(np.random.default_rng(len(case)))
-    _assert_same(_select(kernel_impl, scores, lens, k, **opts), _select("xla", scores, lens, k))
+    _assert_same(_select(kernel_impl, scores, lens, k, chunks=1, **opts), _select("xla", scores, lens, k))
 
 
 def test_position_order_is_the_same_selection(kernel_impl):
@@ -95,6 +95,35 @@ def test_k_2048_of_32k(kernel_impl):
     s[3] = r.integers(0, 50, size=32768)
     for lens in ([32768, 30000, 32768, 32768], [2047, 2048, 2049, 1]):
         _assert_same(_select(kernel_impl, s, lens, 2048), _select("xla", s, lens, 2048))
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 4])
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_chunked_select_equals_lax_top_k(kernel_impl, case, chunks):
+    """TopkConfig(chunks=C): each chunk's top k, then the top k of the C * k candidates, is exactly the one-pass
+    top-k (ties by smaller position across chunks too; a width that does not split evenly pads the last chunk;
+    rows whose chunks would hold fewer than k scores take one pass)."""
+    build, lens, k, opts = _CASES[case]
+    scores = build(np.random.default_rng(len(case)))
+    _assert_same(_select(kernel_impl, scores, lens, k, chunks=chunks, **opts), _select("xla", scores, lens, k))
+
+
+def test_chunked_select_k_2048_of_32k(kernel_impl):
+    """GLM-5 sizes through the two passes: the row that ties thousands of zeros at the k-th score (the tie cut
+    spans chunks), integer scores, short rows, and the position order of sort="none"."""
+    r = np.random.default_rng(11)
+    s = r.normal(size=(3, 32768)).astype(np.float32)
+    s[1] = np.maximum(s[1] - 2.0, 0)
+    s[2] = r.integers(0, 50, size=32768)
+    for lens in ([32768, 32768, 30000], [2047, 2049, 1]):
+        want = _select("xla", s, lens, 2048)
+        _assert_same(_select(kernel_impl, s, lens, 2048, chunks=4), want)
+        pos, val = _select(kernel_impl, s, lens, 2048, chunks=4, sort="none")
+        for i in range(3):
+            keep = want[0][i] >= 0
+            order = np.argsort(want[0][i][keep])
+            np.testing.assert_array_equal(pos[i][: keep.sum()], want[0][i][keep][order])
+            np.testing.assert_array_equal(val[i][: keep.sum()], want[1][i][keep][order])
 
 
 def test_dispatch_takes_the_kernel_where_it_fits():
@@ -152,25 +181,38 @@ def test_indexer_end_to_end_top_k_choice_gives_the_same_positions(kernel_impl):
 # ------------------------------------------------------------------------------ lowering (CPU, no GPU needed)
 
 @pytest.mark.parametrize("b, grid_n", [(1, 256), (32, 32), (128, 8)])
-def test_decode_lowers_to_two_kernels_at_glm5_dims(b, grid_n):
+def test_decode_lowers_to_three_kernels_at_glm5_dims(b, grid_n):
     """Decode over 32K keys (FP8 cache, page 64) with topk_impl="select": the looped scores kernel (1024 keys a
-    program at B = 32, one tile at B = 1) then one select program per row (32 warps: 32 keys a thread)."""
+    program at B = 32, one tile at B = 1) then the chunked select: four programs a row over 8K-score chunks, then
+    one a row over the 8K candidates (32 warps: 8 scores a thread)."""
     s = jax.ShapeDtypeStruct
     f = functools.partial(indexer.indexer_topk, block_size=64, topk=2048, impl="triton", topk_impl="select")
     calls = triton_calls(lower_for_gpu(f, s((b, 32, 128), jnp.bfloat16), s((b, 32), jnp.float32),
                                        s((32 * 32768, 132), jnp.uint8), s((b,), jnp.int32), s((b,), jnp.int32),
                                        s((32, 512), jnp.int32)))
     assert [(c.name, c.grid, c.num_warps) for c in calls] == [
-        ("indexer_scores_fp8_loop", (b, grid_n, 1), 4), ("indexer_topk_select", (b, 1, 1), 32)]
+        ("indexer_scores_fp8_loop", (b, grid_n, 1), 4), ("indexer_topk_select", (4 * b, 1, 1), 32),
+        ("indexer_topk_select", (b, 1, 1), 32)]
 
 
 @pytest.mark.parametrize("sort", ["kernel", "xla", "none"])
 def test_select_lowers_with_each_order(sort):
-    """Rows of SELECT_MAX_S keys (64 a thread) lower for every output order."""
+    """Rows of SELECT_MAX_S keys (64 a thread) lower in one pass for every output order."""
     s = jax.ShapeDtypeStruct
-    f = functools.partial(topk_triton.topk_select, topk=2048, config=topk_triton.TopkConfig(sort=sort))
+    f = functools.partial(topk_triton.topk_select, topk=2048, config=topk_triton.TopkConfig(sort=sort, chunks=1))
     calls = triton_calls(lower_for_gpu(f, s((8, 65536), jnp.float32), s((8,), jnp.int32)))
     assert [(c.name, c.grid, c.num_warps) for c in calls] == [("indexer_topk_select", (8, 1, 1), 32)]
+
+
+@pytest.mark.parametrize("chunks, first", [(2, (64, 32)), (4, (128, 32))])
+def test_chunked_select_lowers_to_two_launches(chunks, first):
+    """chunks=C at B = 32 x 32K: C * 32 chunk programs of 8 scores a thread, then one program per row over the
+    C * 2048 candidates."""
+    s = jax.ShapeDtypeStruct
+    f = functools.partial(topk_triton.topk_select, topk=2048, config=topk_triton.TopkConfig(chunks=chunks))
+    calls = triton_calls(lower_for_gpu(f, s((32, 32768), jnp.float32), s((32,), jnp.int32)))
+    assert [(c.name, c.grid[0], c.num_warps) for c in calls] == [
+        ("indexer_topk_select", first[0], first[1]), ("indexer_topk_select", 32, chunks * 2048 // 256)]
 
 
 def test_loop_block_n_keeps_the_sms_busy():
