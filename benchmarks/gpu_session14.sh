@@ -36,16 +36,20 @@ pad)
   grep PARTS "$R/pad.log" | cut -c1-200
   ;;
 verify)
-  for b in 32 128 1; do
-    step verify_b$b 170 python3 benchmarks/diag_indexer_parts.py --batches $b --formats fp8 --op '[{}]' \
-      --scores '[{}, {"prefetch": true}, {"prefetch": true, "num_stages": 1}, {"prefetch": true, "block_s": 64}, {"prefetch": true, "block_n": 512}]' \
-      --topk '[{"impl": "xla"}, {}, {"chunks": 1}]' --out "$R/verify_b$b.json"
-    grep PARTS "$R/verify_b$b.log" | grep -v "kernel .* us  [a-z_]*fusion" | cut -c1-200
-  done
+  P="python3 benchmarks/diag_indexer_parts.py --formats fp8"
+  step verify_b32 230 $P --batches 32 --out "$R/verify_b32.json" \
+    --op '[{}, {"topk_config": {"sort": "rank"}}, {"prefetch": true, "topk_config": {"sort": "rank"}}]' \
+    --scores '[{}, {"prefetch": true}, {"prefetch": true, "num_stages": 1}, {"prefetch": true, "block_s": 64}, {"prefetch": true, "block_n": 512}]' \
+    --topk '[{"impl": "xla"}, {}, {"chunks": 1}, {"sort": "rank"}, {"sort": "none"}]'
+  step verify_b128 110 $P --batches 128 --out "$R/verify_b128.json" --op '[{}, {"topk_config": {"sort": "rank"}}]' \
+    --scores '[{}, {"prefetch": true}]' --topk '[{}, {"chunks": 1}, {"sort": "rank"}]'
+  step verify_b1 90 $P --batches 1 --out "$R/verify_b1.json" --scores '[]' \
+    --op '[{}, {"topk_impl": "select", "topk_config": {"sort": "rank"}}]' --topk '[{"impl": "xla"}, {}, {"sort": "rank"}]'
+  for b in 32 128 1; do grep PARTS "$R/verify_b$b.log" | grep -v "kernel .* us  [a-z_]*fusion" | cut -c1-200; done
   ;;
 tests)
   export GLM_DSA_TEST_GPU=1
-  step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -x tests/kernels/test_indexer_topk.py tests/kernels/test_indexer.py
+  step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -x tests/kernels/test_indexer_topk.py tests/kernels/test_indexer.py
   tail -3 "$R/gpu_tests.log"
   unset GLM_DSA_TEST_GPU
   ;;

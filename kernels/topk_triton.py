@@ -63,8 +63,8 @@ class TopkConfig:
     def __post_init__(self):
         if self.num_warps is not None and not (is_pow2(self.num_warps) and self.num_warps <= 32):
             raise ValueError(f"TopkConfig: num_warps {self.num_warps!r} must be a power of two <= 32 (or None)")
-        if self.sort not in ("kernel", "xla", "none"):
-            raise ValueError(f"TopkConfig: sort {self.sort!r} must be 'kernel', 'xla' or 'none'")
+        if self.sort not in ("kernel", "xla", "rank", "none"):
+            raise ValueError(f"TopkConfig: sort {self.sort!r} must be 'kernel', 'xla', 'rank' or 'none'")
         if not (isinstance(self.chunks, int) and not isinstance(self.chunks, bool) and self.chunks >= 1):
             raise ValueError(f"TopkConfig: chunks {self.chunks!r} must be an int >= 1")
 
@@ -225,6 +225,58 @@ def _select_kernel(len_ref, sc_ref, pos_ref, val_ref, *, k, s, s_cols, s_pad, so
     val_ref[...] = jnp.where(real, _key_value(sel_key), -jnp.inf)
 
 
+def _rank_kernel(pos_ref, val_ref, opos_ref, oval_ref, *, k_pad, block, part, interpret):
+    """Program (row, b): the places, in the order (score desc, then index asc), of the row's entries [b * block,
+    +block) of a selection held in position order (so index order is position order, and -1 padding, ranked
+    below every score, stays last), counted against all k_pad entries `part` at a time; each entry is written
+    to its place. Branch-free: k_pad * block compares a program, no sort network."""
+    row = pl.program_id(0)
+    first = pl.program_id(1) * block
+    mine_pos = pos_ref[row, pl.ds(first, block)]
+    mine_val = val_ref[row, pl.ds(first, block)]
+    key_i = jnp.where(mine_pos >= 0, _order_key(mine_val), KEY_MIN)
+    idx_i = first + jax.lax.iota(jnp.int32, block)
+
+    def count(j, rank):
+        other_pos = pos_ref[row, pl.ds(j * part, part)]
+        key_j = jnp.where(other_pos >= 0, _order_key(val_ref[row, pl.ds(j * part, part)]), KEY_MIN)
+        idx_j = j * part + jax.lax.iota(jnp.int32, part)
+        ahead = (key_j[None, :] > key_i[:, None]) | ((key_j[None, :] == key_i[:, None])
+                                                    & (idx_j[None, :] < idx_i[:, None]))
+        return rank + jnp.sum(ahead.astype(jnp.int32), axis=1)
+
+    rank = jax.lax.fori_loop(0, k_pad // part, count, jnp.zeros((block,), jnp.int32))
+    everywhere = rank >= 0
+    _scatter(opos_ref, rank, mine_pos, everywhere, interpret)
+    _scatter(oval_ref, rank, jnp.where(mine_pos >= 0, mine_val, -jnp.inf), everywhere, interpret)
+
+
+def _rank_sort(pos, val, interpret: bool, block: int = 512, part: int = 64):
+    """(positions, scores) [T, k] in position order (-1 / -inf after the selection) -> the same entries ordered by
+    score desc, then position asc, as one lax.sort would give (`TopkConfig.sort` "rank"): `_rank_kernel` on grid
+    (T, k_pad / block)."""
+    t, k = pos.shape
+    k_pad = max(16, pl.next_power_of_2(k))
+    if k_pad != k:
+        pos = jnp.pad(pos, ((0, 0), (0, k_pad - k)), constant_values=-1)
+        val = jnp.pad(val, ((0, 0), (0, k_pad - k)), constant_values=-jnp.inf)
+    block, part = min(block, k_pad), min(part, k_pad)
+    kernel = functools.partial(_rank_kernel, k_pad=k_pad, block=block, part=part, interpret=interpret)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    out_spec = pl.BlockSpec((None, k_pad), lambda i, b: (i, 0))
+    opos, oval = pl.pallas_call(
+        kernel,
+        grid=(t, k_pad // block),
+        in_specs=[any_spec, any_spec],
+        out_specs=[out_spec, out_spec],
+        out_shape=[jax.ShapeDtypeStruct((t, k_pad), jnp.int32), jax.ShapeDtypeStruct((t, k_pad), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1),
+        interpret=interpret,
+        name="indexer_topk_rank",
+    )(pos.astype(jnp.int32), val.astype(jnp.float32))
+    return opos[:, :k], oval[:, :k]
+
+
 def topk_select(scores, kv_lens, topk: int, width: int | None = None, *, config: TopkConfig | None = None,
                 interpret: bool = False, _stop: int = 4, **overrides):
     """(positions int32, scores float32) [T, min(topk, width)] of `scores` [T, S'] (float32; the first `width`
@@ -244,7 +296,7 @@ def topk_select(scores, kv_lens, topk: int, width: int | None = None, *, config:
     if cfg.chunks > 1 and -(-s // cfg.chunks) >= k and _stop == 4:
         return _chunked_select(scores, kv_lens, k, s, cfg, interpret)
     pos, val = _select_call(scores, kv_lens, k, s, cfg.num_warps, cfg.sort, interpret, _stop)
-    return _order(pos, val, cfg.sort)
+    return _order(pos, val, cfg.sort, interpret)
 
 
 def _select_call(scores, kv_lens, k: int, s: int, num_warps: int | None, sort: str, interpret: bool,
@@ -270,10 +322,12 @@ def _select_call(scores, kv_lens, k: int, s: int, num_warps: int | None, sort: s
     return pos[:, :k], val[:, :k]
 
 
-def _order(pos, val, sort: str):
+def _order(pos, val, sort: str, interpret: bool = False):
     """The selection, which the kernel left in position order unless `sort` is "kernel", in the order `sort` asks:
     "xla" by one stable `lax.sort` on the score (score desc, then position asc; the -1 padding, score -inf, stays
-    last), "none" and "kernel" as it is."""
+    last), "rank" the same order by `_rank_sort`, "none" and "kernel" as it is."""
+    if sort == "rank":
+        return _rank_sort(pos, val, interpret)
     if sort != "xla":
         return pos, val
     neg, pos = jax.lax.sort((jnp.where(pos >= 0, -val, jnp.inf), pos), dimension=1, is_stable=True, num_keys=1)
@@ -303,7 +357,7 @@ def _chunked_select(scores, kv_lens, k: int, s: int, cfg: TopkConfig, interpret:
     sort = "kernel" if cfg.sort == "kernel" else "none"
     idx, val = _select_call(cand_val, kv_lens, k, c * k, cfg.num_warps or _chunk_warps(c * k), sort, interpret)
     pos = jnp.where(idx >= 0, jnp.take_along_axis(cand_pos, jnp.maximum(idx, 0), axis=1), -1)
-    return _order(pos, val, cfg.sort)
+    return _order(pos, val, cfg.sort, interpret)
 
 
 def _chunk_warps(width: int) -> int:

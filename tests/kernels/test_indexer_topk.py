@@ -126,6 +126,28 @@ def test_chunked_select_k_2048_of_32k(kernel_impl):
             np.testing.assert_array_equal(val[i][: keep.sum()], want[1][i][keep][order])
 
 
+@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_rank_order_equals_lax_top_k(kernel_impl, case, chunks):
+    """sort="rank": the selection put in (score desc, position asc) order by each entry's count of entries ahead
+    of it (the rank kernel), exactly `lax.top_k`'s order, ties and -1 padding included."""
+    build, lens, k, opts = _CASES[case]
+    scores = build(np.random.default_rng(len(case)))
+    opts = dict(opts, sort="rank")
+    _assert_same(_select(kernel_impl, scores, lens, k, chunks=chunks, **opts), _select("xla", scores, lens, k))
+
+
+def test_rank_order_k_2048_of_32k(kernel_impl):
+    """The rank kernel at GLM-5 sizes (4 programs a row of 2048), after both passes: thousands of tied zeros,
+    integer scores, rows shorter than k."""
+    r = np.random.default_rng(13)
+    s = r.normal(size=(3, 32768)).astype(np.float32)
+    s[1] = np.maximum(s[1] - 2.0, 0)
+    s[2] = r.integers(0, 50, size=32768)
+    for lens in ([32768, 32768, 30000], [2047, 2049, 1]):
+        _assert_same(_select(kernel_impl, s, lens, 2048, sort="rank"), _select("xla", s, lens, 2048))
+
+
 def test_dispatch_takes_the_kernel_where_it_fits():
     """The triton indexer's top-k: by default the select kernel on a GPU where it takes the row (faster than
     `lax.top_k` on the H200), `lax.top_k` for wider rows, for fewer than SELECT_MIN_ROWS rows, under the
@@ -156,7 +178,8 @@ def test_dispatch_takes_the_kernel_where_it_fits():
 
 def test_topk_config_is_validated():
     for bad, what in ((dict(num_warps=3), "num_warps 3"), (dict(num_warps=64), "num_warps 64"),
-                      (dict(sort="gpu"), "sort 'gpu'")):
+                      (dict(sort="gpu"), "sort 'gpu'"), (dict(chunks=0), "chunks 0"), (dict(chunks=True), "chunks True"),
+                      (dict(chunks=2.0), "chunks 2.0")):
         with pytest.raises(ValueError, match=what):
             topk_triton.TopkConfig(**bad)
     with pytest.raises(ValueError, match=r"unknown options \['warps'\]"):
