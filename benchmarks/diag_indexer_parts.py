@@ -77,9 +77,9 @@ def main(argv=None):
     def save():
         write_json(args.out, record(rows, command=command_line(argv, script=__file__)))
 
-    def measure(part, fmt, b, cfg, make, data):
+    def measure(part, fmt, b, cfg, make, data, keep=None):
         try:
-            return per_op_traced_times(make, data, args.reps, runs=args.runs)
+            return per_op_traced_times(make, data, args.reps, runs=args.runs, keep=keep)
         except Exception as e:  # noqa: BLE001 - a config that fails to lower is reported, the rest still run
             rows.append(dict(part=part, cache=fmt, B=b, config=cfg, error=f"{type(e).__name__}: {str(e)[:300]}"))
             print(f"PARTS {part:6s} {fmt:4s} B={b:4d} FAILED {json.dumps(cfg)}: {str(e)[:200]}", flush=True)
@@ -97,11 +97,9 @@ def main(argv=None):
                     opts = dict(cfg)
                     if "topk_config" in opts:
                         opts["topk_config"] = topk_triton.TopkConfig(**opts["topk_config"])
-                    make = lambda n, opts=opts: bench_indexer.total_runner(n, "triton", opts)  # noqa: E731
-                    try:
-                        times = per_op_traced_times(make, data, args.reps, runs=args.runs, keep=path)
-                    except Exception as e:  # noqa: BLE001
-                        print(f"PARTS op FAILED {json.dumps(cfg)}: {str(e)[:200]}", flush=True)
+                    times = measure("op", fmt, b, cfg, lambda n, opts=opts: bench_indexer.total_runner(
+                        n, "triton", opts), data, keep=path)
+                    if times is None:
                         continue
                     emit("op", fmt, b, cfg, times)
                     for name, us in kernel_breakdown(path, args.reps * args.runs).items():
@@ -112,7 +110,7 @@ def main(argv=None):
                 if times is not None:
                     emit("scores", fmt, b, cfg, times)
             save()
-            cache, bt, q, w, req, lens = data
+            lens = data[-1]
             sc = tuple(bench_indexer.scores_runner(args.reps, {})(*data))
             for cfg in json.loads(args.topk):
                 opts = dict(cfg)

@@ -97,6 +97,53 @@ def _scores_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *, bloc
         o_ref[...] = jnp.full((block_s,), -jnp.inf, jnp.float32)
 
 
+def _loop_queries(q_ref, fp8, fp8_dot):
+    """The looped kernels' queries, read once per program: [H, Di] in the dot's dtype (FP8: the e4m3 bits as e4m3,
+    or decoded to bf16 without `fp8_dot`)."""
+    q = q_ref[...]
+    if fp8:
+        q = jax.lax.bitcast_convert_type(q, fp8_formats.FP8)
+        if not fp8_dot:
+            q = q.astype(jnp.bfloat16)
+    return q
+
+
+def _loop_pages(bt_ref, req, pos, page):
+    """Page of each position `pos` [bs] of request `req` (clamped to the block table's width)."""
+    return bt_ref[req, jnp.minimum(pos // page, bt_ref.shape[1] - 1)]
+
+
+def _loop_keys(k_ref, pos, pg, n, *, page, di, fp8):
+    """Key rows at positions `pos` [bs] on pages `pg`: (k [bs, Di] as stored, FP8 per-key scales [bs] float32 or
+    None for a bf16 cache); invisible keys (pos >= n) read row 0."""
+    slot = jnp.where(pos < n, jnp.maximum(pg, 0) * page + pos % page, 0)
+    k = k_ref[slot[:, None], col_range(0, di)[None, :]]  # [bs, Di]
+    if not fp8:
+        return k, None
+    return k, jnp.sum(jax.lax.bitcast_convert_type(u8_words(k_ref[slot[:, None], col_range(di, 4)[None, :]])[0],
+                                                   jnp.float32), axis=1)  # [bs]
+
+
+def _loop_tile_scores(k, s_k, q, w, *, fp8, fp8_dot):
+    """sum_h w[h] relu(k[s] . q[h]) (* s_k[s]) of one key tile as `_loop_keys` read it: [bs] float32. The FP8
+    tile becomes e4m3 in registers (a bitcast: free)."""
+    if fp8:
+        k = jax.lax.bitcast_convert_type(k, fp8_formats.FP8)
+        if not fp8_dot:
+            k = k.astype(jnp.bfloat16)
+    logits = dot(k, q, trans_b=True)  # [bs, H] float32
+    sc = jnp.sum(jnp.maximum(logits, 0.0) * w[None, :], axis=1)
+    return sc * s_k if fp8 else sc
+
+
+def _blank_tiles(o_ref, busy, tiles, block_s):
+    """-inf in the output tiles [busy, tiles) of a looped program (tiles wholly past n read nothing)."""
+    def blank(i, carry):
+        o_ref[pl.ds(pl.multiple_of(i * block_s, block_s), block_s)] = jnp.full((block_s,), -jnp.inf, jnp.float32)
+        return carry
+    jax.lax.fori_loop(busy, tiles, blank, 0)
+
+
 def _scores_loop_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *, block_s, page, di, fp8, fp8_dot,
                         interpret):
     """Row t, keys [j * block_n, +block_n) in `block_n / block_s` tiles of a loop (Triton pipelines its loads). The
@@ -108,40 +155,19 @@ def _scores_loop_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *,
     n = len_ref[0]
     tiles = o_ref.shape[0] // block_s
     start = pl.program_id(1) * o_ref.shape[0]
-    q = q_ref[...]  # [H, Di]: e4m3 bits (uint8) for FP8, the cache dtype otherwise
-    if fp8:
-        q = jax.lax.bitcast_convert_type(q, fp8_formats.FP8)
-        if not fp8_dot:
-            q = q.astype(jnp.bfloat16)
+    q = _loop_queries(q_ref, fp8, fp8_dot)  # [H, Di]
     w = w_ref[...]
     busy = jnp.clip((n - start + block_s - 1) // block_s, 0, tiles)  # tiles holding a visible key
 
     def tile(i, carry):
         pos = start + i * block_s + jax.lax.iota(jnp.int32, block_s)
-        vis = pos < n
-        pcol = jnp.minimum(pos // page, bt_ref.shape[1] - 1)
-        pg = bt_ref[req, pcol]
-        slot = jnp.where(vis, jnp.maximum(pg, 0) * page + pos % page, 0)
-        k = k_ref[slot[:, None], col_range(0, di)[None, :]]  # [bs, Di]
-        if fp8:
-            s_k = jnp.sum(jax.lax.bitcast_convert_type(u8_words(k_ref[slot[:, None], col_range(di, 4)[None, :]])[0],
-                                                       jnp.float32), axis=1)  # [bs]
-            k = jax.lax.bitcast_convert_type(k, fp8_formats.FP8)  # in registers: free
-            if not fp8_dot:
-                k = k.astype(jnp.bfloat16)
-        logits = dot(k, q, trans_b=True)  # [bs, H] float32
-        sc = jnp.sum(jnp.maximum(logits, 0.0) * w[None, :], axis=1)
-        if fp8:
-            sc = sc * s_k
-        o_ref[pl.ds(pl.multiple_of(i * block_s, block_s), block_s)] = jnp.where(vis, sc, -jnp.inf)
-        return carry
-
-    def blank(i, carry):
-        o_ref[pl.ds(pl.multiple_of(i * block_s, block_s), block_s)] = jnp.full((block_s,), -jnp.inf, jnp.float32)
+        k, s_k = _loop_keys(k_ref, pos, _loop_pages(bt_ref, req, pos, page), n, page=page, di=di, fp8=fp8)
+        sc = _loop_tile_scores(k, s_k, q, w, fp8=fp8, fp8_dot=fp8_dot)
+        o_ref[pl.ds(pl.multiple_of(i * block_s, block_s), block_s)] = jnp.where(pos < n, sc, -jnp.inf)
         return carry
 
     jax.lax.fori_loop(0, busy, tile, 0)
-    jax.lax.fori_loop(busy, tiles, blank, 0)
+    _blank_tiles(o_ref, busy, tiles, block_s)
 
 
 def _scores_prefetch_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *, block_s, page, di, fp8,
@@ -155,51 +181,28 @@ def _scores_prefetch_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref
     n = len_ref[0]
     tiles = o_ref.shape[0] // block_s
     start = pl.program_id(1) * o_ref.shape[0]
-    q = q_ref[...]
-    if fp8:
-        q = jax.lax.bitcast_convert_type(q, fp8_formats.FP8)
-        if not fp8_dot:
-            q = q.astype(jnp.bfloat16)
+    q = _loop_queries(q_ref, fp8, fp8_dot)
     w = w_ref[...]
     busy = jnp.clip((n - start + block_s - 1) // block_s, 0, tiles)
 
     def positions(i):
         return start + i * block_s + jax.lax.iota(jnp.int32, block_s)
 
-    def pages(i):
-        return bt_ref[req, jnp.minimum(positions(i) // page, bt_ref.shape[1] - 1)]
-
-    def keys(i, pg):  # tile i's key bytes (and FP8 scales); invisible keys read row 0
-        pos = positions(i)
-        slot = jnp.where(pos < n, jnp.maximum(pg, 0) * page + pos % page, 0)
-        k = k_ref[slot[:, None], col_range(0, di)[None, :]]
-        if not fp8:
-            return k, jnp.zeros((block_s,), jnp.float32)
-        return k, jnp.sum(jax.lax.bitcast_convert_type(u8_words(k_ref[slot[:, None], col_range(di, 4)[None, :]])[0],
-                                                       jnp.float32), axis=1)
+    def keys(i, pg):  # a bf16 cache carries zeros for the scales it does not have
+        k, s_k = _loop_keys(k_ref, positions(i), pg, n, page=page, di=di, fp8=fp8)
+        return k, jnp.zeros((block_s,), jnp.float32) if s_k is None else s_k
 
     def tile(i, carry):
         k, s_k, pg_next = carry
         k_next, s_next = keys(i + 1, pg_next)  # issued before this tile's math: in flight while it runs
-        pg_after = pages(i + 2)
-        kd = k
-        if fp8:
-            kd = jax.lax.bitcast_convert_type(k, fp8_formats.FP8)
-            if not fp8_dot:
-                kd = kd.astype(jnp.bfloat16)
-        sc = jnp.sum(jnp.maximum(dot(kd, q, trans_b=True), 0.0) * w[None, :], axis=1)
-        if fp8:
-            sc = sc * s_k
+        pg_after = _loop_pages(bt_ref, req, positions(i + 2), page)
+        sc = _loop_tile_scores(k, s_k, q, w, fp8=fp8, fp8_dot=fp8_dot)
         o_ref[pl.ds(pl.multiple_of(i * block_s, block_s), block_s)] = jnp.where(positions(i) < n, sc, -jnp.inf)
         return k_next, s_next, pg_after
 
-    def blank(i, carry):
-        o_ref[pl.ds(pl.multiple_of(i * block_s, block_s), block_s)] = jnp.full((block_s,), -jnp.inf, jnp.float32)
-        return carry
-
-    k0, s0 = keys(0, pages(0))
-    jax.lax.fori_loop(0, busy, tile, (k0, s0, pages(1)))
-    jax.lax.fori_loop(busy, tiles, blank, 0)
+    k0, s0 = keys(0, _loop_pages(bt_ref, req, positions(0), page))
+    jax.lax.fori_loop(0, busy, tile, (k0, s0, _loop_pages(bt_ref, req, positions(1), page)))
+    _blank_tiles(o_ref, busy, tiles, block_s)
 
 
 def _scores_rows_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *, block_s, page, di, fp8,
