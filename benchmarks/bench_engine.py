@@ -130,7 +130,9 @@ def stage_times(eng: Engine, batch: StepBatch) -> dict[str, float]:
     kv_lens = batch.positions + 1
     n_full, n_moe = len(cfg.full_layers), sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
     out = {}
-    topk = functools.partial(indexer.indexer_topk, block_size=eng.block_size, topk=cfg.index_topk, impl=impl)
+    # as the model calls it: the entries as a set (the select kernel skips their sort)
+    topk = functools.partial(indexer.indexer_topk, block_size=eng.block_size, topk=cfg.index_topk, ordered=False,
+                             impl=impl)
     q_i, w_i = rnd(b, cfg.index_n_heads, cfg.index_head_dim), rnd(b, cfg.index_n_heads, d=jnp.float32)
     idx_args = (w_i, idx_cache, batch.token_req, kv_lens, batch.block_tables)
     top = jax.jit(topk)(q_i, *idx_args)

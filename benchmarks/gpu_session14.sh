@@ -5,8 +5,8 @@
 #   parts_bf16  the same op on a bf16 cache (default configs): the FP8 rows' 132-byte stride against 256-byte rows
 #   topk      the whole op with the chunked select (TopkConfig(chunks=4)) beside the default, and top-k variants
 #   pad       the scores kernel on FP8 rows padded to 144 bytes (an experiment: 16-byte aligned rows)
-#   verify    B = 32 / 128 / 1: the op's kernels at the defaults, scores with the hand-pipelined loop (prefetch),
-#             the top-k in one and in two passes beside lax.top_k
+#   verify    B = 32 / 128 / 1: the op's kernels at the defaults, the top-k in one and in two passes beside
+#             lax.top_k
 #   tests     the indexer and top-k GPU tests
 #   ncu_idx   Nsight Compute sections of the indexer's scores and select kernels at B = 32 (FP8 cache)
 # Every step under its own timeout; logs and JSON under $OUT/r, packed into one tarball.
@@ -36,15 +36,15 @@ pad)
   grep PARTS "$R/pad.log" | cut -c1-200
   ;;
 verify)
+  # (as run in session 14 it also timed TopkConfig(sort="rank") and IndexerConfig(prefetch=True), both slower
+  # than the defaults and removed in session 15: BENCHMARKS.md)
   P="python3 benchmarks/diag_indexer_parts.py --formats fp8"
-  step verify_b32 230 $P --batches 32 --out "$R/verify_b32.json" \
-    --op '[{}, {"topk_config": {"sort": "rank"}}, {"prefetch": true, "topk_config": {"sort": "rank"}}]' \
-    --scores '[{}, {"prefetch": true}, {"prefetch": true, "num_stages": 1}, {"prefetch": true, "block_s": 64}, {"prefetch": true, "block_n": 512}]' \
-    --topk '[{"impl": "xla"}, {}, {"chunks": 1}, {"sort": "rank"}, {"sort": "none"}]'
-  step verify_b128 110 $P --batches 128 --out "$R/verify_b128.json" --op '[{}, {"topk_config": {"sort": "rank"}}]' \
-    --scores '[{}, {"prefetch": true}]' --topk '[{}, {"chunks": 1}, {"sort": "rank"}]'
-  step verify_b1 90 $P --batches 1 --out "$R/verify_b1.json" --scores '[]' \
-    --op '[{}, {"topk_impl": "select", "topk_config": {"sort": "rank"}}]' --topk '[{"impl": "xla"}, {}, {"sort": "rank"}]'
+  step verify_b32 230 $P --batches 32 --out "$R/verify_b32.json" --op '[{}]' --scores '[{}]' \
+    --topk '[{"impl": "xla"}, {}, {"chunks": 1}, {"sort": "none"}]'
+  step verify_b128 110 $P --batches 128 --out "$R/verify_b128.json" --op '[{}]' --scores '[{}]' \
+    --topk '[{}, {"chunks": 1}]'
+  step verify_b1 90 $P --batches 1 --out "$R/verify_b1.json" --scores '[]' --op '[{}, {"topk_impl": "select"}]' \
+    --topk '[{"impl": "xla"}, {}]'
   for b in 32 128 1; do grep PARTS "$R/verify_b$b.log" | grep -v "kernel .* us  [a-z_]*fusion" | cut -c1-200; done
   ;;
 tests)

@@ -115,8 +115,8 @@ class Indexer(nnx.Module):
         return w * (n_heads ** -0.5) * (head_dim ** -0.5)
 
     def __call__(self, h, q_n, index_cache, cos, sin, batch: StepBatch, ctx: StepContext):
-        """Top-k local positions [T, K] (-1 = none) of the tokens each row attends to on this rank;
-        `cos`, `sin` are the layer's rope angles of the rows' positions."""
+        """Top-k local positions [T, K] (-1 = none; a set, in no particular order) of the tokens each row attends
+        to on this rank; `cos`, `sin` are the layer's rope angles of the rows' positions."""
         cfg, n, inter = ctx.cfg, ctx.n, ctx.parallel.interleave
         qi = linear.apply(self, "wq_b", q_n, impl=ctx.options.impl)
         rot = rope.apply_rope(qi[..., : cfg.qk_rope_head_dim], cos[:, None], sin[:, None],
@@ -126,7 +126,7 @@ class Indexer(nnx.Module):
         kv_lens = dcp.local_length(batch.positions + 1, rank, n, inter)  # this rank's tokens at or before pos
         out = indexer.indexer_topk(qi, self.head_weights(h), index_cache, batch.token_req, kv_lens,
                                    batch.block_tables, block_size=ctx.block_size, topk=cfg.index_topk,
-                                   return_scores=n > 1, impl=ctx.options.impl)
+                                   return_scores=n > 1, ordered=False, impl=ctx.options.impl)
         if n == 1:
             return out
         local_pos, scores = out

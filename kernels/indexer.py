@@ -67,8 +67,10 @@ def topk_positions(scores, kv_lens, topk: int, width: int | None = None):
 
 
 def indexer_topk_xla(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int, topk: int,
-                     return_scores: bool = False, row_chunk: int = ROW_CHUNK):
-    """Reference: scores then top-k, `row_chunk` query rows at a time (never a [T, S] matrix for all T)."""
+                     return_scores: bool = False, ordered: bool = True, row_chunk: int = ROW_CHUNK):
+    """Reference: scores then top-k, `row_chunk` query rows at a time (never a [T, S] matrix for all T); always in
+    `lax.top_k`'s order (`ordered` is the op's permission to return another, unused here)."""
+    del ordered
     q, weights = prepare_queries(q, weights, k_cache)
 
     def rows(q_, w_, r_, n_):
@@ -98,11 +100,14 @@ def select_supports(scores, kv_lens, topk: int, width: int | None = None, **_) -
 
 
 def indexer_topk(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int, topk: int,
-                 return_scores: bool = False, impl: str = "xla", **kernel_options):
+                 return_scores: bool = False, ordered: bool = True, impl: str = "xla", **kernel_options):
     """Top-k positions [T, min(topk, S)] (int32, -1 padded) for indexer queries `q` [T, H, Di] (roped),
     head weights `weights` [T, H] (scales folded in), the paged key cache `k_cache` [slots, Di], each row's
     request `token_req` [T], its number of visible keys `kv_lens` [T] and `block_tables` [R, pages].
     With `return_scores`, also their float32 scores (-inf where -1): the DCP global top-k merges these.
+    `ordered` (default): each row's entries by score descending, then position ascending; False: the same entries
+    in whatever order the impl makes cheapest (the select kernel's position order), still followed by the -1s —
+    for callers that use them as a set (sparse attention, the DCP global top-k, which sorts them anyway).
     `k_cache` is bf16 [slots, Di] or FP8 uint8 [slots, Di + 4] (queries are then quantised per (t, h)).
     impl (`kernels.registry`): "xla" (oracle, CPU default), "triton" (Pallas Triton scores, then the select
     top-k kernel or `topk_positions` per shape, row chunks), "triton_interpret" (the same kernels under the Pallas
@@ -110,7 +115,8 @@ def indexer_topk(q, weights, k_cache, token_req, kv_lens, block_tables, *, block
     to `indexer_triton.indexer_topk_triton` (config, block_s, block_t, num_warps, num_stages, block_n, fp8_dot,
     row_chunk, topk_impl, topk_config); the xla form takes `row_chunk`."""
     return registry.dispatch("indexer", impl, q, weights, k_cache, token_req, kv_lens, block_tables,
-                             block_size=block_size, topk=topk, return_scores=return_scores, **kernel_options)
+                             block_size=block_size, topk=topk, return_scores=return_scores, ordered=ordered,
+                             **kernel_options)
 
 
 registry.register("indexer", "xla", indexer_topk_xla)

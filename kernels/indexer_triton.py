@@ -36,13 +36,15 @@ from jax.experimental.pallas import triton as plgpu
 from . import fp8_formats
 from .chunking import map_row_chunks
 from .indexer import prepare_queries, select_topk, select_width_supported
+from .topk_config import TopkConfig
 from .triton_common import check_addressable, col_range, dot, gather, is_pow2, u8_words, with_options
 
 SCORE_BUDGET = 1 << 25  # float32 scores held at once by the top-k stage (128 MiB)
 ROW_BLOCK_MIN_T = 64  # rows from which indexer_scores_triton takes the row-block form
 ROW_BLOCK = 16  # its query rows per program: block_t unrolled [H, Di] x [Di, block_s] dots
-# rows from which the select top-k beats lax.top_k on the H200 (session 11, 32K scores: 1 row 113 / 136 us
-# against 77 / 74; 4 rows 100 against 115; 8 rows 105 against 108; 16 rows 115 against 152)
+# rows from which the one-pass select top-k beats lax.top_k on the H200 (session 11, 32K scores: 1 row 113 / 136 us
+# against 77 / 74; 4 rows 100 against 115; 8 rows 105 against 108; 16 rows 115 against 152); rows that split into
+# the two-pass select's chunks take it from one row (session 15)
 SELECT_MIN_ROWS = 4
 LOOP_PROGRAMS = 1024  # programs the looped decode kernel aims for (about 8 per SM of an H200)
 # float32 keys (the reference dtype): Triton runs an IEEE float32 dot on the FMA units, unrolled per thread
@@ -170,41 +172,6 @@ def _scores_loop_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *,
     _blank_tiles(o_ref, busy, tiles, block_s)
 
 
-def _scores_prefetch_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *, block_s, page, di, fp8,
-                            fp8_dot, interpret):
-    """`_scores_loop_kernel` with the loads software-pipelined by hand (`IndexerConfig.prefetch`): iteration i
-    issues the key gather of tile i + 1 and the page lookup of tile i + 2 before it scores tile i (carried in the
-    loop), so a tile's two dependent round trips (block table, then the keys) overlap the previous tiles instead of
-    following each other (the H200 showed the plain loop at ~3.6 us a tile with 12 warps an SM: latency, not
-    bandwidth; BENCHMARKS.md, session 14). Same scores as the plain loop."""
-    req = req_ref[0]
-    n = len_ref[0]
-    tiles = o_ref.shape[0] // block_s
-    start = pl.program_id(1) * o_ref.shape[0]
-    q = _loop_queries(q_ref, fp8, fp8_dot)
-    w = w_ref[...]
-    busy = jnp.clip((n - start + block_s - 1) // block_s, 0, tiles)
-
-    def positions(i):
-        return start + i * block_s + jax.lax.iota(jnp.int32, block_s)
-
-    def keys(i, pg):  # a bf16 cache carries zeros for the scales it does not have
-        k, s_k = _loop_keys(k_ref, positions(i), pg, n, page=page, di=di, fp8=fp8)
-        return k, jnp.zeros((block_s,), jnp.float32) if s_k is None else s_k
-
-    def tile(i, carry):
-        k, s_k, pg_next = carry
-        k_next, s_next = keys(i + 1, pg_next)  # issued before this tile's math: in flight while it runs
-        pg_after = _loop_pages(bt_ref, req, positions(i + 2), page)
-        sc = _loop_tile_scores(k, s_k, q, w, fp8=fp8, fp8_dot=fp8_dot)
-        o_ref[pl.ds(pl.multiple_of(i * block_s, block_s), block_s)] = jnp.where(positions(i) < n, sc, -jnp.inf)
-        return k_next, s_next, pg_after
-
-    k0, s0 = keys(0, _loop_pages(bt_ref, req, positions(0), page))
-    jax.lax.fori_loop(0, busy, tile, (k0, s0, _loop_pages(bt_ref, req, positions(1), page)))
-    _blank_tiles(o_ref, busy, tiles, block_s)
-
-
 def _scores_rows_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *, block_s, page, di, fp8,
                         interpret):
     """Rows [i * block_t, +block_t) x keys [j * block_s, +block_s): one key-tile gather when the rows share a
@@ -244,15 +211,13 @@ class IndexerConfig:
     step's R requests leave runs of ROW_BLOCK rows on average: (R - 1) * ROW_BLOCK <= T); warps; pipeline stages.
     Per-row, bf16 and FP8 caches: `block_n` keys per program (a multiple of block_s looped over in tiles; None:
     `loop_block_n` of the shapes; 0: the one-tile kernel without a loop), `fp8_dot` e4m3 tensor-core dots for an
-    FP8 cache (False: keys decoded to bf16), `prefetch` the loop with its loads pipelined by hand one tile ahead
-    (`_scores_prefetch_kernel`)."""
+    FP8 cache (False: keys decoded to bf16)."""
     block_s: int
     block_t: int | None
     num_warps: int = 4
     num_stages: int = 1
     block_n: int | None = None
     fp8_dot: bool = True
-    prefetch: bool = False
 
     def __post_init__(self):
         if not (is_pow2(self.block_s) and self.block_s >= 16):
@@ -351,8 +316,7 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
             return call(functools.partial(_scores_kernel, **opts), token_req, kv_lens, q, weights, rows=None,
                         width=block_s, n_prog=n_blk, name=name)
         block_n = min(cfg.block_n or loop_block_n(t, s, block_s), n_blk * block_s)
-        loop = _scores_prefetch_kernel if cfg.prefetch else _scores_loop_kernel
-        return call(functools.partial(loop, fp8_dot=cfg.fp8_dot, **opts), token_req, kv_lens, q,
+        return call(functools.partial(_scores_loop_kernel, fp8_dot=cfg.fp8_dot, **opts), token_req, kv_lens, q,
                     weights, rows=None, width=block_n, n_prog=-(-s // block_n), name=name + "_loop")
 
     def row_block(token_req, kv_lens, q, weights, block_t):
@@ -409,11 +373,12 @@ def _scores_call(kernel, token_req, kv_lens, q, weights, *, block_tables, k_cach
 
 
 def indexer_topk_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int, topk: int,
-                        return_scores: bool = False, row_chunk: int | None = None, interpret: bool = False,
-                        topk_impl: str | None = None, topk_config=None, **kernel_options):
+                        return_scores: bool = False, ordered: bool = True, row_chunk: int | None = None,
+                        interpret: bool = False, topk_impl: str | None = None, topk_config=None, **kernel_options):
     """The "triton" impl of `kernels.indexer.indexer_topk`: Pallas Triton scores, then the top-k (`topk_impl`:
     "select" the select kernel of `kernels.topk_triton` with launch config `topk_config`, "lax" `topk_positions`
-    (`lax.top_k`), None as `topk_select_impl` says; both give the same positions and scores), `row_chunk` query
+    (`lax.top_k`), None as `topk_select_impl` says; both give the same positions and scores; with `ordered`
+    False the select kernel leaves them in position order, `TopkConfig.sort` "none"), `row_chunk` query
     rows at a time (default: as many rows as keep the float32 scores under SCORE_BUDGET, rounded down to a power of
     two), so a 32K x 32K prefill never holds [T, S] scores. `kernel_options` go to `indexer_scores_triton`
     (config, block_s, block_t, num_warps, num_stages, block_n, fp8_dot)."""
@@ -424,7 +389,10 @@ def indexer_topk_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *
         row_chunk = 1 << max(0, (SCORE_BUDGET // max(s, 1)).bit_length() - 1)
     elif not (isinstance(row_chunk, int) and row_chunk >= 1):
         raise ValueError(f"indexer triton: row_chunk {row_chunk!r} must be an int >= 1")
-    select = topk_select_impl(s, topk, topk_impl, interpret, rows=min(q.shape[0], row_chunk))
+    select = topk_select_impl(s, topk, topk_impl, interpret, rows=min(q.shape[0], row_chunk),
+                              config=topk_config or TopkConfig())
+    if not ordered and select != "xla":  # the selection's sort is a fifth of the op at B = 32 (session 15)
+        topk_config = dataclasses.replace(topk_config or TopkConfig(), sort="none")
     topk_options = {} if topk_config is None or select == "xla" else {"config": topk_config}
 
     def rows(q_, w_, r_, n_):
@@ -436,18 +404,22 @@ def indexer_topk_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *
     return (pos, val) if return_scores else pos
 
 
-def topk_select_impl(s: int, topk: int, topk_impl: str | None, interpret: bool, rows: int | None = None) -> str:
+def topk_select_impl(s: int, topk: int, topk_impl: str | None, interpret: bool, rows: int | None = None,
+                     config: TopkConfig | None = None) -> str:
     """The "topk" impl (`kernels.indexer.select_topk`) the triton indexer runs over `rows` rows (None: many) of `s`
     scores: the select kernel ("triton", or "triton_interpret" when `interpret`) for `topk_impl` "select"; "xla"
-    (`lax.top_k`) for "lax". None: the select kernel on a GPU for at least SELECT_MIN_ROWS rows that it takes (S <=
-    SELECT_MAX_S: faster than `lax.top_k` with the same result bit for bit), else `lax.top_k` (one program per row
-    leaves the GPU idle below that: BENCHMARKS.md, session 11); under the interpreter None keeps `lax.top_k` (the
+    (`lax.top_k`) for "lax". None: the select kernel on a GPU where it takes the rows (S <= SELECT_MAX_S: faster
+    than `lax.top_k` with the same result bit for bit) and either they take the two-pass select of the select's
+    `config` (`TopkConfig.two_pass`; None: a config of one pass) or there are at least SELECT_MIN_ROWS of
+    them; else `lax.top_k` (one program per row leaves the GPU idle below that: BENCHMARKS.md, sessions 11 and 15);
+    under the interpreter None keeps `lax.top_k` (the
     same positions and scores; the interpreted kernel is only slower, and the CPU tests check it on its own).
     "select" on shapes it does not take is the registry's ValueError naming the constraint."""
     if topk_impl not in (None, "select", "lax"):
         raise ValueError(f"indexer triton: topk_impl {topk_impl!r} must be 'select', 'lax' or None")
     kernel = "triton_interpret" if interpret else "triton"
     if topk_impl is None:
-        few = rows is not None and rows < SELECT_MIN_ROWS
+        two_pass = config is not None and config.two_pass(s, topk)
+        few = rows is not None and rows < SELECT_MIN_ROWS and not two_pass
         return "xla" if interpret or few or select_width_supported(s) else kernel
     return kernel if topk_impl == "select" else "xla"

@@ -31,7 +31,6 @@ it for rows wider than SELECT_MAX_S). Launch configs are `TopkConfig`s.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -40,33 +39,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .indexer import select_width_supported
-from .triton_common import is_pow2, with_options
+from .topk_config import TopkConfig
+from .triton_common import with_options
 
 KEY_MIN = -(2**31)  # the key of positions past kv_lens: below every score's key (-inf is -2139095041)
 KEY_MAX = 2**31 - 1
-
-
-@dataclasses.dataclass(frozen=True)
-class TopkConfig:
-    """Launch config of the select kernel. `num_warps` None: S_pad / 1024 clamped to [1, 32] (32 keys a thread at
-    32K), or 8 keys a thread in the passes of a chunked select; `sort`: the output order, "xla" (score desc,
-    position asc, as `lax.top_k`, by one `lax.sort` of the [T, k] selection after the kernel), "kernel" (the same
-    order by a bitonic network in the same program: ~20 s of Triton compile per shape on the H200) or "none"
-    (position order: the same set, the same scores); `chunks` C: the two-pass select (`_chunked_select`) where a
-    row splits into C chunks of at least k scores, one pass elsewhere (C = 1: always one pass). The default 4 is
-    the H200's best at 32 rows of 32K, k = 2048 (BENCHMARKS.md, session 14: the select 26.6 us in two passes
-    against 55.8 in one; 2 and 8 chunks slower)."""
-    num_warps: int | None = None
-    sort: str = "xla"
-    chunks: int = 4
-
-    def __post_init__(self):
-        if self.num_warps is not None and not (is_pow2(self.num_warps) and self.num_warps <= 32):
-            raise ValueError(f"TopkConfig: num_warps {self.num_warps!r} must be a power of two <= 32 (or None)")
-        if self.sort not in ("kernel", "xla", "rank", "none"):
-            raise ValueError(f"TopkConfig: sort {self.sort!r} must be 'kernel', 'xla', 'rank' or 'none'")
-        if not (isinstance(self.chunks, int) and not isinstance(self.chunks, bool) and self.chunks >= 1):
-            raise ValueError(f"TopkConfig: chunks {self.chunks!r} must be an int >= 1")
 
 
 # ------------------------------------------------------------------------------------------------- in-kernel
@@ -131,19 +108,15 @@ def _bitonic_sort(key, pos):
     return key, pos
 
 
-def _select_kernel(len_ref, sc_ref, pos_ref, val_ref, *, k, s, s_cols, s_pad, sort, interpret, stop=4):
-    row = pl.program_id(0)
-    ke = jnp.maximum(jnp.minimum(len_ref[0], k), 0)  # as the reference: the top over all s keys, kv_lens entries kept
-    k_pad = pos_ref.shape[0]
-    p = jax.lax.iota(jnp.int32, s_pad)
-    if s_cols >= s_pad:  # one contiguous row load
-        x = sc_ref[row, pl.ds(0, s_pad)]
-    elif interpret:
-        x = sc_ref[row, jnp.minimum(p, s - 1)]
-    else:
-        x = plgpu.load(sc_ref.at[row, jnp.minimum(p, s - 1)], mask=p < s, other=0.0)
-    key = jnp.where(p < s, _order_key(x), KEY_MIN)
+def _bounds(key):
+    """The first bracket [lo, hi) of `_threshold`: the row's least real key (past S is KEY_MIN) and greatest + 1."""
+    return jnp.min(jnp.where(key > KEY_MIN, key, KEY_MAX)), jnp.max(key) + 1
 
+
+def _threshold(key, p, ke, lo, hi, s: int, s_pad: int):
+    """Steps 1 and 2 of the module docstring on one row of keys [s_pad] (positions p) from the bracket [lo, hi):
+    (tau, the ke-th largest key; cut_at, the position before which the ties at tau are taken; the loop's steps).
+    Plain jnp: the kernel's code, and a test's on CPU."""
     def count(mask):
         return jnp.sum(mask.astype(jnp.int32))
 
@@ -169,11 +142,6 @@ def _select_kernel(len_ref, sc_ref, pos_ref, val_ref, *, k, s, s_cols, s_pad, so
         # take 32 steps (a simulation of 32K rows: 15-20 steps on continuous scores, 13 on 50 distinct integers)
         return lo2, hi2, c_lo2, c_hi2, c_lo2 - c_hi2 == c_lo - c_hi, steps + 1
 
-    lo = jnp.min(jnp.where(key > KEY_MIN, key, KEY_MAX))
-    hi = jnp.max(key) + 1
-    if stop == 0:
-        pos_ref[...] = jnp.full((k_pad,), lo, jnp.int32) + hi
-        return
     lo, hi, c_lo, _, _, steps = jax.lax.while_loop(
         narrowing, lambda c: jax.lax.cond(c[4], snap, bisect, c),
         (lo, hi, jnp.int32(s), jnp.int32(0), jnp.bool_(False), jnp.int32(0)))
@@ -196,12 +164,41 @@ def _select_kernel(len_ref, sc_ref, pos_ref, val_ref, *, k, s, s_cols, s_pad, so
     # zero, as a branch must yield values, not constants)
     zero = need_eq - need_eq
     cut_at = jax.lax.cond((need_eq > 0) & (count(key == tau) > need_eq), cut_ties, lambda z: z + s_pad, zero)
+    return tau, cut_at, steps
+
+
+def _selected(key, p, tau, cut_at, ke):
+    """The selection mask: keys above tau, and ties at tau before the position cut. A row that keeps nothing (ke =
+    0, kv_lens 0) selects nothing: the bracket then ends on the row's greatest key, and taking its ties would write
+    past the row's k_pad output slots into the next row's (the H200 showed it: a chunked pass over an empty row's
+    -inf candidates overwrote the next row's positions)."""
+    return ((key > tau) | ((key == tau) & (p < cut_at))) & (ke > 0)
+
+
+def _select_kernel(len_ref, sc_ref, pos_ref, val_ref, *, k, s, s_cols, s_pad, sort, interpret, stop=4):
+    row = pl.program_id(0)
+    ke = jnp.maximum(jnp.minimum(len_ref[0], k), 0)  # as the reference: the top over all s keys, kv_lens entries kept
+    k_pad = pos_ref.shape[0]
+    p = jax.lax.iota(jnp.int32, s_pad)
+    if s_cols >= s_pad:  # one contiguous row load
+        x = sc_ref[row, pl.ds(0, s_pad)]
+    elif interpret:
+        x = sc_ref[row, jnp.minimum(p, s - 1)]
+    else:
+        x = plgpu.load(sc_ref.at[row, jnp.minimum(p, s - 1)], mask=p < s, other=0.0)
+    key = jnp.where(p < s, _order_key(x), KEY_MIN)
+
+    lo, hi = _bounds(key)
+    if stop == 0:
+        pos_ref[...] = jnp.full((k_pad,), lo, jnp.int32) + hi
+        return
+    tau, cut_at, steps = _threshold(key, p, ke, lo, hi, s, s_pad)
     if stop == 1:
         pos_ref[...] = jnp.where(jax.lax.iota(jnp.int32, k_pad) == 0, steps, tau + cut_at)
         return
 
     # 3. the selection (exactly ke keys) to the output row in position order, one scan
-    sel = (key > tau) | ((key == tau) & (p < cut_at))
+    sel = _selected(key, p, tau, cut_at, ke)
     si = sel.astype(jnp.int32)
     slot = jnp.cumsum(si) - si
     _scatter(pos_ref, slot, p, sel, interpret)
@@ -225,58 +222,6 @@ def _select_kernel(len_ref, sc_ref, pos_ref, val_ref, *, k, s, s_cols, s_pad, so
     val_ref[...] = jnp.where(real, _key_value(sel_key), -jnp.inf)
 
 
-def _rank_kernel(pos_ref, val_ref, opos_ref, oval_ref, *, k_pad, block, part, interpret):
-    """Program (row, b): the places, in the order (score desc, then index asc), of the row's entries [b * block,
-    +block) of a selection held in position order (so index order is position order, and -1 padding, ranked
-    below every score, stays last), counted against all k_pad entries `part` at a time; each entry is written
-    to its place. Branch-free: k_pad * block compares a program, no sort network."""
-    row = pl.program_id(0)
-    first = pl.program_id(1) * block
-    mine_pos = pos_ref[row, pl.ds(first, block)]
-    mine_val = val_ref[row, pl.ds(first, block)]
-    key_i = jnp.where(mine_pos >= 0, _order_key(mine_val), KEY_MIN)
-    idx_i = first + jax.lax.iota(jnp.int32, block)
-
-    def count(j, rank):
-        other_pos = pos_ref[row, pl.ds(j * part, part)]
-        key_j = jnp.where(other_pos >= 0, _order_key(val_ref[row, pl.ds(j * part, part)]), KEY_MIN)
-        idx_j = j * part + jax.lax.iota(jnp.int32, part)
-        ahead = (key_j[None, :] > key_i[:, None]) | ((key_j[None, :] == key_i[:, None])
-                                                    & (idx_j[None, :] < idx_i[:, None]))
-        return rank + jnp.sum(ahead.astype(jnp.int32), axis=1)
-
-    rank = jax.lax.fori_loop(0, k_pad // part, count, jnp.zeros((block,), jnp.int32))
-    everywhere = rank >= 0
-    _scatter(opos_ref, rank, mine_pos, everywhere, interpret)
-    _scatter(oval_ref, rank, jnp.where(mine_pos >= 0, mine_val, -jnp.inf), everywhere, interpret)
-
-
-def _rank_sort(pos, val, interpret: bool, block: int = 512, part: int = 64):
-    """(positions, scores) [T, k] in position order (-1 / -inf after the selection) -> the same entries ordered by
-    score desc, then position asc, as one lax.sort would give (`TopkConfig.sort` "rank"): `_rank_kernel` on grid
-    (T, k_pad / block)."""
-    t, k = pos.shape
-    k_pad = max(16, pl.next_power_of_2(k))
-    if k_pad != k:
-        pos = jnp.pad(pos, ((0, 0), (0, k_pad - k)), constant_values=-1)
-        val = jnp.pad(val, ((0, 0), (0, k_pad - k)), constant_values=-jnp.inf)
-    block, part = min(block, k_pad), min(part, k_pad)
-    kernel = functools.partial(_rank_kernel, k_pad=k_pad, block=block, part=part, interpret=interpret)
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    out_spec = pl.BlockSpec((None, k_pad), lambda i, b: (i, 0))
-    opos, oval = pl.pallas_call(
-        kernel,
-        grid=(t, k_pad // block),
-        in_specs=[any_spec, any_spec],
-        out_specs=[out_spec, out_spec],
-        out_shape=[jax.ShapeDtypeStruct((t, k_pad), jnp.int32), jax.ShapeDtypeStruct((t, k_pad), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1),
-        interpret=interpret,
-        name="indexer_topk_rank",
-    )(pos.astype(jnp.int32), val.astype(jnp.float32))
-    return opos[:, :k], oval[:, :k]
-
-
 def topk_select(scores, kv_lens, topk: int, width: int | None = None, *, config: TopkConfig | None = None,
                 interpret: bool = False, _stop: int = 4, **overrides):
     """(positions int32, scores float32) [T, min(topk, width)] of `scores` [T, S'] (float32; the first `width`
@@ -293,7 +238,7 @@ def topk_select(scores, kv_lens, topk: int, width: int | None = None, *, config:
     if why or k < 1:
         raise ValueError(f"topk_select: {why or f'top-k of {k} < 1'}")
     cfg = with_options(config or TopkConfig(), {k_: v for k_, v in overrides.items() if v is not None}, "topk")
-    if cfg.chunks > 1 and -(-s // cfg.chunks) >= k and _stop == 4:
+    if cfg.two_pass(s, k) and _stop == 4:
         return _chunked_select(scores, kv_lens, k, s, cfg, interpret)
     pos, val = _select_call(scores, kv_lens, k, s, cfg.num_warps, cfg.sort, interpret, _stop)
     return _order(pos, val, cfg.sort, interpret)
@@ -325,9 +270,7 @@ def _select_call(scores, kv_lens, k: int, s: int, num_warps: int | None, sort: s
 def _order(pos, val, sort: str, interpret: bool = False):
     """The selection, which the kernel left in position order unless `sort` is "kernel", in the order `sort` asks:
     "xla" by one stable `lax.sort` on the score (score desc, then position asc; the -1 padding, score -inf, stays
-    last), "rank" the same order by `_rank_sort`, "none" and "kernel" as it is."""
-    if sort == "rank":
-        return _rank_sort(pos, val, interpret)
+    last), "none" and "kernel" as it is."""
     if sort != "xla":
         return pos, val
     neg, pos = jax.lax.sort((jnp.where(pos >= 0, -val, jnp.inf), pos), dimension=1, is_stable=True, num_keys=1)

@@ -221,34 +221,6 @@ def test_row_block_kernel(case, fp8, on_gpu, interpret):
     _compare_topk(pos, val, pos_ref, val_ref, n, topk, ref)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("block_n", [64, 96])
-def test_prefetch_loop_scores_equal_the_plain_loop(fp8, block_n, on_gpu, interpret):
-    """IndexerConfig(prefetch=True), the loop with its loads one tile ahead, gives the plain loop's scores (the
-    same operations: bit for bit under the interpreter) and the oracle's, over rows that end inside a tile, rows
-    whose programs hold no visible key, a zero-length row and a last program of fewer tiles."""
-    args = _inputs([1, 17, 96, 45, 0, 60, 33], h=16, fp8=fp8, seed=block_n)
-    q, w, cache, req, n, bt, page = args
-    qp, wp = indexer.prepare_queries(q, w, cache)
-
-    def f(**opts):
-        return np.asarray(jax.jit(functools.partial(indexer_triton.indexer_scores_triton, block_size=page, block_s=32,
-                                                    block_t=1, block_n=block_n, interpret=interpret, **opts))(
-            qp, wp, cache, req, n, bt))
-
-    new, plain = f(prefetch=True), f()
-    if on_gpu:
-        np.testing.assert_allclose(new, plain, rtol=1e-6, atol=0)
-    else:
-        np.testing.assert_array_equal(new, plain)
-    ref = _oracle_scores(*args)
-    s = ref.shape[1]
-    fin = np.isfinite(ref)
-    np.testing.assert_array_equal(np.isfinite(new[:, :s]), fin)
-    assert np.all(new[:, s:] == -np.inf)
-    np.testing.assert_allclose(new[:, :s][fin], ref[fin], rtol=1e-4, atol=1e-4)
-
-
 @pytest.mark.parametrize("t, requests, rows_kernel", [(63, 1, False), (64, 1, True), (64, 5, True), (64, 6, False),
                                                     (256, 17, True), (256, 18, False)])
 def test_row_block_chosen_by_shapes(t, requests, rows_kernel):

@@ -48,9 +48,39 @@ _CASES = {
                       300, {"num_warps": 4}),
     "sorted_in_kernel": (lambda r: r.integers(0, 9, size=(3, 200)).astype(np.float32), [200, 5, 150], 40,
                          {"sort": "kernel"}),
+    # rows that keep nothing (kv_lens 0) of -inf or of tied zeros, wider than k_pad, between rows that keep some: an
+    # empty row's selection once overflowed its output slots into the next row's on the H200 (one pass and chunked)
+    "empty_rows_of_ties": (lambda r: np.stack([np.full(200, -np.inf), r.normal(size=200), np.zeros(200),
+                                               r.integers(0, 3, size=200), np.full(200, -np.inf)]).astype(np.float32),
+                           [0, 200, 0, 150, 0], 16, {}),
     "negative_and_inf": (lambda r: np.where(r.uniform(size=(2, 128)) < 0.3, -np.inf, -np.abs(r.normal(size=(2, 128))))
                          .astype(np.float32), [128, 64], 100, {}),
 }
+
+
+def test_selection_takes_exactly_the_reference_keys():
+    """The kernel's threshold and selection mask (`_threshold`, `_selected`, plain jnp) on one row: exactly
+    min(k, kv_len) keys, the set `lax.top_k` keeps; none for kv_len 0, even where the row is all ties (without
+    the kv_len 0 guard the mask took every tie of the greatest key and the kernel wrote past the row's slots)."""
+    r = np.random.default_rng(2)
+    rows = {"all_inf": np.full(96, -np.inf), "zeros": np.zeros(96), "ints": r.integers(0, 4, size=96),
+            "normal": r.normal(size=96)}
+    s_pad = 128
+
+    @jax.jit
+    def mask(x, ke):
+        p = jax.lax.iota(jnp.int32, s_pad)
+        key = jnp.where(p < 96, topk_triton._order_key(jnp.pad(x, (0, s_pad - 96))), topk_triton.KEY_MIN)
+        lo, hi = topk_triton._bounds(key)
+        tau, cut_at, _ = topk_triton._threshold(key, p, ke, lo, hi, 96, s_pad)
+        return topk_triton._selected(key, p, tau, cut_at, ke)
+
+    for name, x in rows.items():
+        x = jnp.asarray(x, jnp.float32)
+        for ke in (0, 1, 5, 40, 96):
+            sel = np.asarray(mask(x, jnp.int32(ke)))
+            want = np.asarray(indexer.topk_positions(x[None], jnp.asarray([ke]), ke)[0][0]) if ke else []
+            assert sorted(np.flatnonzero(sel).tolist()) == sorted(want), (name, ke)
 
 
 @pytest.mark.parametrize("case", sorted(_CASES))
@@ -126,31 +156,10 @@ def test_chunked_select_k_2048_of_32k(kernel_impl):
             np.testing.assert_array_equal(val[i][: keep.sum()], want[1][i][keep][order])
 
 
-@pytest.mark.parametrize("chunks", [1, 4])
-@pytest.mark.parametrize("case", sorted(_CASES))
-def test_rank_order_equals_lax_top_k(kernel_impl, case, chunks):
-    """sort="rank": the selection put in (score desc, position asc) order by each entry's count of entries ahead
-    of it (the rank kernel), exactly `lax.top_k`'s order, ties and -1 padding included."""
-    build, lens, k, opts = _CASES[case]
-    scores = build(np.random.default_rng(len(case)))
-    opts = dict(opts, sort="rank")
-    _assert_same(_select(kernel_impl, scores, lens, k, chunks=chunks, **opts), _select("xla", scores, lens, k))
-
-
-def test_rank_order_k_2048_of_32k(kernel_impl):
-    """The rank kernel at GLM-5 sizes (4 programs a row of 2048), after both passes: thousands of tied zeros,
-    integer scores, rows shorter than k."""
-    r = np.random.default_rng(13)
-    s = r.normal(size=(3, 32768)).astype(np.float32)
-    s[1] = np.maximum(s[1] - 2.0, 0)
-    s[2] = r.integers(0, 50, size=32768)
-    for lens in ([32768, 32768, 30000], [2047, 2049, 1]):
-        _assert_same(_select(kernel_impl, s, lens, 2048, sort="rank"), _select("xla", s, lens, 2048))
-
-
 def test_dispatch_takes_the_kernel_where_it_fits():
     """The triton indexer's top-k: by default the select kernel on a GPU where it takes the row (faster than
-    `lax.top_k` on the H200), `lax.top_k` for wider rows, for fewer than SELECT_MIN_ROWS rows, under the
+    `lax.top_k` on the H200), `lax.top_k` for wider rows, for fewer than SELECT_MIN_ROWS rows unless they split
+    into the two-pass select's chunks, under the
     interpreter and for "lax"; the select kernel when asked for "select"; on a row too wide that is the registry's
     error naming the limit."""
     wide = indexer.SELECT_MAX_S * 2
@@ -158,6 +167,13 @@ def test_dispatch_takes_the_kernel_where_it_fits():
     few = indexer_triton.SELECT_MIN_ROWS
     assert indexer_triton.topk_select_impl(32768, 2048, None, False, rows=few) == "triton"
     assert indexer_triton.topk_select_impl(32768, 2048, None, False, rows=few - 1) == "xla"
+    # rows that split into chunks of at least k scores take the two-pass select from one row
+    cfg = topk_triton.TopkConfig()
+    assert indexer_triton.topk_select_impl(32768, 2048, None, False, rows=1, config=cfg) == "triton"
+    assert indexer_triton.topk_select_impl(8192, 2048, None, False, rows=1, config=cfg) == "triton"
+    assert indexer_triton.topk_select_impl(8188, 2048, None, False, rows=1, config=cfg) == "xla"  # chunks of 2047
+    assert indexer_triton.topk_select_impl(8188, 2048, None, False, rows=few, config=cfg) == "triton"
+    assert indexer_triton.topk_select_impl(32768, 2048, None, True, rows=1, config=cfg) == "xla"
     assert indexer_triton.topk_select_impl(32768, 2048, "select", False, rows=1) == "triton"
     assert indexer_triton.topk_select_impl(wide, 2048, None, False) == "xla"
     assert indexer_triton.topk_select_impl(32768, 2048, None, True) == "xla"
@@ -178,27 +194,51 @@ def test_dispatch_takes_the_kernel_where_it_fits():
 
 def test_topk_config_is_validated():
     for bad, what in ((dict(num_warps=3), "num_warps 3"), (dict(num_warps=64), "num_warps 64"),
-                      (dict(sort="gpu"), "sort 'gpu'"), (dict(chunks=0), "chunks 0"), (dict(chunks=True), "chunks True"),
-                      (dict(chunks=2.0), "chunks 2.0")):
+                      (dict(sort="gpu"), "sort 'gpu'"), (dict(sort="rank"), "sort 'rank'"), (dict(chunks=0), "chunks 0"),
+                      (dict(chunks=True), "chunks True"), (dict(chunks=2.0), "chunks 2.0")):
         with pytest.raises(ValueError, match=what):
             topk_triton.TopkConfig(**bad)
     with pytest.raises(ValueError, match=r"unknown options \['warps'\]"):
         indexer.select_topk(jnp.zeros((1, 32)), jnp.ones((1,), jnp.int32), 4, impl="triton_interpret", warps=4)
 
 
-def test_indexer_end_to_end_top_k_choice_gives_the_same_positions(kernel_impl):
-    """The whole triton indexer with the select kernel and with `lax.top_k` over the same kernel scores."""
-    r = np.random.default_rng(11)
-    page, pages, lens = 16, 6, [1, 17, 96, 45, 60]
+def _whole_op(lens, seed, page=16, pages=6):
+    """The indexer op over random FP8 keys (Di 32, 16 heads, a request a row, top 24): f(impl, **options) ->
+    (positions, scores) as numpy."""
+    r = np.random.default_rng(seed)
     cache = fp8_formats.quantize_index_rows(jnp.asarray(r.normal(size=(len(lens) * pages * page, 32)), jnp.float32))
     bt = jnp.asarray(r.permutation(len(lens) * pages).reshape(len(lens), pages), jnp.int32)
     q = jnp.asarray(r.normal(size=(len(lens), 16, 32)), jnp.bfloat16)
     w = jnp.asarray(r.uniform(0.1, 1.0, size=(len(lens), 16)), jnp.float32)
-    f = functools.partial(indexer.indexer_topk, q, w, cache, jnp.arange(len(lens), dtype=jnp.int32),
-                          jnp.asarray(lens, jnp.int32), bt, block_size=page, topk=24, impl=kernel_impl,
-                          return_scores=True)
-    _assert_same(tuple(map(np.asarray, jax.jit(lambda: f(topk_impl="select"))())),
-                 tuple(map(np.asarray, jax.jit(lambda: f(topk_impl="lax"))())))
+
+    def f(impl, **opts):
+        g = functools.partial(indexer.indexer_topk, block_size=page, topk=24, impl=impl, return_scores=True, **opts)
+        return tuple(map(np.asarray, jax.jit(g)(q, w, cache, jnp.arange(len(lens), dtype=jnp.int32),
+                                                jnp.asarray(lens, jnp.int32), bt)))
+    return f
+
+
+def test_indexer_end_to_end_top_k_choice_gives_the_same_positions(kernel_impl):
+    """The whole triton indexer with the select kernel and with `lax.top_k` over the same kernel scores."""
+    f = _whole_op([1, 17, 96, 45, 60], seed=11)
+    _assert_same(f(kernel_impl, topk_impl="select"), f(kernel_impl, topk_impl="lax"))
+
+
+def test_unordered_indexer_gives_the_same_entries_in_position_order(kernel_impl):
+    """`indexer_topk(ordered=False)` (the model's call): the ordered op's entries, each row's in position order on
+    the select kernel (the sort it skips), -1 / -inf after them; a zero-length row stays all -1; the xla impl
+    ignores the permission and returns the ordered result."""
+    lens = [0, 17, 96, 5, 60]
+    f = _whole_op(lens, seed=12)
+    want = f(kernel_impl, topk_impl="select")
+    pos, val = f(kernel_impl, topk_impl="select", ordered=False)
+    for i, n in enumerate(lens):
+        n = min(n, 24)
+        order = np.argsort(want[0][i, :n])
+        np.testing.assert_array_equal(pos[i, :n], want[0][i, :n][order])
+        np.testing.assert_array_equal(val[i, :n], want[1][i, :n][order])
+        assert np.all(pos[i, n:] == -1) and np.all(val[i, n:] == -np.inf), i
+    _assert_same(f("xla", ordered=False), f("xla"))
 
 
 # ------------------------------------------------------------------------------ lowering (CPU, no GPU needed)
