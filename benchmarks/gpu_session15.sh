@@ -7,8 +7,8 @@
 #   e2e       the engine decode step (bench preset, impl auto, 32K context, bf16) at B = 1 / 32 / 128
 #   unordered the whole op at B = 1 / 32 / 128 as the model calls it, `indexer_topk(ordered=False)`, beside the default
 #   engine_tests  the engine's GPU tests (the model's indexer call unordered)
-#   preload   IndexerConfig(preload_pages=True): its GPU tests, then the scores kernel with it at B = 32 / 128 / 1
-#             (stages, block_n) and the whole op as the model calls it
+# (call 4 ran a `preload` step: IndexerConfig(preload_pages=True), the scores loop reading its program's pages
+# before the loop; slower, removed: BENCHMARKS.md, session 15)
 # Every step under its own timeout; logs and JSON under $OUT/r, packed into one tarball.
 set -uo pipefail
 source "$(dirname "$0")/gpu_prelude.sh"  # cd to the repository, OUT, R, the exports, step()
@@ -48,20 +48,6 @@ engine_tests)
   step engine_tests 240 python3 -m pytest -q -p no:cacheprovider tests/glm_dsa/test_gpu_engine.py
   tail -3 "$R/engine_tests.log"
   unset GLM_DSA_TEST_GPU
-  ;;
-preload)
-  export GLM_DSA_TEST_GPU=1
-  step preload_tests 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_indexer.py -k preload
-  tail -2 "$R/preload_tests.log"
-  unset GLM_DSA_TEST_GPU
-  S="python3 benchmarks/diag_indexer_parts.py --formats fp8 --topk []"
-  step preload_b32 200 $S --batches 32 --out "$R/preload_b32.json" \
-    --op '[{"ordered": false}, {"ordered": false, "preload_pages": true}, {"ordered": false, "preload_pages": true, "num_stages": 3}]' \
-    --scores '[{}, {"preload_pages": true}, {"preload_pages": true, "num_stages": 1}, {"preload_pages": true, "num_stages": 3}, {"preload_pages": true, "num_stages": 4}, {"preload_pages": true, "block_n": 512}, {"preload_pages": true, "block_n": 2048}]'
-  step preload_b128 120 $S --batches 128,1 --out "$R/preload_b128_b1.json" --op '[]' \
-    --scores '[{}, {"preload_pages": true}, {"preload_pages": true, "num_stages": 3}]'
-  grep -h "PARTS op\|PARTS scores" "$R/preload_b32.log" "$R/preload_b128.log" | cut -c1-170
-  grep -h "PARTS kernel.*scores" "$R/preload_b32.log" | cut -c1-170
   ;;
 *) echo "unknown step $what"; exit 2 ;;
 esac; done

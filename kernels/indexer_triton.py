@@ -47,7 +47,6 @@ ROW_BLOCK = 16  # its query rows per program: block_t unrolled [H, Di] x [Di, bl
 # the two-pass select's chunks take it from one row (session 15)
 SELECT_MIN_ROWS = 4
 LOOP_PROGRAMS = 1024  # programs the looped decode kernel aims for (about 8 per SM of an H200)
-PRELOAD_MAX_PAGES = 64  # IndexerConfig.preload_pages: pages a program may hold (a [block_s, pages] select per tile)
 # float32 keys (the reference dtype): Triton runs an IEEE float32 dot on the FMA units, unrolled per thread
 # ([64, 128] x [128, 128] is 8K FMAs a thread, x16 rows x2 branches in the row-block form), which ptxas took
 # minutes to compile at GLM shapes. So float32 takes 32-key tiles and the per-row kernel only.
@@ -147,37 +146,13 @@ def _blank_tiles(o_ref, busy, tiles, block_s):
     jax.lax.fori_loop(busy, tiles, blank, 0)
 
 
-def _program_pages(bt_ref, req, start, width, page):
-    """The pages a looped program's keys [start, start + width) lie on, read once before its loop: (first page
-    column, pages [n_pad] int32, n_pad a power of two >= 16 over the width's pages; columns past the table clamp)."""
-    n_pad = max(16, pl.next_power_of_2(width // page + 2))
-    first = start // page
-    return first, bt_ref[req, jnp.minimum(first + jax.lax.iota(jnp.int32, n_pad), bt_ref.shape[1] - 1)]
-
-
-def _tile_pages(first, pages, pos, page):
-    """Each position's page [bs] out of a program's preloaded `pages` (a select and a sum over them per key: the
-    registers hold the pages, no load)."""
-    col = pos // page - first
-    hit = col[:, None] == jax.lax.iota(jnp.int32, pages.shape[0])[None, :]
-    return jnp.sum(jnp.where(hit, pages[None, :], 0), axis=1)
-
-
-def preload_fits(width: int, page: int) -> bool:
-    """Whether `IndexerConfig.preload_pages` applies to programs of `width` keys on pages of `page`: at most
-    PRELOAD_MAX_PAGES pages a program (the per-key select runs over all of them)."""
-    return width // page + 2 <= PRELOAD_MAX_PAGES
-
-
 def _scores_loop_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *, block_s, page, di, fp8, fp8_dot,
-                        interpret, preload_pages=False):
+                        interpret):
     """Row t, keys [j * block_n, +block_n) in `block_n / block_s` tiles of a loop (Triton pipelines its loads). The
     queries are loaded (and, for a bf16 dot, decoded) once per program. FP8 with `fp8_dot`: the e4m3 key tile goes
     straight to an e4m3 x e4m3 tensor-core dot (float32 accumulation) against the e4m3 queries; else keys decode to
     bf16. Tiles wholly past n read nothing and write -inf; the last tile reads row 0 for its invisible keys. The
-    FP8 cache stays uint8 (a bitcast of it in XLA may copy it) and its tiles become e4m3 in registers.
-    `preload_pages`: the program's pages are read once before the loop (`_program_pages`), so a tile's key gather
-    no longer waits on a block-table load of its own."""
+    FP8 cache stays uint8 (a bitcast of it in XLA may copy it) and its tiles become e4m3 in registers."""
     req = req_ref[0]
     n = len_ref[0]
     tiles = o_ref.shape[0] // block_s
@@ -186,13 +161,9 @@ def _scores_loop_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *,
     w = w_ref[...]
     busy = jnp.clip((n - start + block_s - 1) // block_s, 0, tiles)  # tiles holding a visible key
 
-    if preload_pages:
-        first, pages = _program_pages(bt_ref, req, start, o_ref.shape[0], page)
-
     def tile(i, carry):
         pos = start + i * block_s + jax.lax.iota(jnp.int32, block_s)
-        pg = _tile_pages(first, pages, pos, page) if preload_pages else _loop_pages(bt_ref, req, pos, page)
-        k, s_k = _loop_keys(k_ref, pos, pg, n, page=page, di=di, fp8=fp8)
+        k, s_k = _loop_keys(k_ref, pos, _loop_pages(bt_ref, req, pos, page), n, page=page, di=di, fp8=fp8)
         sc = _loop_tile_scores(k, s_k, q, w, fp8=fp8, fp8_dot=fp8_dot)
         o_ref[pl.ds(pl.multiple_of(i * block_s, block_s), block_s)] = jnp.where(pos < n, sc, -jnp.inf)
         return carry
@@ -240,15 +211,13 @@ class IndexerConfig:
     step's R requests leave runs of ROW_BLOCK rows on average: (R - 1) * ROW_BLOCK <= T); warps; pipeline stages.
     Per-row, bf16 and FP8 caches: `block_n` keys per program (a multiple of block_s looped over in tiles; None:
     `loop_block_n` of the shapes; 0: the one-tile kernel without a loop), `fp8_dot` e4m3 tensor-core dots for an
-    FP8 cache (False: keys decoded to bf16), `preload_pages` the looped kernel reads its program's pages once
-    before its loop (where `preload_fits`; else a block-table load per tile)."""
+    FP8 cache (False: keys decoded to bf16)."""
     block_s: int
     block_t: int | None
     num_warps: int = 4
     num_stages: int = 1
     block_n: int | None = None
     fp8_dot: bool = True
-    preload_pages: bool = False
 
     def __post_init__(self):
         if not (is_pow2(self.block_s) and self.block_s >= 16):
@@ -347,10 +316,8 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
             return call(functools.partial(_scores_kernel, **opts), token_req, kv_lens, q, weights, rows=None,
                         width=block_s, n_prog=n_blk, name=name)
         block_n = min(cfg.block_n or loop_block_n(t, s, block_s), n_blk * block_s)
-        preload = cfg.preload_pages and preload_fits(block_n, block_size)
-        return call(functools.partial(_scores_loop_kernel, fp8_dot=cfg.fp8_dot, preload_pages=preload, **opts),
-                    token_req, kv_lens, q, weights, rows=None, width=block_n, n_prog=-(-s // block_n),
-                    name=name + "_loop")
+        return call(functools.partial(_scores_loop_kernel, fp8_dot=cfg.fp8_dot, **opts), token_req, kv_lens, q,
+                    weights, rows=None, width=block_n, n_prog=-(-s // block_n), name=name + "_loop")
 
     def row_block(token_req, kv_lens, q, weights, block_t):
         rows = q.shape[0]

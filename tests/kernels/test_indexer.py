@@ -221,49 +221,6 @@ def test_row_block_kernel(case, fp8, on_gpu, interpret):
     _compare_topk(pos, val, pos_ref, val_ref, n, topk, ref)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("block_n, page, pages", [(64, 16, 6), (96, 16, 6), (32, 64, 2), (128, 64, 2)])
-def test_preloaded_pages_give_the_plain_loop_scores(fp8, block_n, page, pages, on_gpu, interpret):
-    """IndexerConfig(preload_pages=True), the looped kernel reading its program's pages once before the loop, gives
-    the plain loop's scores (the same operations on the keys: bit for bit under the interpreter) and the oracle's,
-    over tiles that span pages and pages that span tiles, rows that end inside a tile, programs holding no visible
-    key, a zero-length row and a last program of fewer tiles."""
-    args = _inputs([1, 17, 96, 45, 0, 60, 33, 128][: 8 if pages * page >= 128 else 7], h=16, fp8=fp8, page=page,
-                   pages=pages, seed=block_n + page)
-    q, w, cache, req, n, bt, page = args
-    qp, wp = indexer.prepare_queries(q, w, cache)
-
-    def f(**opts):
-        return np.asarray(jax.jit(functools.partial(indexer_triton.indexer_scores_triton, block_size=page, block_s=32,
-                                                    block_t=1, block_n=block_n, interpret=interpret, **opts))(
-            qp, wp, cache, req, n, bt))
-
-    new, plain = f(preload_pages=True), f()
-    if on_gpu:
-        np.testing.assert_allclose(new, plain, rtol=1e-6, atol=0)
-    else:
-        np.testing.assert_array_equal(new, plain)
-    ref = _oracle_scores(*args)
-    s = ref.shape[1]
-    fin = np.isfinite(ref)
-    np.testing.assert_array_equal(np.isfinite(new[:, :s]), fin)
-    assert np.all(new[:, s:] == -np.inf)
-    np.testing.assert_allclose(new[:, :s][fin], ref[fin], rtol=1e-4, atol=1e-4)
-
-
-def test_preloaded_pages_are_read_once_per_program():
-    """`_tile_pages` over `_program_pages` is the block table's page of every position of the program (hand-built
-    table, tiles that start mid-page, columns past the table clamp as the plain loop's do)."""
-    bt = jnp.asarray(np.arange(100, 140, dtype=np.int32).reshape(2, 20))
-    first, pages = indexer_triton._program_pages(bt, 1, 96, 64, 16)
-    assert int(first) == 6 and pages.shape == (16,)
-    pos = 96 + 16 + jnp.arange(32)  # a tile of the program, from mid-program
-    np.testing.assert_array_equal(indexer_triton._tile_pages(first, pages, pos, 16), np.asarray(bt)[1, pos // 16])
-    _, far = indexer_triton._program_pages(bt, 0, 304, 64, 16)  # columns 19.. clamp to the table's last column
-    np.testing.assert_array_equal(far, np.asarray(bt)[0, np.minimum(19 + np.arange(16), 19)])
-    assert indexer_triton.preload_fits(512, 64) and not indexer_triton.preload_fits(4096, 16)
-
-
 @pytest.mark.parametrize("t, requests, rows_kernel", [(63, 1, False), (64, 1, True), (64, 5, True), (64, 6, False),
                                                     (256, 17, True), (256, 18, False)])
 def test_row_block_chosen_by_shapes(t, requests, rows_kernel):
@@ -334,17 +291,6 @@ def test_lowers_to_triton_at_glm5_dims(fp8):
     assert [(c.name, c.grid, c.num_warps, c.num_stages) for c in calls] == [
         ("indexer_scores_fp8_loop" if fp8 else "indexer_scores_bf16_loop", (32, 32768 // 1024, 1), 4, 2),
         ("indexer_topk_select", (128, 1, 1), 32, 1), ("indexer_topk_select", (32, 1, 1), 32, 1)]
-
-
-def test_preloaded_pages_lower_at_glm5_dims():
-    """The looped FP8 kernel with `preload_pages` lowers to Triton at B = 32 x 32K (pages of 64: 18 a program of
-    1024 keys, held as 32), one launch on the same grid."""
-    s = jax.ShapeDtypeStruct
-    f = functools.partial(indexer_triton.indexer_scores_triton, block_size=64, preload_pages=True)
-    calls = triton_calls(lower_for_gpu(f, s((32, 32, 128), jnp.bfloat16), s((32, 32), jnp.float32),
-                                       s((32 * 32768, 132), jnp.uint8), s((32,), jnp.int32), s((32,), jnp.int32),
-                                       s((32, 512), jnp.int32)))
-    assert [(c.name, c.grid) for c in calls] == [("indexer_scores_fp8_loop", (32, 32, 1))]
 
 
 def test_fp8_queries_reach_the_kernel_as_bits():
