@@ -412,8 +412,8 @@ def topk_select_impl(s: int, topk: int, topk_impl: str | None, interpret: bool, 
     than `lax.top_k` with the same result bit for bit) and either they take the two-pass select of the select's
     `config` (`TopkConfig.two_pass`; None: a config of one pass) or there are at least SELECT_MIN_ROWS of
     them; else `lax.top_k` (one program per row leaves the GPU idle below that: BENCHMARKS.md, sessions 11 and 15);
-    under the interpreter None keeps `lax.top_k` (the
-    same positions and scores; the interpreted kernel is only slower, and the CPU tests check it on its own).
+    under the interpreter None keeps `lax.top_k` (the same positions and scores; the interpreted kernel is only
+    slower, and the CPU tests check it on its own).
     "select" on shapes it does not take is the registry's ValueError naming the constraint."""
     if topk_impl not in (None, "select", "lax"):
         raise ValueError(f"indexer triton: topk_impl {topk_impl!r} must be 'select', 'lax' or None")
