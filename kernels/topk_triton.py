@@ -60,9 +60,17 @@ def _key_value(key):
     return jax.lax.bitcast_convert_type(jnp.where(key >= 0, key, key ^ 0x7FFFFFFF), jnp.float32)
 
 
+def _refuse_out_of_range(bad, slots):
+    if bad:
+        raise ValueError(f"topk select: a masked scatter index outside the row's {slots} output slots (on a GPU it "
+                         "writes into the next row's)")
+
+
 def _scatter(ref, idx, val, mask, interpret):
-    """ref[idx[i]] = val[i] where mask[i] (distinct indices)."""
+    """ref[idx[i]] = val[i] where mask[i] (distinct indices, each inside ref)."""
     if interpret:  # the interpreter cannot discharge masked stores: out-of-range indices are dropped instead
+        # ... so a kernel bug writing past its row would pass on CPU: refuse it (the GPU would corrupt a neighbour)
+        jax.debug.callback(_refuse_out_of_range, jnp.any(mask & ((idx < 0) | (idx >= ref.shape[0]))), ref.shape[0])
         ref[...] = ref[...].at[jnp.where(mask, idx, ref.shape[0])].set(val, mode="drop")
     else:
         plgpu.store(ref.at[idx], val, mask=mask)
