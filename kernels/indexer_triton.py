@@ -389,11 +389,11 @@ def indexer_topk_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *
         row_chunk = 1 << max(0, (SCORE_BUDGET // max(s, 1)).bit_length() - 1)
     elif not (isinstance(row_chunk, int) and row_chunk >= 1):
         raise ValueError(f"indexer triton: row_chunk {row_chunk!r} must be an int >= 1")
-    select = topk_select_impl(s, topk, topk_impl, interpret, rows=min(q.shape[0], row_chunk),
-                              config=topk_config or TopkConfig())
-    if not ordered and select != "xla":  # the selection's sort is a fifth of the op at B = 32 (session 15)
-        topk_config = dataclasses.replace(topk_config or TopkConfig(), sort="none")
-    topk_options = {} if topk_config is None or select == "xla" else {"config": topk_config}
+    topk_config = topk_config or TopkConfig()
+    select = topk_select_impl(s, topk, topk_impl, interpret, rows=min(q.shape[0], row_chunk), config=topk_config)
+    if not ordered:  # the selection's sort is a fifth of the op at B = 32 (session 15)
+        topk_config = dataclasses.replace(topk_config, sort="none")
+    topk_options = {} if select == "xla" else {"config": topk_config}
 
     def rows(q_, w_, r_, n_):
         sc = indexer_scores_triton(q_, w_, k_cache, r_, n_, block_tables, block_size=block_size,
