@@ -11,8 +11,9 @@ from .triton_common import is_pow2
 
 @dataclasses.dataclass(frozen=True)
 class TopkConfig:
-    """Launch config of the select kernel. `num_warps` None: S_pad / 1024 clamped to [1, 32] (32 keys a thread at
-    32K), or 8 keys a thread in the passes of a chunked select; `sort`: the output order, "xla" (score desc,
+    """Launch config of the select kernel. `num_warps` None: S_pad / 1024 clamped to [1, 32] (32 keys a thread),
+    in one pass and in each pass of a chunked select (8 warps over 32K keys in 4 chunks: 2-3 us faster than 32
+    warps at B = 1-128 on the H200, BENCHMARKS.md, session 16); `sort`: the output order, "xla" (score desc,
     position asc, as `lax.top_k`, by one `lax.sort` of the [T, k] selection after the kernel), "kernel" (the same
     order by a bitonic network in the same program: ~20 s of Triton compile per shape on the H200) or "none"
     (position order: the same set, the same scores); `chunks` C: the two-pass select

@@ -300,17 +300,12 @@ def _chunked_select(scores, kv_lens, k: int, s: int, cfg: TopkConfig, interpret:
     if c * w != x.shape[1]:
         x = jnp.pad(x, ((0, 0), (0, c * w - x.shape[1])), constant_values=-jnp.inf)
     full = jnp.full((t * c,), w, jnp.int32)
-    pos1, val1 = _select_call(x.reshape(t * c, w), full, k, w, cfg.num_warps or _chunk_warps(w), "none",
-                              interpret)
+    pos1, val1 = _select_call(x.reshape(t * c, w), full, k, w, cfg.num_warps, "none", interpret)
     base = (jnp.arange(t * c, dtype=jnp.int32) % c * w)[:, None]
     cand_pos = (pos1 + base).reshape(t, c * k)  # every slot holds a real entry: w >= k
     cand_val = val1.reshape(t, c * k)
     sort = "kernel" if cfg.sort == "kernel" else "none"
-    idx, val = _select_call(cand_val, kv_lens, k, c * k, cfg.num_warps or _chunk_warps(c * k), sort, interpret)
+    idx, val = _select_call(cand_val, kv_lens, k, c * k, cfg.num_warps, sort, interpret)
     pos = jnp.where(idx >= 0, jnp.take_along_axis(cand_pos, jnp.maximum(idx, 0), axis=1), -1)
     return _order(pos, val, cfg.sort, interpret)
 
-
-def _chunk_warps(width: int) -> int:
-    """Warps of a chunked pass over rows of `width` scores: 8 scores a thread (at most 32 warps)."""
-    return max(1, min(32, max(16, pl.next_power_of_2(width)) // 256))

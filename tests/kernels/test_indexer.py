@@ -282,7 +282,7 @@ def test_shapes_the_kernel_does_not_take_are_refused(kernel_impl):
 def test_lowers_to_triton_at_glm5_dims(fp8):
     """Decode at B = 32 over 32K keys (page 64): the looped per-row scores kernel, grid (rows, S / 1024) (8 tiles of
     128 keys a program, 2 pipeline stages), then the select top-k kernel (the default where it takes the row: one
-    program per chunk of 8K scores, then one per row over the 8K candidates, 32 warps each)."""
+    program per chunk of 8K scores, then one per row over the 8K candidates, 8 warps each)."""
     s = jax.ShapeDtypeStruct
     cache = s((32 * 32768, 132), jnp.uint8) if fp8 else s((32 * 32768, 128), jnp.bfloat16)
     f = functools.partial(indexer.indexer_topk, block_size=64, topk=2048, impl="triton")
@@ -290,7 +290,7 @@ def test_lowers_to_triton_at_glm5_dims(fp8):
                                        s((32,), jnp.int32), s((32,), jnp.int32), s((32, 512), jnp.int32)))
     assert [(c.name, c.grid, c.num_warps, c.num_stages) for c in calls] == [
         ("indexer_scores_fp8_loop" if fp8 else "indexer_scores_bf16_loop", (32, 32768 // 1024, 1), 4, 2),
-        ("indexer_topk_select", (128, 1, 1), 32, 1), ("indexer_topk_select", (32, 1, 1), 32, 1)]
+        ("indexer_topk_select", (128, 1, 1), 8, 1), ("indexer_topk_select", (32, 1, 1), 8, 1)]
 
 
 def test_fp8_queries_reach_the_kernel_as_bits():

@@ -247,15 +247,15 @@ def test_unordered_indexer_gives_the_same_entries_in_position_order(kernel_impl)
 def test_decode_lowers_to_three_kernels_at_glm5_dims(b, grid_n):
     """Decode over 32K keys (FP8 cache, page 64) with topk_impl="select": the looped scores kernel (1024 keys a
     program at B = 32, one tile at B = 1) then the chunked select: four programs a row over 8K-score chunks, then
-    one a row over the 8K candidates (32 warps: 8 scores a thread)."""
+    one a row over the 8K candidates (8 warps each: 32 scores a thread)."""
     s = jax.ShapeDtypeStruct
     f = functools.partial(indexer.indexer_topk, block_size=64, topk=2048, impl="triton", topk_impl="select")
     calls = triton_calls(lower_for_gpu(f, s((b, 32, 128), jnp.bfloat16), s((b, 32), jnp.float32),
                                        s((32 * 32768, 132), jnp.uint8), s((b,), jnp.int32), s((b,), jnp.int32),
                                        s((32, 512), jnp.int32)))
     assert [(c.name, c.grid, c.num_warps) for c in calls] == [
-        ("indexer_scores_fp8_loop", (b, grid_n, 1), 4), ("indexer_topk_select", (4 * b, 1, 1), 32),
-        ("indexer_topk_select", (b, 1, 1), 32)]
+        ("indexer_scores_fp8_loop", (b, grid_n, 1), 4), ("indexer_topk_select", (4 * b, 1, 1), 8),
+        ("indexer_topk_select", (b, 1, 1), 8)]
 
 
 @pytest.mark.parametrize("sort", ["kernel", "xla", "none"])
@@ -267,15 +267,15 @@ def test_select_lowers_with_each_order(sort):
     assert [(c.name, c.grid, c.num_warps) for c in calls] == [("indexer_topk_select", (8, 1, 1), 32)]
 
 
-@pytest.mark.parametrize("chunks, first", [(2, (64, 32)), (4, (128, 32))])
+@pytest.mark.parametrize("chunks, first", [(2, (64, 16)), (4, (128, 8))])
 def test_chunked_select_lowers_to_two_launches(chunks, first):
-    """chunks=C at B = 32 x 32K: C * 32 chunk programs of 8 scores a thread, then one program per row over the
-    C * 2048 candidates."""
+    """chunks=C at B = 32 x 32K: C * 32 chunk programs, then one program per row over the C * 2048 candidates,
+    each pass 32 scores a thread."""
     s = jax.ShapeDtypeStruct
     f = functools.partial(topk_triton.topk_select, topk=2048, config=topk_triton.TopkConfig(chunks=chunks))
     calls = triton_calls(lower_for_gpu(f, s((32, 32768), jnp.float32), s((32,), jnp.int32)))
     assert [(c.name, c.grid[0], c.num_warps) for c in calls] == [
-        ("indexer_topk_select", first[0], first[1]), ("indexer_topk_select", 32, chunks * 2048 // 256)]
+        ("indexer_topk_select", first[0], first[1]), ("indexer_topk_select", 32, chunks * 2048 // 1024)]
 
 
 def test_loop_block_n_keeps_the_sms_busy():
