@@ -118,7 +118,9 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: 
     `weights` [T, k]; gate/up [E, D, I], down [E, I, D].
 
     impl (`kernels.registry`): "xla" (the forms above), "triton" (the grouped-GEMM Pallas kernel, any widths),
-    "triton_interpret" (that kernel interpreted: CPU tests). `mode` forces one xla form whatever `impl` says
+    "triton_interpret" (that kernel interpreted: CPU tests), "tokamax" (FP8 K-major experts of whole blocks
+    through tokamax's grouped GEMM, W8A16 in float16: `kernels.moe_tokamax`; "auto" takes it where it was
+    measured faster and tokamax is installed). `mode` forces one xla form whatever `impl` says
     (the model's switch for comparing forms). `kernel_options` go to `moe_triton.grouped_swiglu` (config, tile,
     bn_up, bk_up, bn_down, bk_down, num_warps, num_stages, k_split, packed; for FP8 experts `form`, one of
     `FP8_FORMS`, default `fp8_form` by shape).
@@ -158,7 +160,8 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: 
     if experts.shape != weights.shape or experts.shape[0] != x.shape[0]:
         raise ValueError(f"moe: experts {experts.shape} and weights {weights.shape} must both be [T={x.shape[0]}, k]")
     fp8 = _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset, nk)
-    impl = registry.resolve("moe", impl)  # "auto" -> the concrete impl, before the branches below read it
+    # "auto" -> the concrete impl, before the branches below read it
+    impl = registry.resolve("moe", impl, x, experts, weights, wg, wu, wd, w_layout=w_layout, **fp8)
     if nk and (mode is not None or impl == "xla"):  # the xla reference: over the stacks swapped back to "kn"
         wg, wu, wd, fp8 = _nk_to_kn(wg, wu, wd, fp8)
         nk = False
@@ -168,6 +171,9 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: 
                              f"({sorted(kernel_options)})")
         registry.get("moe", impl)  # an unknown impl is an error even when `mode` overrides it
         return experts_xla(x, experts, weights, wg, wu, wd, mode=mode, **fp8)
+    if impl == "tokamax":  # FP8 K-major stacks through the library's grouped GEMM (kernels/moe_tokamax.py)
+        return registry.dispatch("moe", impl, x, experts, weights, wg, wu, wd, w_layout=w_layout, **fp8,
+                                 **kernel_options)
     if fp8 and impl != "xla":
         form = kernel_options.pop("form", None) or fp8_form(experts.shape[0], experts.shape[1], e, d, i,
                                                             fp8["i_offset"])
@@ -258,6 +264,22 @@ def _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset, nk: bool =
     return dict(wg_scale=wg_scale, wu_scale=wu_scale, wd_scale=wd_scale, i_offset=i_offset)
 
 
+def _choose(x, experts, weights, wg, wu, wd, *, w_layout: str = "kn", **fp8) -> str:
+    """The "auto" rule: off the GPU the xla reference; on it tokamax for the FP8 K-major stacks and batches it was
+    measured faster at (`moe_tokamax.preferred`, where installed), the Triton kernel elsewhere."""
+    if not registry.on_gpu():
+        return "xla"
+    if fp8.get("wg_scale") is not None and w_layout == "nk":
+        from . import moe_tokamax
+
+        e, i, d = wg.shape
+        if (moe_tokamax.preferred(experts.shape[0], experts.shape[1], e, d, i)
+                and moe_tokamax.supports(x, experts, weights, wg, wu, wd, w_layout=w_layout, **fp8) is None):
+            return "tokamax"
+    return "triton"
+
+
 registry.register("moe", "xla", experts_xla)
 registry.register_triton("moe", "kernels.moe_triton:grouped_swiglu")
-registry.register_auto("moe")
+registry.register_auto("moe", _choose)
+registry.register("moe", "tokamax", "kernels.moe_tokamax:routed_experts", supports="kernels.moe_tokamax:supports")
