@@ -16,6 +16,8 @@ FP8 experts (e4m3 weights with float32 128 x 128 block scales, docs/math.md §11
 wg_scale=, wu_scale=, wd_scale=, i_offset=)`; the kernels read the e4m3 bytes (W8A16: each tile dequantised in
 registers), the xla forms run over the experts dequantised to float32 (the reference). `w_layout="nk"`: FP8
 experts stored K-major (each expert in the release's [out, in] form, the scale grids untransposed).
+impl="tokamax" runs FP8 K-major experts through tokamax's grouped GEMM (kernels/moe_tokamax.py), which "auto" takes
+for the stacks and batches it was measured faster at (`_choose`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 tokamax (a library of Pallas kernels, `pip install 'glm-dsa[tokamax]'`) has a Mosaic GPU grouped GEMM for Hopper
 that reads quantised weights through TMA in a warp-specialised pipeline. On the H200 it reads GLM-5.2's TP = 1
-expert stacks (256 x 6144 x 2048 e4m3, 2**31+ elements each) 1.2x faster than our Pallas Triton kernel from 8 rows
-to 128, and is slower at a TP = 8 shard (256 x 6144 x 256) and at one row (BENCHMARKS.md, session 16), so
+expert stacks (256 x 6144 x 2048 e4m3, 2**31+ elements each) 1.13-1.23x faster than our Pallas Triton kernel from
+8 rows to 128, and is slower at a TP = 8 shard (256 x 6144 x 256) and at one row (BENCHMARKS.md, session 16), so
 `preferred` (the "auto" rule's test) names those stacks from 8 rows only.
 
 Arithmetic: W8A16 in float16, since that kernel dequantises each weight tile in registers and, with jax 0.11.2's

@@ -120,6 +120,8 @@ def test_refusals_name_the_constraint(monkeypatch):
                            *(w[:, :, :200] if j < 2 else w[:, :200] for j, w in enumerate(args[3:])),
                            impl="tokamax", w_layout="nk",
                            **{n: (s[:, :, :2] if j < 2 else s[:, :2]) for j, (n, s) in enumerate(scales.items())})
+    traced = moe_tokamax.supports(*args, **scales, i_offset=jnp.int32(0), w_layout="nk")
+    assert "scale-block boundary" in traced  # a traced offset (a shard that may start mid-block) is refused
     with pytest.raises(ValueError, match="TokamaxMoEConfig.grid_minor_dim"):
         moe_tokamax.TokamaxMoEConfig(grid_minor_dim="k")
     with pytest.raises(ValueError, match="TokamaxMoEConfig.block_m"):
