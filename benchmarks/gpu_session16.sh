@@ -40,11 +40,11 @@ topk8)
     --out "$R/topk8.json" --op '[{"ordered": false}, {"ordered": false, "topk_config": {"num_warps": 8}}]'
   grep "PARTS op" "$R/topk8.log" | cut -c1-160
   ;;
-moe_tests)
-  export GLM_DSA_TEST_GPU=1
-  step moe_tests 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_tokamax.py
-  tail -3 "$R/moe_tests.log"
-  unset GLM_DSA_TEST_GPU
+moe_tests|topk_tests)
+  files=$([ $what = moe_tests ] && echo tests/kernels/test_moe_tokamax.py \
+          || echo tests/kernels/test_indexer_topk.py tests/kernels/test_indexer.py)
+  GLM_DSA_TEST_GPU=1 step $what 240 python3 -m pytest -q -p no:cacheprovider $files
+  tail -3 "$R/$what.log"
   ;;
 impl_tp1)
   step impl_tp1 240 python3 benchmarks/probe_moe_fp8.py --dims 6144,2048,256 --batches 32,128,16,8,1 --no-ref --iters 3 \
@@ -67,12 +67,6 @@ attn)
   cp benchmarks/results/attention.json "$R/attention.json"
   step attn 240 python3 benchmarks/bench_attention.py --ops indexer --merge --timeout_s 220 --out "$R/attention.json"
   grep -E "scores\+topk|bench_attention" "$R/attn.log" | cut -c1-200 | head -30
-  ;;
-topk_tests)
-  export GLM_DSA_TEST_GPU=1
-  step topk_tests 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_indexer_topk.py tests/kernels/test_indexer.py
-  tail -3 "$R/topk_tests.log"
-  unset GLM_DSA_TEST_GPU
   ;;
 *) echo "unknown step $what"; exit 2 ;;
 esac; done

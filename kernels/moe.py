@@ -268,7 +268,8 @@ def _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset, nk: bool =
 
 def _choose(x, experts, weights, wg, wu, wd, *, w_layout: str = "kn", **fp8) -> str:
     """The "auto" rule: off the GPU the xla reference; on it tokamax for the FP8 K-major stacks and batches it was
-    measured faster at (`moe_tokamax.preferred`, where installed), the Triton kernel elsewhere."""
+    measured faster at (`moe_tokamax.preferred`) where it takes them and imports (`moe_tokamax.supports`), the
+    Triton kernel elsewhere."""
     if not registry.on_gpu():
         return "xla"
     if fp8.get("wg_scale") is not None and w_layout == "nk":
