@@ -29,6 +29,8 @@ VARIANTS = {"cp_async": dict(producer="cp_async"), "cp_async_xla_merge": dict(pr
             "tma_smem": dict(producer="tma", slot_source="smem"),
             "cp_async_r224": dict(producer="cp_async", consumer_registers=224, producer_registers=56),
             "share_p": dict(share_p=True), "no_share_p": dict(share_p=False),
+            "pf0": dict(l2_prefetch=0), "pf1": dict(l2_prefetch=1), "pf2": dict(l2_prefetch=2),
+            "pf4": dict(l2_prefetch=4),
             "diag_no_mask": dict(diagnostic="no_mask"), "diag_gather_only": dict(diagnostic="gather_only")}
 
 

@@ -48,7 +48,8 @@ class MosaicSparseMLAConfig:
     1): "launch" merges the partials in one Pallas Triton launch (`kernels.lse_merge_triton`), "xla" with
     `lse_merge.merge_partials` (five XLA passes). share_p: one QK^T per tile, shared through shared memory (the
     default: 107 against 164 us of kernel time at B = 128, BENCHMARKS.md session 12); False: both consumers
-    compute it."""
+    compute it. l2_prefetch: how many tiles ahead the producer asks L2 for the cache rows of (one bulk prefetch
+    per row, issued before it waits for a free buffer; 0: none; the bf16 cp.async producer only)."""
     n_split: int = 1
     consumer_registers: int = 232
     producer_registers: int = 40
@@ -57,6 +58,7 @@ class MosaicSparseMLAConfig:
     share_p: bool = True
     diagnostic: str = "none"
     merge: str = "launch"
+    l2_prefetch: int = 0
 
     def __post_init__(self):
         if self.merge not in ("launch", "xla"):
@@ -68,6 +70,8 @@ class MosaicSparseMLAConfig:
             raise ValueError(f"MosaicSparseMLAConfig.producer must be 'cp_async' or 'tma', got {self.producer!r}")
         if self.slot_source not in ("gmem", "smem"):
             raise ValueError(f"MosaicSparseMLAConfig.slot_source must be 'gmem' or 'smem', got {self.slot_source!r}")
+        if not isinstance(self.l2_prefetch, int) or isinstance(self.l2_prefetch, bool) or self.l2_prefetch < 0:
+            raise ValueError(f"MosaicSparseMLAConfig.l2_prefetch must be an int >= 0, got {self.l2_prefetch!r}")
         if self.n_split < 1:
             raise ValueError(f"MosaicSparseMLAConfig.n_split must be >= 1, got {self.n_split}")
         if 2 * self.consumer_registers + self.producer_registers > 504:
@@ -77,14 +81,15 @@ class MosaicSparseMLAConfig:
 
 def default_config(t: int, k: int, fp8: bool = False) -> MosaicSparseMLAConfig:
     """Split the row's tiles over more CTAs when there are fewer rows than SMs (132 on the H200); the fp8
-    producer holds a tile's loads in registers, so it takes registers from the consumers."""
+    producer holds a tile's loads in registers, so it takes registers from the consumers. A bf16 cache read by
+    one CTA a row asks L2 for the next tile's rows (measured faster there only: BENCHMARKS.md, session 17)."""
     tiles = max(1, -(-k // BLOCK_K))
     n_split = 1
     while t * n_split * 2 <= 132 and tiles // (n_split * 2) >= 1:
         n_split *= 2
     if fp8:
         return MosaicSparseMLAConfig(n_split=n_split, consumer_registers=216, producer_registers=72)
-    return MosaicSparseMLAConfig(n_split=n_split)
+    return MosaicSparseMLAConfig(n_split=n_split, l2_prefetch=1 if n_split == 1 else 0)
 
 
 # Shared memory one CTA may take on the H200, as Mosaic GPU reports it (max_smem_bytes)
@@ -246,7 +251,8 @@ def _kernel(q_ref, cache_ref, idx_ref, o_ref, lse_ref, q_smem, k_view, q_bar, k_
         if cache_ref.dtype == jnp.uint8:
             _fp8_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, tiles_per_split, r, width)
         elif config.producer == "cp_async" and not interpret:
-            _cp_async_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, tiles_per_split, width)
+            _cp_async_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, tiles_per_split, width,
+                               config)
         else:
             _tma_producer(cache_ref, idx_ref, k_tiled, k_rows, k_ready, k_free, idx_smem, idx_bar, t, tile0,
                           tiles_per_split, n_cols, config, interpret)
@@ -379,7 +385,55 @@ def _tma_producer(cache_ref, idx_ref, k_tiled, k_rows, k_ready, k_free, idx_smem
     lax.fori_loop(0, tiles_per_split, fill, None)
 
 
-def _cp_async_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, tiles_per_split, width):
+def _l2_prefetch(cache_ref, idx_ref, t, tile0, tiles_per_split, ahead):
+    """The producer's L2 prefetch (`MosaicSparseMLAConfig.l2_prefetch`): returns ask(i), which asks L2 for the
+    rows of the split's tile i (nothing past its last tile), after asking now for tiles 1 .. ahead - 1. Rows that
+    are not a whole number of 16-byte pieces (bulk prefetches need that) are not prefetched."""
+    row_bytes = cache_ref.shape[-1] * jnp.dtype(cache_ref.dtype).itemsize
+    if not ahead or row_bytes % 16:
+        return lambda i: None
+    issue = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT,
+                                         plgpu.Layout.WG_SPLAT))(
+        functools.partial(_issue_l2_prefetch, row_bytes=row_bytes))
+
+    def ask(i):
+        @pl.when(i < tiles_per_split)
+        def _():
+            issue(cache_ref, idx_ref, t, (tile0 + i) * BLOCK_K)
+    for j in range(1, ahead):
+        ask(j)
+    return ask
+
+
+def _issue_l2_prefetch(ctx, cache, idx, t_fa, base_fa, *, row_bytes):
+    """Lane code (inline_mgpu): producer threads 0..63 each ask L2 for the cache row of slot idx[t, base + tid]
+    with one bulk prefetch (no registers or shared memory held while it is in flight); slot -1 asks nothing."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    del ctx
+    i8 = ir.IntegerType.get_signless(8)
+    i32 = ir.IntegerType.get_signless(32)
+    i64 = ir.IntegerType.get_signless(64)
+    index = ir.IndexType.get()
+
+    def c(v):
+        return arith.constant(i32, v)
+    t = t_fa.registers.item()
+    base = base_fa.registers.item()
+    tid = arith.remui(mgpu_utils.thread_idx(), c(128))
+    row = arith.remui(tid, c(BLOCK_K))
+    slot = memref.load(idx, [arith.index_cast(index, t), arith.index_cast(index, arith.addi(base, row))])
+    want = arith.andi(arith.cmpi(arith.CmpIPredicate.ult, tid, c(BLOCK_K)),
+                      arith.cmpi(arith.CmpIPredicate.sge, slot, c(0)))
+    slot = arith.select(want, slot, c(0))
+    src = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(cache),
+                                   [arith.muli(arith.extui(i64, slot), arith.constant(i64, row_bytes))], i8)
+    mgpu_utils.inline_ptx(f"cp.async.bulk.prefetch.L2.global [$0], {row_bytes};", src, predicate=want,
+                          has_side_effects=True)
+
+
+def _cp_async_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, tiles_per_split, width, config):
     """Each of the 128 producer threads copies 16-byte pieces with cp.async straight into the swizzled tile:
     8 threads per row (128 contiguous bytes per warp quarter), 4 rows and width / 64 column tiles per thread.
     Completion: each thread waits for its own copies (cp.async.wait_group, one tile in flight beside the
@@ -389,12 +443,14 @@ def _cp_async_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, t
                                                          plgpu.SwizzleTransform(128))),
                                           plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))(
         functools.partial(_issue_row_copies, width=width))
+    prefetch = _l2_prefetch(cache_ref, idx_ref, t, tile0, tiles_per_split, config.l2_prefetch)
 
     def wait(pending):
         plgpu.inline_mgpu()(lambda ctx: _ptx(f"cp.async.wait_group {pending};"))()
 
     def fill(i, _):
         b = lax.rem(i, 2)
+        prefetch(i + config.l2_prefetch)
 
         @pl.when(i >= 2)
         def _():
@@ -612,6 +668,7 @@ def _run(q, cache, indices, *, scale, kv_lora_rank, config, interpret, return_pa
     k_rows = plgpu.SMEM((2, BLOCK_K // 8, n_cols, 8, COL_TILE), jnp.bfloat16, transforms=(swizzle,))
     k_view = (k_tiled, k_rows) if interpret else plgpu.RefUnion(k_tiled, k_rows)
     cp_async = config.producer == "cp_async" and not interpret
+    lane_producer = cp_async or cache.dtype == jnp.uint8  # fp8_ds_mla always takes its own (Lane code) producer
     kernel = plgpu.kernel(
         functools.partial(_kernel, scale=scale, r=r, width=width, tiles_per_split=tiles_per_split, config=config,
                           interpret=interpret),
@@ -621,7 +678,8 @@ def _run(q, cache, indices, *, scale, kv_lora_rank, config, interpret, return_pa
             plgpu.SMEM((HEADS, width), jnp.bfloat16, transforms=(tiling, swizzle)),
             k_view,
             plgpu.Barrier(num_arrivals=1),
-            plgpu.Barrier(num_arrivals=1 if cp_async else BLOCK_K * n_cols, num_barriers=2),
+            # one arrival per tile from a Lane-code producer (cp.async, fp8), one per TMA copy otherwise
+            plgpu.Barrier(num_arrivals=1 if lane_producer else BLOCK_K * n_cols, num_barriers=2),
             plgpu.Barrier(num_arrivals=2, num_barriers=2),
             plgpu.SMEM((2, BLOCK_K), jnp.int32) if _slot_tiles(config) else None,
             plgpu.Barrier(num_arrivals=1, num_barriers=2) if _slot_tiles(config) else None,

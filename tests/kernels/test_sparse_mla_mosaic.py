@@ -93,8 +93,15 @@ def test_config_is_validated():
         sparse_mla_mosaic.MosaicSparseMLAConfig(consumer_registers=240, producer_registers=40)
     with pytest.raises(ValueError, match="producer must be 'cp_async' or 'tma'"):
         sparse_mla_mosaic.MosaicSparseMLAConfig(producer="ldg")
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="l2_prefetch must be an int >= 0"):
+            sparse_mla_mosaic.MosaicSparseMLAConfig(l2_prefetch=bad)
     assert sparse_mla_mosaic.default_config(1, 2048).n_split == 32  # B = 1: the row's 32 tiles over 32 CTAs
     assert sparse_mla_mosaic.default_config(128, 2048).n_split == 1
+    # the L2 prefetch where it was measured faster: a bf16 cache at one CTA a row (BENCHMARKS.md, session 17)
+    assert sparse_mla_mosaic.default_config(128, 2048).l2_prefetch == 1
+    assert sparse_mla_mosaic.default_config(32, 2048).l2_prefetch == 0
+    assert sparse_mla_mosaic.default_config(128, 2048, fp8=True).l2_prefetch == 0
 
 
 def test_shapes_the_kernel_does_not_take_are_refused():
@@ -142,6 +149,37 @@ def test_gpu_glm5_shapes(t, h, k, fp8, producer, schedule):
     else:
         cache_f32 = np.asarray(cache.astype(jnp.float32))
     _check_against_numpy(o, lse, q, cache_f32, idx, 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("t,k,ahead", [(32, 2048, 1), (1, 2048, 2), (33, 2000, 3), (128, 2048, 2)])
+def test_gpu_l2_prefetch(t, k, ahead, fp8):
+    """Asking L2 for later tiles' rows changes no value: against numpy, and bit for bit against no prefetch
+    (prefetches past a split's last tile and for slot -1 are not issued: a stray one would fault or not, but the
+    second check would still catch a producer that read the wrong tile). fp8_ds_mla ignores the option."""
+    q, cache, idx = _inputs(t, 64, k, 200_000, seed=t + k, r=512, fp8=fp8)
+    o, lse = _run("mosaic", q, cache, idx, r=512, l2_prefetch=ahead)
+    o0, lse0 = _run("mosaic", q, cache, idx, r=512, l2_prefetch=0)
+    if fp8:
+        kv, pe = fp8_formats.dequantize_mla_rows(cache, 512, DR)
+        cache_f32 = np.asarray(jnp.concatenate([kv.astype(jnp.bfloat16), pe], -1).astype(jnp.float32))
+    else:
+        cache_f32 = np.asarray(cache.astype(jnp.float32))
+    _check_against_numpy(o, lse, q, cache_f32, idx, 512)
+    np.testing.assert_array_equal(o, o0)
+    np.testing.assert_array_equal(lse, lse0)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_takes_its_own_producer():
+    """An fp8_ds_mla cache always goes through its Lane-code producer, whatever `producer` names: with "tma" the
+    tile barrier once waited for one TMA arrival per copy, which that producer never makes (a hang)."""
+    q, cache, idx = _inputs(4, 64, 256, 5000, seed=9, r=512, fp8=True)
+    o, lse = _run("mosaic", q, cache, idx, r=512, producer="tma")
+    o1, lse1 = _run("mosaic", q, cache, idx, r=512, producer="cp_async")
+    np.testing.assert_array_equal(o, o1)
+    np.testing.assert_array_equal(lse, lse1)
 
 
 def test_shared_memory_estimate_and_refusal():
