@@ -19,10 +19,7 @@ TK='"tokamax_f16": {"dtype": "float16"}, "tokamax_f16_bm16_s4": {"dtype": "float
 
 for what in "$@"; do case $what in
 wheels)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > "$R/wheels.log" 2>&1; echo "wheels rc=$?" | tee -a "$R/rc.txt"
-  export PYTHONPATH=.:/tmp/site
-  python3 -c "import tokamax, qwix; print('tokamax', tokamax.__version__)" 2>&1 | tail -2 | tee -a "$R/wheels.log"
+  install_wheels
   ;;
 tk_shard)
   step tk_shard 330 python3 benchmarks/probe_moe_fp8.py --dims 6144,256,256 --batches 32,128,1 \
