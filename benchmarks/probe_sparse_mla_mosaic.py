@@ -31,6 +31,14 @@ VARIANTS = {"cp_async": dict(producer="cp_async"), "cp_async_xla_merge": dict(pr
             "share_p": dict(share_p=True), "no_share_p": dict(share_p=False),
             "pf0": dict(l2_prefetch=0), "pf1": dict(l2_prefetch=1), "pf2": dict(l2_prefetch=2),
             "pf4": dict(l2_prefetch=4),
+            # registers moved from consumer 1 (which reads P from shared memory) to the producer, whose fp8 form
+            # holds a tile's loads and their conversions in registers (BENCHMARKS.md, session 18)
+            "fr168": dict(consumer_registers=216, follower_registers=168, producer_registers=120),
+            "fr176": dict(consumer_registers=216, follower_registers=176, producer_registers=112),
+            "fr184": dict(consumer_registers=216, follower_registers=184, producer_registers=104),
+            "lr208": dict(consumer_registers=208, follower_registers=168, producer_registers=128),
+            "lr200": dict(consumer_registers=200, follower_registers=168, producer_registers=136),
+            "cr208": dict(consumer_registers=208, producer_registers=88),
             "diag_no_mask": dict(diagnostic="no_mask"), "diag_gather_only": dict(diagnostic="gather_only")}
 
 
@@ -68,6 +76,10 @@ def main(argv=None):
     ap.add_argument("--baselines", default="xla,triton")
     ap.add_argument("--splits", choices=("both", "default"), default="both",
                     help="time each variant at n_split 1 and the default's, or at the default's only")
+    ap.add_argument("--before", default="",
+                    help="a file holding another version of kernels/sparse_mla_mosaic.py (e.g. `git show "
+                         "HEAD~1:kernels/sparse_mla_mosaic.py > before.py`): its default config is timed in the "
+                         "same run as impl mosaic_before")
     ap.add_argument("--kernel_time", type=int, default=1,
                     help="1: beside each wall-clock time, the op's GPU kernel time from a profiler trace")
     args = ap.parse_args(argv)
@@ -127,6 +139,8 @@ def main(argv=None):
         nbytes = b * K * row + b * H * (R + DR) * 2 + b * H * (R + 1) * 4 + b * K * 4
         impls = {name: functools.partial(sparse_mla.sparse_mla, impl=name)
                  for name in args.baselines.split(",") if name}
+        if args.before:
+            impls["mosaic_before"] = _module_from(args.before).sparse_mla_mosaic
         for kind, v in ok:
             if kind != cache_kind:
                 continue
@@ -157,6 +171,16 @@ def main(argv=None):
         del cache, q, idx
         save(args.out, rows)  # after every (B, cache): a run cut short by its timeout keeps what it measured
     save(args.out, rows)
+
+
+def _module_from(path):
+    """The module in file `path` (another version of the kernel module, imported beside the current one)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("kernels.sparse_mla_mosaic_before", path)  # its relative imports: kernels
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def save(path, rows):

@@ -16,7 +16,9 @@ with no valid slot gives (0, -inf). Splits write normalised partials merged by o
 Gathering: sm_90 has no TMA row gather, so the producer issues one TMA per (row, 64-column chunk) into a
 swizzle-only view of the K buffer ("tma_rows"). The GPU interpreter (CPU tests) does not alias `RefUnion`
 views, so there the same copies go to the tiled view at a traced row, which it accepts and device lowering
-does not: the one place the two paths differ. The bf16 cache only; fp8_ds_mla goes to the Triton kernel.
+does not: the one place the two paths differ. A bf16 cache goes by 16-byte cp.async copies by default
+("cp_async"); an fp8_ds_mla cache always takes its own Lane-code producer, which loads the e4m3 rows into
+registers and stores them dequantised to bf16 (the GPU runs it; the interpreter refuses Lane code).
 """
 
 from __future__ import annotations
@@ -38,13 +40,17 @@ HEADS = 64  # wgmma M: query heads per CTA (padded)
 BLOCK_K = 64  # cache rows per tile
 COL_TILE = 64  # bf16 columns per 128-byte swizzle atom row
 LOG2E = math.log2(math.e)
+# registers a thread at launch: the SM's 65536 over the CTA's three warpgroups (384 threads), rounded down to 8
+LAUNCH_REGISTERS = 65536 // (3 * 128) // 8 * 8
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicSparseMLAConfig:
     """Launch config. n_split: CTAs per query row (each a contiguous share of the row's 64-slot tiles; their
     partials are merged after the launch). consumer_registers / producer_registers: `set_max_registers` of the
-    two consumer warpgroups and the producer (their sum over three warpgroups must stay <= 504). merge (n_split >
+    two consumer warpgroups and the producer (their sum over three warpgroups must stay <= 504);
+    follower_registers: consumer 1's under share_p, which holds its half of the output and reads P from shared
+    memory (None: consumer_registers), so that registers can go to the fp8 producer's loads. merge (n_split >
     1): "launch" merges the partials in one Pallas Triton launch (`kernels.lse_merge_triton`), "xla" with
     `lse_merge.merge_partials` (five XLA passes). share_p: one QK^T per tile, shared through shared memory (the
     default: 107 against 164 us of kernel time at B = 128, BENCHMARKS.md session 12); False: both consumers
@@ -59,6 +65,7 @@ class MosaicSparseMLAConfig:
     diagnostic: str = "none"
     merge: str = "launch"
     l2_prefetch: int = 0
+    follower_registers: int | None = None
 
     def __post_init__(self):
         if self.merge not in ("launch", "xla"):
@@ -74,21 +81,53 @@ class MosaicSparseMLAConfig:
             raise ValueError(f"MosaicSparseMLAConfig.l2_prefetch must be an int >= 0, got {self.l2_prefetch!r}")
         if self.n_split < 1:
             raise ValueError(f"MosaicSparseMLAConfig.n_split must be >= 1, got {self.n_split}")
-        if 2 * self.consumer_registers + self.producer_registers > 504:
-            raise ValueError("MosaicSparseMLAConfig: 2 * consumer_registers + producer_registers must be <= 504, got "
-                             f"{self.consumer_registers} and {self.producer_registers}")
+        for name in ("consumer_registers", "producer_registers", "follower_registers"):
+            v = getattr(self, name)
+            if v is None and name == "follower_registers":
+                continue
+            # setmaxnreg takes multiples of 8 in [24, 256]
+            if not isinstance(v, int) or isinstance(v, bool) or v % 8 or not 24 <= v <= 256:
+                raise ValueError(f"MosaicSparseMLAConfig.{name} must be a multiple of 8 in [24, 256], got {v!r}")
+        # setmaxnreg raises (consumers) or lowers (producer) a warpgroup's count from the launch's: the other way
+        # is an illegal instruction on the device (seen: a consumer at 160)
+        for name in ("consumer_registers", "follower_registers"):
+            v = getattr(self, name)
+            if v is not None and v < LAUNCH_REGISTERS:
+                raise ValueError(f"MosaicSparseMLAConfig.{name} must be >= {LAUNCH_REGISTERS} (the launch's "
+                                 f"registers a thread; a consumer can only raise them), got {v}")
+        if self.producer_registers > LAUNCH_REGISTERS:
+            raise ValueError(f"MosaicSparseMLAConfig.producer_registers must be <= {LAUNCH_REGISTERS} (the "
+                             f"launch's registers a thread; the producer can only lower them), got "
+                             f"{self.producer_registers}")
+        if self.follower_registers is not None and not self.share_p:
+            raise ValueError("MosaicSparseMLAConfig.follower_registers needs share_p (without it both consumers "
+                             "compute S and take consumer_registers)")
+        total = self.consumer_registers + self.second_consumer_registers + self.producer_registers
+        if total > 504:
+            raise ValueError("MosaicSparseMLAConfig: the three warpgroups' registers (consumer_registers, "
+                             "follower_registers or consumer_registers again, producer_registers) must be <= 504 "
+                             f"in sum, got {self.consumer_registers} + {self.second_consumer_registers} + "
+                             f"{self.producer_registers} = {total}")
+
+    @property
+    def second_consumer_registers(self) -> int:
+        """`set_max_registers` of consumer 1: follower_registers where given, else consumer_registers."""
+        return self.consumer_registers if self.follower_registers is None else self.follower_registers
 
 
 def default_config(t: int, k: int, fp8: bool = False) -> MosaicSparseMLAConfig:
     """Split the row's tiles over more CTAs when there are fewer rows than SMs (132 on the H200); the fp8
-    producer holds a tile's loads in registers, so it takes registers from the consumers. A bf16 cache read by
+    producer holds a tile's loads and their conversions in registers, so it takes registers from the consumers:
+    128, with consumer 1 (which reads P from shared memory) at the launch's 168 and consumer 0 at 208 (the
+    fastest split measured: BENCHMARKS.md, session 18). A bf16 cache read by
     one CTA a row asks L2 for the next tile's rows (measured faster there only: BENCHMARKS.md, session 17)."""
     tiles = max(1, -(-k // BLOCK_K))
     n_split = 1
     while t * n_split * 2 <= 132 and tiles // (n_split * 2) >= 1:
         n_split *= 2
     if fp8:
-        return MosaicSparseMLAConfig(n_split=n_split, consumer_registers=216, producer_registers=72)
+        return MosaicSparseMLAConfig(n_split=n_split, consumer_registers=208, follower_registers=168,
+                                     producer_registers=128)
     return MosaicSparseMLAConfig(n_split=n_split, l2_prefetch=1 if n_split == 1 else 0)
 
 
@@ -139,6 +178,9 @@ def supports(q, cache, indices, *, kv_lora_rank: int, interpret: bool = False, *
             return f"fp8_ds_mla row of {cache.shape[-1]} bytes != {want}"
         if (width - kv_lora_rank) * 2 != 8 * 16:
             return "the fp8 producer copies the rope part as 8 16-byte pieces: rope width must be 64"
+        if want % 16:  # a misaligned vector load is a fault on the device, not a slow path
+            return (f"fp8_ds_mla rows of {want} bytes are not 16-byte aligned (the fp8 producer's 16-byte loads "
+                    "need kv_lora_rank 512)")
     elif cache.shape[-1] != width:
         return f"query row width {width} != cache row width {cache.shape[-1]}"
     if kv_lora_rank % (2 * COL_TILE) or width % COL_TILE or width <= kv_lora_rank:
@@ -338,7 +380,7 @@ def _share_p_consumers(q_ref, idx_ref, o_ref, lse_ref, q_smem, k_tiled, q_bar, k
 
     @pl.when(wg == 1)
     def _follower():
-        plgpu.set_max_registers(config.consumer_registers, action="increase")
+        plgpu.set_max_registers(config.second_consumer_registers, action="increase")
 
         def step(i, acc):
             b = lax.rem(i, 2)
@@ -522,8 +564,9 @@ cvt.rn.bf16x2.f32 $1, x3, x2;
 def _issue_fp8_rows(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, *, r, width):
     """Lane code (inline_mgpu): this thread's share of tile `b` from fp8_ds_mla rows idx[t, base:base + 64].
     Thread (row0 = tid // 8, lane8 = tid % 8) takes rows row0 + 16 k and the 16-value pieces lane8 + 8 j of the
-    latent (R / 128 per row) plus rope piece lane8. Slot -1: zeros (the latent by select, the rope by a
-    0-byte cp.async source)."""
+    latent (R / 128 per row: piece j lies in scale tile j, so a row's scales are one vector load) plus rope piece
+    lane8. Slot -1: zeros (its words and scales selected to 0 before the conversion, the rope by a 0-byte
+    cp.async source)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, memref
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -536,9 +579,10 @@ def _issue_fp8_rows(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, *, r, width):
 
     def c(v):
         return arith.constant(i32, v)
-    tile = fp8_formats.mla_tile(r)
+    n_tiles = fp8_formats.mla_num_tiles(r)
+    assert fp8_formats.mla_tile(r) == 128 and n_tiles % 4 == 0, "supports() admits R = 512 only"
     row_bytes = fp8_formats.mla_row_bytes(r, width - r)
-    scale_off, pe_off = r, r + 4 * fp8_formats.mla_num_tiles(r)
+    scale_off, pe_off = r, r + 4 * n_tiles
     n_cols = width // COL_TILE
     tile_bytes = BLOCK_K * 2 * width
     t = t_fa.registers.item()
@@ -550,6 +594,7 @@ def _issue_fp8_rows(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, *, r, width):
     cache_ptr = mgpu_utils.memref_ptr(cache)
     k_ptr = mgpu_utils.memref_ptr(k_smem)
     zero = c(0)
+    fzero = arith.constant(f32, 0.0)
     rows = []
     for rep in range(BLOCK_K // 16):  # issue every load of the tile first: they are in flight together
         row = arith.addi(row0, c(16 * rep))
@@ -561,17 +606,18 @@ def _issue_fp8_rows(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, *, r, width):
         r_in = arith.remui(row, c(8))
         row_dst = arith.addi(arith.muli(b, c(tile_bytes)),
                              arith.addi(arith.muli(arith.divui(row, c(8)), c(n_cols * 1024)), arith.muli(r_in, c(128))))
+        scales = []
+        for j0 in range(0, n_tiles, 4):  # the row's tile scales, four per (16-byte aligned) vector load
+            src = mgpu_utils.getelementptr(row_ptr, [scale_off + 4 * j0], i8)
+            scales.extend(mgpu_utils.inline_ptx("ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", src,
+                                                result_types=[f32] * 4))
         pieces = []
-        for j in range(r // 128):
+        for j in range(n_tiles):
             piece = arith.addi(lane8, c(8 * j))  # 16 e4m3 values: columns 16 piece .. 16 piece + 15
             src = mgpu_utils.getelementptr(row_ptr, [arith.extui(i64, arith.muli(piece, c(16)))], i8)
             words = mgpu_utils.inline_ptx("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", src,
                                           result_types=[i32] * 4)
-            scale_src = mgpu_utils.getelementptr(
-                row_ptr, [arith.extui(i64, arith.addi(c(scale_off), arith.muli(arith.divui(
-                    arith.muli(piece, c(16)), c(tile)), c(4))))], i8)
-            scale = mgpu_utils.inline_ptx("ld.global.nc.f32 $0, [$1];", scale_src, result_types=f32)
-            pieces.append((piece, words, scale))
+            pieces.append((piece, words, scales[j]))
         pe_src = mgpu_utils.getelementptr(row_ptr, [arith.extui(i64, arith.addi(c(pe_off), arith.muli(lane8, c(16))))],
                                           i8)
         pe_dst = mgpu_utils.getelementptr(k_ptr, [arith.addi(arith.addi(row_dst, c((n_cols - 1) * 1024)),
@@ -582,10 +628,13 @@ def _issue_fp8_rows(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, *, r, width):
     mgpu_utils.inline_ptx("cp.async.commit_group;", has_side_effects=True)
     for valid, row_dst, r_in, pieces in rows:
         for piece, words, scale in pieces:
+            # slot -1 read row 0, whose bytes may be anything (NaN or inf scales among them): its words and scale
+            # become 0 here, so the conversion gives +0 (0 x 0), four selects a piece instead of eight after
+            scale = arith.select(valid, scale, fzero)
             out = []
             for w in words:
-                out.extend(mgpu_utils.inline_ptx(_E4M3X4_TO_BF16, w, scale, result_types=[i32, i32]))
-            out = [arith.select(valid, v, zero) for v in out]
+                out.extend(mgpu_utils.inline_ptx(_E4M3X4_TO_BF16, arith.select(valid, w, zero), scale,
+                                                 result_types=[i32, i32]))
             # columns 16 piece.. land in column tile piece // 4, 16-byte chunks 2 (piece % 4) and + 1 of the row
             col_tile = arith.divui(piece, c(4))
             chunk = arith.muli(arith.remui(piece, c(4)), c(2))

@@ -96,12 +96,36 @@ def test_config_is_validated():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="l2_prefetch must be an int >= 0"):
             sparse_mla_mosaic.MosaicSparseMLAConfig(l2_prefetch=bad)
+    # registers: setmaxnreg's multiples of 8 in [24, 256]; the follower's own count under share_p only; the sum
+    for name, bad in (("producer_registers", 20), ("consumer_registers", 212), ("follower_registers", 264)):
+        with pytest.raises(ValueError, match=f"{name} must be a multiple of 8 in \\[24, 256\\], got {bad}"):
+            sparse_mla_mosaic.MosaicSparseMLAConfig(**{name: bad})
+    # setmaxnreg only raises a consumer's count from the launch's 168 and only lowers the producer's (a follower
+    # at 160 was an illegal instruction on the H200, session 18)
+    assert sparse_mla_mosaic.LAUNCH_REGISTERS == 168
+    with pytest.raises(ValueError, match="follower_registers must be >= 168 .* got 160"):
+        sparse_mla_mosaic.MosaicSparseMLAConfig(follower_registers=160, producer_registers=128)
+    with pytest.raises(ValueError, match="producer_registers must be <= 168 .* got 176"):
+        sparse_mla_mosaic.MosaicSparseMLAConfig(consumer_registers=168, producer_registers=176)
+    with pytest.raises(ValueError, match="follower_registers needs share_p"):
+        sparse_mla_mosaic.MosaicSparseMLAConfig(follower_registers=168, share_p=False)
+    with pytest.raises(ValueError, match="216 \\+ 184 \\+ 112 = 512"):
+        sparse_mla_mosaic.MosaicSparseMLAConfig(consumer_registers=216, follower_registers=184,
+                                                producer_registers=112)
+    split = sparse_mla_mosaic.MosaicSparseMLAConfig(consumer_registers=216, follower_registers=168,
+                                                    producer_registers=120)
+    assert split.second_consumer_registers == 168
+    assert sparse_mla_mosaic.MosaicSparseMLAConfig().second_consumer_registers == 232
     assert sparse_mla_mosaic.default_config(1, 2048).n_split == 32  # B = 1: the row's 32 tiles over 32 CTAs
     assert sparse_mla_mosaic.default_config(128, 2048).n_split == 1
     # the L2 prefetch where it was measured faster: a bf16 cache at one CTA a row (BENCHMARKS.md, session 17)
     assert sparse_mla_mosaic.default_config(128, 2048).l2_prefetch == 1
     assert sparse_mla_mosaic.default_config(32, 2048).l2_prefetch == 0
     assert sparse_mla_mosaic.default_config(128, 2048, fp8=True).l2_prefetch == 0
+    # fp8_ds_mla: registers moved to the producer's loads and conversions (BENCHMARKS.md, session 18)
+    fp8_cfg = sparse_mla_mosaic.default_config(32, 2048, fp8=True)
+    assert (fp8_cfg.consumer_registers, fp8_cfg.second_consumer_registers, fp8_cfg.producer_registers) == (208, 168,
+                                                                                                            128)
 
 
 def test_shapes_the_kernel_does_not_take_are_refused():
@@ -119,6 +143,13 @@ def test_shapes_the_kernel_does_not_take_are_refused():
     with pytest.raises(ValueError, match="GPU interpreter cannot run"):
         sparse_mla_mosaic.sparse_mla_mosaic(q, z((8, 128 + 4 + 128), jnp.uint8), z((2, 4), jnp.int32), scale=0.1,
                                             kv_lora_rank=128, interpret=True)
+    # fp8_ds_mla rows the producer's 16-byte loads cannot read: at R = 128 a row is 260 bytes, so three rows in four
+    # row starts off a 16-byte boundary (a misaligned-address fault on the device); refused for the device path
+    q128 = z((2, 4, 128 + 64), jnp.bfloat16)
+    why = sparse_mla_mosaic.supports(q128, z((8, 260), jnp.uint8), z((2, 4), jnp.int32), kv_lora_rank=128)
+    assert why is not None and "260 bytes are not 16-byte aligned" in why
+    q512 = z((2, 4, 512 + 64), jnp.bfloat16)
+    assert sparse_mla_mosaic.supports(q512, z((8, 656), jnp.uint8), z((2, 4), jnp.int32), kv_lora_rank=512) is None
 
 
 def test_auto_rule_picks_registered_impls():
@@ -180,6 +211,38 @@ def test_gpu_fp8_takes_its_own_producer():
     o1, lse1 = _run("mosaic", q, cache, idx, r=512, producer="cp_async")
     np.testing.assert_array_equal(o, o1)
     np.testing.assert_array_equal(lse, lse1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [4, 128])
+def test_gpu_fp8_slot_minus_one_reads_no_garbage(t):
+    """Slot -1 makes the fp8 producer read row 0 and zero what it read. Row 0 here is all 0xFF bytes: NaN e4m3
+    values and NaN tile scales, so a zero made by multiplying (NaN x 0) instead of selecting shows as NaN.
+    Row 0 is never selected for real; the oracle sees the other rows only."""
+    q, cache, idx = _inputs(t, 64, 2048, 20_000, seed=11 + t, r=512, fp8=True)
+    idx = np.where(idx == 0, 1, idx)
+    cache = cache.at[0].set(jnp.full((cache.shape[1],), 0xFF, jnp.uint8))
+    o, lse = _run("mosaic", q, cache, idx, r=512)
+    kv, pe = fp8_formats.dequantize_mla_rows(cache[1:], 512, DR)
+    cache_f32 = np.asarray(jnp.concatenate([kv.astype(jnp.bfloat16), pe], -1).astype(jnp.float32))
+    cache_f32 = np.concatenate([np.zeros_like(cache_f32[:1]), cache_f32])  # row 0: never attended
+    _check_against_numpy(o, lse, q, cache_f32, idx, 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("consumer,follower,producer", [(216, 168, 120), (216, 184, 104), (208, None, 88),
+                                                        (216, None, 72), (200, 168, 136)])
+def test_gpu_register_splits_change_no_value(fp8, consumer, follower, producer):
+    """Registers moved between the consumers and the producer change no value: bit for bit the default split, at
+    B = 32 (four splits a row) and 128."""
+    for t in (32, 128):
+        q, cache, idx = _inputs(t, 64, 2048, 200_000, seed=3 + t, r=512, fp8=fp8)
+        o, lse = _run("mosaic", q, cache, idx, r=512, consumer_registers=consumer, follower_registers=follower,
+                      producer_registers=producer)
+        o0, lse0 = _run("mosaic", q, cache, idx, r=512)
+        np.testing.assert_array_equal(o, o0)
+        np.testing.assert_array_equal(lse, lse0)
 
 
 def test_shared_memory_estimate_and_refusal():
