@@ -3,8 +3,9 @@
 tokamax (a library of Pallas kernels, `pip install 'glm-dsa[tokamax]'`) has a Mosaic GPU grouped GEMM for Hopper
 that reads quantised weights through TMA in a warp-specialised pipeline. On the H200 it reads GLM-5.2's TP = 1
 expert stacks (256 x 6144 x 2048 e4m3, 2**31+ elements each) 1.13-1.23x faster than our Pallas Triton kernel from
-8 rows to 128, and is slower at a TP = 8 shard (256 x 6144 x 256) and at one row (BENCHMARKS.md, session 16), so
-`preferred` (the "auto" rule's test) names those stacks from 8 rows only.
+8 rows to 128, and is slower at a TP = 8 shard (256 x 6144 x 256) and at one row (BENCHMARKS.md, session 16). The
+MoE's "auto" rule does not take it: with it taken the engine's FP8 prefill ran 5.5-15x slower (session 18, cause
+not found), so it runs when named (`moe.routed_experts(impl="tokamax")`).
 
 Arithmetic: W8A16 in float16, since that kernel dequantises each weight tile in registers and, with jax 0.11.2's
 ptxas, Mosaic GPU converts e4m3 only to float16, not bf16. Per projection a [M, K] @ W^T with W[n, k] = w[n, k] *
@@ -30,8 +31,6 @@ import jax.numpy as jnp
 from .fp8_formats import FP8, WEIGHT_BLOCK
 
 RS = -5  # the largest column scale becomes 2**-5 at most: |w16| <= 14, |a16| <= 1 keeps the float16 sums in range
-MIN_PAIRS = 64  # the fewest (token, expert) pairs `preferred` takes tokamax for (8 rows of 8 experts)
-MIN_STACK = 2 ** 31  # elements of an expert stack from which tokamax was measured faster (TP = 1 GLM-5.2 widths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,13 +61,6 @@ def missing() -> str | None:
     except Exception as exc:  # ImportError, or a dependency of tokamax's that fails at import
         return f"tokamax is not importable ({type(exc).__name__}: {exc}); pip install 'glm-dsa[tokamax]'"
     return None
-
-
-def preferred(t: int, k: int, n_exp: int, d: int, i: int) -> bool:
-    """Whether tokamax was measured faster for T rows of k experts among n_exp FP8 K-major experts of d x i: stacks
-    of MIN_STACK elements or more, at least MIN_PAIRS pairs ("auto" also asks `supports`, which asks whether
-    tokamax imports)."""
-    return n_exp * d * i >= MIN_STACK and t * k >= MIN_PAIRS
 
 
 def supports(x, experts, weights, wg, wu, wd, *, wg_scale=None, wu_scale=None, wd_scale=None, i_offset=0,
