@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import threading
+import time
 
 import jax
 
@@ -154,10 +155,46 @@ def check_mesh_spans_processes(mesh: jax.sharding.Mesh) -> None:
                          f"(e.g. -tp {jax.device_count()})")
 
 
-def exit_now(status: int) -> None:
+#: where a failing process reports its exit in the runtime's key-value store: EXIT_PREFIX/<process index>
+EXIT_PREFIX = "glm_dsa/exit"
+
+
+def exit_now(status: int, *, wait_s: float = 10.0) -> None:
     """End this process with `status` at once, skipping JAX's shutdown barrier. A process that fails in a
     multi-process run must not wait there: its peers are inside a collective that needs it, and only its absence
-    (the coordination service's heartbeat, `--distributed-heartbeat-timeout`) ends them with an error."""
+    (the coordination service's heartbeat, `--distributed-heartbeat-timeout`) ends them with an error.
+
+    Process 0 hosts the coordination service, so a peer still alive when it goes loses the service and JAX aborts
+    it (SIGABRT, not `status`): when every process fails the same way (a bad flag, a mesh that leaves a process
+    out) that race decided which status each one ended with. So every other process reports its exit in the
+    key-value store (EXIT_PREFIX/<index>) before it goes, and process 0 waits for those reports (at most
+    `wait_s`: a peer still busy in a collective never sends one) and a moment more before it goes."""
     sys.stdout.flush()
     sys.stderr.flush()
+    try:
+        _report_exit(status, wait_s)
+    except Exception:  # noqa: BLE001 - the runtime may be half gone already: exiting is all that is left to do
+        pass
     os._exit(status)
+
+
+def _report_exit(status: int, wait_s: float) -> None:
+    """The exit handshake of `exit_now` (nothing outside a multi-process run)."""
+    from jax._src import distributed as jax_distributed  # jax has no public key-value store (as glm_dsa.lockstep)
+    client = jax_distributed.global_state.client
+    if client is None or not is_multiprocess():
+        return
+    me = jax.process_index()
+    if me != 0:
+        client.key_value_set(f"{EXIT_PREFIX}/{me}", str(status), allow_overwrite=True)
+        return
+    deadline = time.monotonic() + wait_s
+    for peer in range(1, jax.process_count()):
+        left_ms = int(1000 * (deadline - time.monotonic()))
+        if left_ms <= 0:
+            return
+        try:
+            client.blocking_key_value_get(f"{EXIT_PREFIX}/{peer}", left_ms)
+        except Exception:  # noqa: BLE001 - not reported in time: a peer still at work, which the heartbeat ends
+            return
+    time.sleep(0.2)  # the last peer's report is in: let it finish its own exit before the service goes
