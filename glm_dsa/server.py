@@ -347,9 +347,16 @@ def render_chat(template: str, messages: list[dict]) -> str:
         raise _bad(f"the chat template failed on these messages: {e}", "messages")
 
 
+#: seconds an idle keep-alive connection stays open. Longer than HTTP clients keep an idle connection for reuse
+#: (httpx and the openai client: 5 s): at uvicorn's default of 5 s a client could send a request on a connection in
+#: the instant the server closed it, and get "Server disconnected without sending a response" (seen in CI)
+KEEP_ALIVE_S = 75
+
+
 def serve(engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           tokenizer=None, template: str | None = None, log=print, loop=None) -> None:
-    """Run the server until interrupted (uvicorn on `host`:`port`); `loop`: see `create_app`."""
+    """Run the server until interrupted (uvicorn on `host`:`port`, idle connections kept KEEP_ALIVE_S seconds);
+    `loop`: see `create_app`."""
     try:
         import uvicorn
     except ImportError:
@@ -357,4 +364,4 @@ def serve(engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
     app = create_app(engine, model_name=model_name, tokenizer=tokenizer, template=template, api_key=api_key,
                      loop=loop)
     log(f"serving {model_name} on http://{host}:{port} (OpenAI API at /v1)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
