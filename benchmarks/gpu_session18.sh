@@ -8,7 +8,7 @@
 #   wheels     install the carried wheels (.whl: tokamax 0.0.17, qwix and what the image lacks) into /tmp/site
 #   e2e        the engine (`python -m glm_dsa bench`, bench preset, impl auto) with bf16 and with FP8 weights
 #              (QUANTS, default "none fp8"): prefill 8 x 32K, 16 new tokens, decode steps at B = 1 / 32 / 128
-#              (issue 16's lines); after `wheels` "auto" takes tokamax for the FP8 experts where it was faster
+#              (issue 16's lines); calls 5-6 ran it after `wheels`, when "auto" still took tokamax (no longer)
 #   attn       bench_attention.py --ops sparse_mla_mosaic (the defaults beside xla and Triton), merged into a copy
 #              of results/attention.json
 # Every step under its own timeout; logs and JSON under $OUT/r, packed into one tarball.

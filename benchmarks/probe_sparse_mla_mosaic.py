@@ -34,7 +34,6 @@ VARIANTS = {"cp_async": dict(producer="cp_async"), "cp_async_xla_merge": dict(pr
             # registers moved from consumer 1 (which reads P from shared memory) to the producer, whose fp8 form
             # holds a tile's loads and their conversions in registers (BENCHMARKS.md, session 18)
             "fr168": dict(consumer_registers=216, follower_registers=168, producer_registers=120),
-            "fr176": dict(consumer_registers=216, follower_registers=176, producer_registers=112),
             "fr184": dict(consumer_registers=216, follower_registers=184, producer_registers=104),
             "lr208": dict(consumer_registers=208, follower_registers=168, producer_registers=128),
             "lr200": dict(consumer_registers=200, follower_registers=168, producer_registers=136),

@@ -349,7 +349,8 @@ def render_chat(template: str, messages: list[dict]) -> str:
 
 #: seconds an idle keep-alive connection stays open. Longer than HTTP clients keep an idle connection for reuse
 #: (httpx and the openai client: 5 s): at uvicorn's default of 5 s a client could send a request on a connection in
-#: the instant the server closed it, and get "Server disconnected without sending a response" (seen in CI)
+#: the instant the server closed it, and get "Server disconnected without sending a response" (seen in a clean-clone
+#: run of the test suite)
 KEEP_ALIVE_S = 75
 
 
