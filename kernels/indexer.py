@@ -17,6 +17,8 @@ from . import fp8_formats, registry
 from .chunking import map_row_chunks
 
 ROW_CHUNK = 16  # query rows per chunk: bounds the [chunk, S, Di] key gather and [chunk, H, S] logits
+ROW_BLOCK_MIN_T = 64  # rows from which indexer_scores_triton takes the row-block form
+ROW_BLOCK = 16  # its query rows per program: block_t unrolled [H, Di] x [Di, block_s] dots
 SELECT_MAX_S = 65536  # widest row the select kernel (kernels/topk_triton.py) holds in registers: 64 keys a thread
 
 
@@ -111,18 +113,48 @@ def indexer_topk(q, weights, k_cache, token_req, kv_lens, block_tables, *, block
     `k_cache` is bf16 [slots, Di] or FP8 uint8 [slots, Di + 4] (queries are then quantised per (t, h)).
     impl (`kernels.registry`): "xla" (oracle, CPU default), "triton" (Pallas Triton scores, then the select
     top-k kernel or `topk_positions` per shape, row chunks), "triton_interpret" (the same kernels under the Pallas
-    interpreter, for CPU tests), "auto" (the GPU default: "triton" on a GPU, "xla" elsewhere); `kernel_options` go
+    interpreter, for CPU tests), "mosaic" (the Mosaic GPU scores kernel, `kernels.indexer_mosaic`: FP8 caches with
+    pages of a multiple of 64 keys, GPU only; then the same top-k), "auto" (`_choose_indexer`: "mosaic" for decode
+    rows on a GPU where it takes them, "triton" for the rest on a GPU, "xla" elsewhere); `kernel_options` go
     to `indexer_triton.indexer_topk_triton` (config, block_s, block_t, num_warps, num_stages, block_n, fp8_dot,
-    row_chunk, topk_impl, topk_config); the xla form takes `row_chunk`."""
+    row_chunk, topk_impl, topk_config) or `indexer_mosaic.indexer_topk_mosaic` (config, row_chunk, topk_impl,
+    topk_config); the xla form takes `row_chunk`."""
     return registry.dispatch("indexer", impl, q, weights, k_cache, token_req, kv_lens, block_tables,
                              block_size=block_size, topk=topk, return_scores=return_scores, ordered=ordered,
                              **kernel_options)
 
 
+def takes_row_blocks(t: int, requests: int) -> bool:
+    """Whether `indexer_triton.indexer_scores_triton` (block_t None) scores T rows of `requests` requests with the row-block kernel:
+    from ROW_BLOCK_MIN_T rows, when they leave runs of ROW_BLOCK rows of one request on average (prefill chunks);
+    decode rows (one a request) take the per-row kernel."""
+    return t >= ROW_BLOCK_MIN_T and (requests - 1) * ROW_BLOCK <= t
+
+
+def _choose_indexer(q, weights, k_cache, token_req, kv_lens, block_tables, **kwargs) -> str:
+    """The "auto" rule: off a GPU "xla"; on one, "mosaic" for decode rows (the per-row scores, where the Mosaic
+    kernel's asynchronous copies beat the Triton kernel's gathers: 71 against 101 us at B = 32, BENCHMARKS.md
+    session 19) when it takes the inputs and no Triton launch options were given, else "triton" (prefill rows take
+    its row-block kernel, which reads each key tile once for 16 rows)."""
+    if not registry.on_gpu():
+        return "xla"
+    triton_options = set(kwargs) - {"block_size", "topk", "return_scores", "ordered", "row_chunk", "topk_impl",
+                                     "topk_config"}
+    if not triton_options and not takes_row_blocks(q.shape[0], block_tables.shape[0]):
+        try:
+            registry.check("indexer", "mosaic", q, weights, k_cache, token_req, kv_lens, block_tables, **kwargs)
+            return "mosaic"
+        except ValueError:
+            pass
+    return "triton"
+
+
 registry.register("indexer", "xla", indexer_topk_xla)
 registry.register_triton("indexer", "kernels.indexer_triton:indexer_topk_triton",
                          supports="kernels.indexer_triton:supports")
-registry.register_auto("indexer")
+registry.register_auto("indexer", _choose_indexer)
+registry.register_mosaic("indexer", "kernels.indexer_mosaic:indexer_topk_mosaic",
+                         supports="kernels.indexer_mosaic:supports")
 registry.register("topk", "xla", topk_positions)
 registry.register_triton("topk", "kernels.topk_triton:topk_select", supports=select_supports)
 registry.register_auto("topk", lambda *args, **kwargs: "triton" if registry.on_gpu() and not select_supports(

@@ -34,18 +34,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import fp8_formats
-from .chunking import map_row_chunks
-from .indexer import prepare_queries, select_topk, select_width_supported
-from .topk_config import TopkConfig
+from .indexer import ROW_BLOCK, ROW_BLOCK_MIN_T, takes_row_blocks  # noqa: F401
+from .indexer_stages import SCORE_BUDGET, SELECT_MIN_ROWS, scores_then_topk, topk_select_impl  # noqa: F401
 from .triton_common import check_addressable, col_range, dot, gather, is_pow2, u8_words, with_options
 
-SCORE_BUDGET = 1 << 25  # float32 scores held at once by the top-k stage (128 MiB)
-ROW_BLOCK_MIN_T = 64  # rows from which indexer_scores_triton takes the row-block form
-ROW_BLOCK = 16  # its query rows per program: block_t unrolled [H, Di] x [Di, block_s] dots
-# rows from which the one-pass select top-k beats lax.top_k on the H200 (session 11, 32K scores: 1 row 113 / 136 us
-# against 77 / 74; 4 rows 100 against 115; 8 rows 105 against 108; 16 rows 115 against 152); rows that split into
-# the two-pass select's chunks take it from one row (session 15)
-SELECT_MIN_ROWS = 4
 LOOP_PROGRAMS = 1024  # programs the looped decode kernel aims for (about 8 per SM of an H200)
 # float32 keys (the reference dtype): Triton runs an IEEE float32 dot on the FMA units, unrolled per thread
 # ([64, 128] x [128, 128] is 8K FMAs a thread, x16 rows x2 branches in the row-block form), which ptxas took
@@ -341,9 +333,10 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
     # host on a GPU, which stalls the dispatch of every step behind the previous one. With R requests the rows
     # change request at most R - 1 times, so (R - 1) * ROW_BLOCK <= T guarantees runs of ROW_BLOCK rows on average
     # (prefill chunks); otherwise (decode: one row per request) the per-row kernel.
-    if (block_tables.shape[0] - 1) * ROW_BLOCK <= t:
+    if takes_row_blocks(t, block_tables.shape[0]):
         return row_block(*args, ROW_BLOCK)
     return per_row(*args)
+
 
 
 def _scores_call(kernel, token_req, kv_lens, q, weights, *, block_tables, k_cache, rows, width, n_prog, params,
@@ -375,51 +368,12 @@ def _scores_call(kernel, token_req, kv_lens, q, weights, *, block_tables, k_cach
 def indexer_topk_triton(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int, topk: int,
                         return_scores: bool = False, ordered: bool = True, row_chunk: int | None = None,
                         interpret: bool = False, topk_impl: str | None = None, topk_config=None, **kernel_options):
-    """The "triton" impl of `kernels.indexer.indexer_topk`: Pallas Triton scores, then the top-k (`topk_impl`:
-    "select" the select kernel of `kernels.topk_triton` with launch config `topk_config`, "lax" `topk_positions`
-    (`lax.top_k`), None as `topk_select_impl` says; both give the same positions and scores; with `ordered`
-    False the select kernel leaves them in position order, `TopkConfig.sort` "none"), `row_chunk` query
-    rows at a time (default: as many rows as keep the float32 scores under SCORE_BUDGET, rounded down to a power of
-    two), so a 32K x 32K prefill never holds [T, S] scores. `kernel_options` go to `indexer_scores_triton`
-    (config, block_s, block_t, num_warps, num_stages, block_n, fp8_dot)."""
-    q, weights = prepare_queries(q, weights, k_cache)
-    s = block_tables.shape[1] * block_size
-    if row_chunk is None:
-        # a power of two: prefill chunks (powers of two) then split into whole row chunks, no padded rows
-        row_chunk = 1 << max(0, (SCORE_BUDGET // max(s, 1)).bit_length() - 1)
-    elif not (isinstance(row_chunk, int) and row_chunk >= 1):
-        raise ValueError(f"indexer triton: row_chunk {row_chunk!r} must be an int >= 1")
-    topk_config = topk_config or TopkConfig()
-    select = topk_select_impl(s, topk, topk_impl, interpret, rows=min(q.shape[0], row_chunk), config=topk_config)
-    if not ordered:  # the selection's sort is a fifth of the op at B = 32 (session 15)
-        topk_config = dataclasses.replace(topk_config, sort="none")
-    topk_options = {} if select == "xla" else {"config": topk_config}
-
-    def rows(q_, w_, r_, n_):
-        sc = indexer_scores_triton(q_, w_, k_cache, r_, n_, block_tables, block_size=block_size,
-                                   interpret=interpret, **kernel_options)
-        return select_topk(sc, n_, topk, s, impl=select, **topk_options)
-
-    pos, val = map_row_chunks(rows, (q, weights, token_req, kv_lens), row_chunk)
-    return (pos, val) if return_scores else pos
-
-
-def topk_select_impl(s: int, topk: int, topk_impl: str | None, interpret: bool, rows: int | None = None,
-                     config: TopkConfig | None = None) -> str:
-    """The "topk" impl (`kernels.indexer.select_topk`) the triton indexer runs over `rows` rows (None: many) of `s`
-    scores: the select kernel ("triton", or "triton_interpret" when `interpret`) for `topk_impl` "select"; "xla"
-    (`lax.top_k`) for "lax". None: the select kernel on a GPU where it takes the rows (S <= SELECT_MAX_S: faster
-    than `lax.top_k` with the same result bit for bit) and either they take the two-pass select of the select's
-    `config` (`TopkConfig.two_pass`; None: a config of one pass) or there are at least SELECT_MIN_ROWS of
-    them; else `lax.top_k` (one program per row leaves the GPU idle below that: BENCHMARKS.md, sessions 11 and 15);
-    under the interpreter None keeps `lax.top_k` (the same positions and scores; the interpreted kernel is only
-    slower, and the CPU tests check it on its own).
-    "select" on shapes it does not take is the registry's ValueError naming the constraint."""
-    if topk_impl not in (None, "select", "lax"):
-        raise ValueError(f"indexer triton: topk_impl {topk_impl!r} must be 'select', 'lax' or None")
-    kernel = "triton_interpret" if interpret else "triton"
-    if topk_impl is None:
-        two_pass = config is not None and config.two_pass(s, topk)
-        few = rows is not None and rows < SELECT_MIN_ROWS and not two_pass
-        return "xla" if interpret or few or select_width_supported(s) else kernel
-    return kernel if topk_impl == "select" else "xla"
+    """The "triton" impl of `kernels.indexer.indexer_topk`: Pallas Triton scores (`indexer_scores_triton`, with
+    `kernel_options`: config, block_s, block_t, num_warps, num_stages, block_n, fp8_dot), then the top-k
+    (`kernels.indexer_stages.scores_then_topk`: `topk_impl`, `topk_config`, `ordered`, `row_chunk`)."""
+    def scores(q_, w_, r_, n_):
+        return indexer_scores_triton(q_, w_, k_cache, r_, n_, block_tables, block_size=block_size,
+                                     interpret=interpret, **kernel_options)
+    return scores_then_topk(scores, q, weights, k_cache, token_req, kv_lens, block_tables, block_size=block_size,
+                            topk=topk, return_scores=return_scores, ordered=ordered, row_chunk=row_chunk,
+                            interpret=interpret, topk_impl=topk_impl, topk_config=topk_config, name="triton")

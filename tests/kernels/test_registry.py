@@ -38,7 +38,7 @@ def _calls():
     }
 
 
-MOSAIC_OPS = ("sparse_mla",)  # ops with a Pallas Mosaic GPU kernel
+MOSAIC_OPS = ("sparse_mla", "indexer")  # ops with a Pallas Mosaic GPU kernel
 LIBRARY_IMPLS = {"moe": ("tokamax",)}  # ops with a library's kernel as an impl of its own
 
 
