@@ -35,6 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import fp8_formats
 from .lse_merge import merge_partials, merge_splits
+from .mosaic_common import wait_async_copies
 
 HEADS = 64  # wgmma M: query heads per CTA (padded)
 BLOCK_K = 64  # cache rows per tile
@@ -115,20 +116,25 @@ class MosaicSparseMLAConfig:
         return self.consumer_registers if self.follower_registers is None else self.follower_registers
 
 
-def default_config(t: int, k: int, fp8: bool = False) -> MosaicSparseMLAConfig:
+def default_config(t: int, k: int, fp8: bool = False, share_p: bool = True) -> MosaicSparseMLAConfig:
     """Split the row's tiles over more CTAs when there are fewer rows than SMs (132 on the H200); the fp8
     producer holds a tile's loads and their conversions in registers, so it takes registers from the consumers:
     128, with consumer 1 (which reads P from shared memory) at the launch's 168 and consumer 0 at 208 (the
     fastest split measured: BENCHMARKS.md, session 18). A bf16 cache read by
-    one CTA a row asks L2 for the next tile's rows (measured faster there only: BENCHMARKS.md, session 17)."""
+    one CTA a row asks L2 for the next tile's rows (measured faster there only: BENCHMARKS.md, session 17).
+    share_p False (both consumers compute S): for fp8 the two consumers share what the producer leaves, 184 each
+    (not measured for speed; the default schedule is share_p)."""
     tiles = max(1, -(-k // BLOCK_K))
     n_split = 1
     while t * n_split * 2 <= 132 and tiles // (n_split * 2) >= 1:
         n_split *= 2
     if fp8:
+        if not share_p:
+            return MosaicSparseMLAConfig(n_split=n_split, share_p=False, consumer_registers=184,
+                                         producer_registers=128)
         return MosaicSparseMLAConfig(n_split=n_split, consumer_registers=208, follower_registers=168,
                                      producer_registers=128)
-    return MosaicSparseMLAConfig(n_split=n_split, l2_prefetch=1 if n_split == 1 else 0)
+    return MosaicSparseMLAConfig(n_split=n_split, share_p=share_p, l2_prefetch=1 if n_split == 1 else 0)
 
 
 # Shared memory one CTA may take on the H200, as Mosaic GPU reports it (max_smem_bytes)
@@ -487,9 +493,6 @@ def _cp_async_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, t
         functools.partial(_issue_row_copies, width=width))
     prefetch = _l2_prefetch(cache_ref, idx_ref, t, tile0, tiles_per_split, config.l2_prefetch)
 
-    def wait(pending):
-        plgpu.inline_mgpu()(lambda ctx: _ptx(f"cp.async.wait_group {pending};"))()
-
     def fill(i, _):
         b = lax.rem(i, 2)
         prefetch(i + config.l2_prefetch)
@@ -501,12 +504,12 @@ def _cp_async_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, t
 
         @pl.when(i >= 1)
         def _():
-            wait(1)
+            wait_async_copies(1)
             plgpu.commit_smem()
             plgpu.barrier_arrive(k_ready.at[1 - b])
         return None
     lax.fori_loop(0, tiles_per_split, fill, None)
-    wait(0)
+    wait_async_copies(0)
     plgpu.commit_smem()
     plgpu.barrier_arrive(k_ready.at[lax.rem(tiles_per_split - 1, 2)])
     _drain(k_free, tiles_per_split)
@@ -530,7 +533,7 @@ def _fp8_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, tiles_
         def _():
             plgpu.barrier_wait(k_free.at[b])
         gather(cache_ref, idx_ref, k_tiled, t, (tile0 + i) * BLOCK_K, b)
-        plgpu.inline_mgpu()(lambda ctx: _ptx("cp.async.wait_group 0;"))()
+        wait_async_copies(0)
         plgpu.commit_smem()
         plgpu.barrier_arrive(k_ready.at[b])
         return None
@@ -646,11 +649,6 @@ def _issue_fp8_rows(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, *, r, width):
                                       has_side_effects=True)
 
 
-def _ptx(text):
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    mgpu_utils.inline_ptx(text, has_side_effects=True)
-
-
 def _issue_row_copies(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, *, width):
     """Lane code (inline_mgpu): issue this thread's cp.async copies of tile `b` (rows idx[t, base:base + 64])
     and commit them as one group. Slot -1 copies 0 source bytes (cp.async zero-fills the 16 bytes)."""
@@ -761,7 +759,8 @@ def sparse_mla_mosaic(q, cache, indices, *, scale: float, kv_lora_rank: int,
     """o [T, H, R] float32, lse [T, H] (natural log) of `q` [T, H, R + Dr] against the bf16 `cache`
     [slots, R + Dr] at `indices` [T, K] (-1 = none), by the warp-specialised Mosaic GPU kernel.
 
-    config: a `MosaicSparseMLAConfig` (default: `default_config(T, K)`); `overrides` replace its fields.
+    config: a `MosaicSparseMLAConfig` (default: `default_config(T, K, fp8, share_p)`, share_p as the overrides ask);
+    `overrides` replace its fields.
     interpret: run the same kernel in Pallas' GPU interpreter (CPU). return_partials: the per-split
     (o [n_split, T, H, R], lse [n_split, T, H]) instead of their merge."""
     why = supports(q, cache, indices, kv_lora_rank=kv_lora_rank, interpret=interpret)
@@ -769,7 +768,9 @@ def sparse_mla_mosaic(q, cache, indices, *, scale: float, kv_lora_rank: int,
         raise ValueError(f"sparse_mla_mosaic: {why}")
     if indices.shape[0] != q.shape[0]:
         raise ValueError(f"sparse_mla_mosaic: indices rows {indices.shape[0]} != query rows {q.shape[0]}")
-    config = config or default_config(q.shape[0], indices.shape[1], cache.dtype == jnp.uint8)
+    # the schedule is part of the default's register split: share_p=False asks for the default of that schedule
+    config = config or default_config(q.shape[0], indices.shape[1], cache.dtype == jnp.uint8,
+                                      share_p=overrides.get("share_p", True) is not False)
     if overrides:
         config = dataclasses.replace(config, **overrides)
     need = shared_memory_bytes(q.shape[-1], config)

@@ -128,6 +128,22 @@ def test_config_is_validated():
                                                                                                             128)
 
 
+def test_plain_schedule_on_an_fp8_cache_takes_its_own_default():
+    """share_p=False on the default config of an fp8_ds_mla cache is the plain schedule's default (both consumers
+    at 184, the producer at 128), not the share_p split with its follower (which the plain schedule refuses): it
+    builds and lowers for CUDA on CPU (session 18's default raised "follower_registers needs share_p")."""
+    plain = sparse_mla_mosaic.default_config(32, 2048, fp8=True, share_p=False)
+    assert (plain.share_p, plain.consumer_registers, plain.second_consumer_registers, plain.producer_registers) == (
+        False, 184, 184, 128)
+    assert not sparse_mla_mosaic.default_config(32, 2048, share_p=False).share_p
+    from kernels.triton_common import lower_for_gpu
+    sd = jax.ShapeDtypeStruct
+    text = lower_for_gpu(functools.partial(sparse_mla.sparse_mla, scale=0.0625, kv_lora_rank=512, impl="mosaic",
+                                           share_p=False),
+                         sd((32, 64, 576), jnp.bfloat16), sd((4096, 656), jnp.uint8), sd((32, 2048), jnp.int32))
+    assert "mosaic_gpu" in text
+
+
 def test_shapes_the_kernel_does_not_take_are_refused():
     z = jnp.zeros
     q = z((2, 4, 192), jnp.bfloat16)
