@@ -1,6 +1,8 @@
-"""Indexer decode (docs/math.md §2) on the GPU: scores alone, top-k alone, scores + top-k, for today's "triton" impl
-(the looped scores kernel + the select top-k kernel, kernels/topk_triton.py), the previous one ("triton_old": the
-one-tile scores kernel + `lax.top_k`) and the xla op.
+"""Indexer decode (docs/math.md §2) on the GPU: scores alone, top-k alone, scores + top-k, for the "triton" impl
+(the looped scores kernel + the select top-k kernel, kernels/topk_triton.py), the "mosaic" impl (the Mosaic GPU
+scores kernel of kernels/indexer_mosaic.py + the same top-k; FP8 caches), the previous one ("triton_old": the
+one-tile scores kernel + `lax.top_k`) and the xla op. Scores + top-k is timed in score order (config {}) and as a
+set (config {"ordered": false}: how the model calls it).
 
 GLM-5 dims: 32 indexer heads of 128, top-k 2048, a 32K-token context per request (pages of 64), B decode rows, an FP8
 [slots, 132] (or bf16 [slots, 128]) indexer cache. An executable runs a stage `reps` times over different requests;
@@ -35,7 +37,7 @@ import numpy as np
 
 from benchmarks.harness import (Budget, budgeted_sweep, command_line, micros, per_op_time, per_rep, record, timeit,
                                 trace_micros, traced_times_or_none, write_json)
-from kernels import fp8_formats, indexer, indexer_triton, topk_triton
+from kernels import fp8_formats, indexer, indexer_mosaic, indexer_triton, topk_triton
 
 HI, DI, TOPK, CTX, PAGE = 32, 128, 2048, 32768, 64
 OLD_SCORES = dict(block_s=128, block_t=1, num_warps=4, num_stages=1, block_n=0)  # the one-tile kernel of before
@@ -76,15 +78,17 @@ def resolve(cfg, b):
     return cfg
 
 
-def scores_runner(reps, opts):
-    """Jitted: `reps` passes of the Triton scores kernel (kernel options `opts`), pass i on request set i."""
+def scores_runner(reps, opts, impl="triton"):
+    """Jitted: `reps` passes of the scores kernel of `impl` ("triton" or "mosaic", kernel options `opts`), pass i on
+    request set i."""
+    kernel = indexer_mosaic.indexer_scores_mosaic if impl == "mosaic" else indexer_triton.indexer_scores_triton
+
     @jax.jit
     def run(cache, bt, q, w, req, lens):
         outs = []
         for i in range(reps):
             qq, ww = indexer.prepare_queries(q[i], w[i], cache)
-            outs.append(indexer_triton.indexer_scores_triton(qq, ww, cache, req[i], lens[i], bt, block_size=PAGE,
-                                                             **opts))
+            outs.append(kernel(qq, ww, cache, req[i], lens[i], bt, block_size=PAGE, **opts))
         return outs
     return run
 
@@ -149,9 +153,13 @@ def main(argv=None):
     ap.add_argument("--budget_s", type=float, default=30.0, help="wall budget of each of the two sweeps")
     ap.add_argument("--kernel_time", type=int, default=1,
                     help="1: scores + top-k also by its GPU kernel time (a profiler trace)")
+    ap.add_argument("--impls", default="triton,mosaic",
+                    help="kernel impls timed (scores, and scores + top-k in score order and as a set); the Mosaic "
+                         "kernel takes FP8 caches only")
     ap.add_argument("--out", default="bench_indexer.json")
     args = ap.parse_args(argv)
     rows, checks, best = [], [], {}
+    impls = [i for i in args.impls.split(",") if i]
 
     def log(s):
         print(s, flush=True)
@@ -202,6 +210,9 @@ def main(argv=None):
 
             # scores alone
             emit("scores", fmt, b, "triton", {}, op_time(lambda n: scores_runner(n, {}), data), nbytes=nbytes)
+            if "mosaic" in impls and fp8:
+                emit("scores", fmt, b, "mosaic", {}, op_time(lambda n: scores_runner(n, {}, "mosaic"), data),
+                     nbytes=nbytes)
             if args.old:
                 emit("scores", fmt, b, "triton_old", OLD_SCORES, op_time(lambda n: scores_runner(n, OLD_SCORES), data),
                      nbytes=nbytes)
@@ -234,6 +245,11 @@ def main(argv=None):
             kx_all = kernel_time(make_xla, data) if args.xla else None
             emit("scores+topk", fmt, b, "triton", {}, op_time(make_tri, data), x_all, nbytes,
                  kernel_time(make_tri, data), kx_all)
+            for impl in [i for i in impls if fp8 or i != "mosaic"]:  # as a set (how the model calls it)
+                for cfg in ([{"ordered": False}] if impl == "triton" else [{}, {"ordered": False}]):
+                    make = functools.lru_cache(None)(lambda n, impl=impl, cfg=cfg: total_runner(n, impl, cfg))
+                    emit("scores+topk", fmt, b, impl, cfg, op_time(make, data), x_all, nbytes, kernel_time(make, data),
+                         kx_all)
             if args.old:
                 old = dict(OLD_SCORES, topk_impl="lax")
                 emit("scores+topk", fmt, b, "triton_old", old, op_time(lambda n: total_runner(n, "triton", old), data),
