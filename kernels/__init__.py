@@ -6,13 +6,15 @@ Modules: `fused_norm_rope` (q/kv norm + RoPE + paged cache write), `indexer` (sc
 `sparse_mla` (attention over selected cache rows -> (o, lse)), `moe` (routed SwiGLU experts, bf16 or FP8
 block-scaled weights), `fp8_linear` (a linear layer over FP8 block-scaled weights: W8A16 or W8A8), `lse_merge`,
 `rope`, `norms`, `fp8_formats`, `chunking`. The Pallas Triton kernels (`*_triton`, helpers in
-`triton_common`, MoE tile layout in `moe_tiles`) are imported on first use of their impl.
+`triton_common`, MoE tile layout in `moe_tiles`) and the Pallas Mosaic GPU kernels (`sparse_mla_mosaic`,
+`indexer_mosaic`, helpers in `mosaic_common`) are imported on first use of their impl; `indexer_stages` is the
+indexer's scores -> top-k composition both its kernel impls share.
 """
 
 from . import (chunking, fp8_formats, fp8_linear, fused_norm_rope, indexer, lse_merge, moe, norms, registry, rope,
                sparse_mla)
 
-IMPLS = ("xla", "triton", "triton_interpret", "auto")  # every op's impls ("mosaic": sparse_mla only, so far)
+IMPLS = ("xla", "triton", "triton_interpret", "auto")  # every op's impls ("mosaic": sparse_mla and indexer)
 
 
 def default_impl() -> str:
