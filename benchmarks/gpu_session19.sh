@@ -7,6 +7,7 @@
 #   e2e_decode the engine's decode steps (bench preset, impl auto, 32K context) at B = 1 / 32 / 128
 #   e2e_fp8cache the same with the fp8_ds_mla cache (FP8 indexer keys: the Mosaic indexer's), auto beside all-Triton,
 #              at B = 32 / 128
+#   ncu        Nsight Compute sections of the Mosaic indexer scores kernel at B = 32 (benchmarks/profile_kernels.py)
 # Every step under its own timeout; logs and JSON under $OUT/r, packed into one tarball.
 set -uo pipefail
 source "$(dirname "$0")/gpu_prelude.sh"  # cd to the repository, OUT, R, the exports, step()
@@ -38,6 +39,12 @@ e2e_fp8cache)
   step e2e_fp8cache ${T_E2E:-330} python3 -m glm_dsa bench --preset bench --impls auto,triton --kv-cache-dtype fp8_ds_mla \
     --decode-batches 32,128 --decode-context 32768 --no-end-to-end --json-out "$R/e2e_fp8cache.json"
   grep "ms/step" "$R/e2e_fp8cache.log" | cut -c1-200
+  ;;
+ncu)
+  step ncu ${T_NCU:-150} ncu --clock-control none --kernel-name regex:mosaic --launch-count 1 --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats \
+    python3 benchmarks/profile_kernels.py --ops indexer --indexer-impls mosaic
+  grep -E "anonymous|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Warp Cycles Per Issued|Block Size|Grid Size|Waves|Dynamic Shared" "$R/ncu.log" | head -40
   ;;
 *) echo "unknown step $what"; exit 2 ;;
 esac; done

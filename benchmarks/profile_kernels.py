@@ -5,7 +5,8 @@
         python3 benchmarks/profile_kernels.py
 
 `--ops mla --mla-impls mosaic` runs only the Mosaic GPU sparse MLA kernel (its launch is named
-`anonymous_mosaic_gpu_kernel`).
+`anonymous_mosaic_gpu_kernel`); `--ops indexer --indexer-impls mosaic` only the Mosaic GPU indexer scores kernel
+(and the select kernels after it).
 
 Shapes: sparse MLA B = 128 (bf16 and fp8_ds_mla caches, GLM-5 dims), the indexer (FP8 cache) at B = 32 with a
 32K context, and the routed experts at B = 32 (GLM-5.2 widths).
@@ -29,6 +30,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", default="mla,indexer,moe", help="comma-separated subset of mla,indexer,moe")
     ap.add_argument("--mla-impls", default="triton,mosaic", help="sparse MLA impls to run (each cache format)")
+    ap.add_argument("--indexer-impls", default="triton,mosaic", help="indexer impls to run (FP8 cache)")
     args = ap.parse_args(argv)
     ops = set(args.ops.split(","))
     for fp8 in (False, True) if "mla" in ops else ():
@@ -38,16 +40,18 @@ def main(argv=None):
             jax.block_until_ready(f(q[0], cache, idx[0]))
         del cache
     if "indexer" in ops:
-        _indexer()
+        _indexer(args.indexer_impls.split(","))
     if "moe" in ops:
         _moe()
 
 
-def _indexer():
-    """The indexer (FP8 cache) at B = 32, 32K context: scores and top-k."""
+def _indexer(impls):
+    """The indexer (FP8 cache) at B = 32, 32K context: scores and top-k, as the model calls it (a set)."""
     cache, bt, q, w, req, lens = bench_indexer.make_case(32, True, 1)
-    f = jax.jit(functools.partial(indexer.indexer_topk, block_size=bench_indexer.PAGE, topk=2048, impl="triton"))
-    jax.block_until_ready(f(q[0], w[0], cache, req[0], lens[0], bt))
+    for impl in impls:
+        f = jax.jit(functools.partial(indexer.indexer_topk, block_size=bench_indexer.PAGE, topk=2048, impl=impl,
+                                      ordered=False))
+        jax.block_until_ready(f(q[0], w[0], cache, req[0], lens[0], bt))
     del cache
 
 
