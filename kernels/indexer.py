@@ -125,9 +125,9 @@ def indexer_topk(q, weights, k_cache, token_req, kv_lens, block_tables, *, block
 
 
 def takes_row_blocks(t: int, requests: int) -> bool:
-    """Whether `indexer_triton.indexer_scores_triton` (block_t None) scores T rows of `requests` requests with the row-block kernel:
-    from ROW_BLOCK_MIN_T rows, when they leave runs of ROW_BLOCK rows of one request on average (prefill chunks);
-    decode rows (one a request) take the per-row kernel."""
+    """Whether `indexer_triton.indexer_scores_triton` (block_t None) scores T rows of `requests` requests with the
+    row-block kernel: from ROW_BLOCK_MIN_T rows, when they leave runs of ROW_BLOCK rows of one request on average
+    (prefill chunks); decode rows (one a request) take the per-row kernel."""
     return t >= ROW_BLOCK_MIN_T and (requests - 1) * ROW_BLOCK <= t
 
 

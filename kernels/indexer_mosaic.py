@@ -50,13 +50,13 @@ SMEM_LIMIT = 232448  # shared memory one CTA may take on the H200 (Mosaic GPU's 
 @dataclasses.dataclass(frozen=True)
 class MosaicIndexerConfig:
     """Launch config. stages: key tiles buffered in shared memory for the consumers ((8 KiB + 256 B) each);
-    in_flight: tiles in flight from memory (copy "tma": its staging buffers); consumers: consumer warpgroups (1 or 2, taking tiles in
-    turn; stages must be a multiple of it); ctas: CTAs the launch aims for (a row's tiles are split over
-    ceil(ctas / T) CTAs, at most one a tile); n_split: CTAs per row, overriding `ctas` when given; copy: how the
-    producer's copies go: "tma": one bulk (TMA) copy a tile into a staging buffer (`in_flight` of them), which the
-    producer then rearranges into the swizzled key tile and the scales with shared-memory loads and stores (the
-    default); "rows": 4-byte cp.async copies straight into place, a warp a row's keys, 64 threads the scales, with
-    `in_flight` tiles of them outstanding a thread (<= stages; 5-8% slower, BENCHMARKS.md session 19)."""
+    in_flight: tiles in flight from memory (copy "tma": its staging buffers); consumers: consumer warpgroups (1 or
+    2, taking tiles in turn; stages must be a multiple of it); ctas: CTAs the launch aims for (a row's tiles are
+    split over about ceil(ctas / T) CTAs, `splits`); n_split: CTAs per row, overriding `ctas` when given; copy: how
+    the producer's copies go: "tma" (the default): one bulk (TMA) copy a tile into a staging buffer, which the
+    producer then rearranges into the swizzled key tile and the scales with shared-memory loads and stores; "rows":
+    4-byte cp.async copies straight into place, a warp a row's keys, 64 threads the scales, `in_flight` tiles of
+    them outstanding a thread (<= stages; 5-8% slower in the op, BENCHMARKS.md session 19)."""
     stages: int = 2
     in_flight: int = 4
     consumers: int = 1
