@@ -20,8 +20,9 @@ One CTA per (query row t, split): the split's share of the row's 64-key tiles, i
 Queries (e4m3, s_q folded into the weights by `kernels.indexer.prepare_queries`) are padded to a multiple of 8
 heads (wgmma's N) with zero weights.
 
-The producer is Lane code, which the Pallas GPU interpreter does not run: this kernel runs on the GPU only (its
-tests carry the `gpu` marker; its launch configs and `supports` are checked on CPU).
+The producer's repack is Lane code, which the Pallas GPU interpreter does not run; under the interpreter (impl
+"mosaic_interpret", the CPU tests) the same kernel repacks with array ops instead (`_repack_interpreted`), the one
+place the two paths differ. copy "rows" is Lane code throughout: GPU only.
 """
 
 from __future__ import annotations
@@ -110,9 +111,9 @@ def supports(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_siz
              config: MosaicIndexerConfig | None = None, **_) -> str | None:
     """Why the kernel cannot take these inputs (None: it can): an FP8 cache (uint8 rows of 128 e4m3 + a float32
     scale), pages a multiple of 64 keys (a tile is then one page's contiguous rows), at most 256 heads (wgmma's N),
-    and the GPU (its producer is Lane code)."""
-    if interpret:
-        return "the Mosaic indexer's producer is Lane code, which the GPU interpreter cannot run"
+    copy "tma" under the interpreter (copy "rows" is Lane code)."""
+    if interpret and (config or MosaicIndexerConfig()).copy != "tma":
+        return "copy 'rows' is Lane code, which the GPU interpreter cannot run (copy 'tma' can be interpreted)"
     if k_cache.dtype != jnp.uint8 or k_cache.ndim != 2 or k_cache.shape[-1] != DI + 4:
         return (f"the Mosaic indexer takes an FP8 indexer cache uint8 [slots, {DI + 4}], got {k_cache.dtype} "
                 f"{tuple(k_cache.shape)}")
@@ -228,7 +229,7 @@ def _repack(ctx, stage, k_smem, s_smem, p_fa, b_fa):
 
 
 def _kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, cache_ref, o_ref, q_smem, k_smem, s_smem, q_bar, k_ready,
-            k_free, staging=None, *, page, tiles_per_split, config):
+            k_free, staging=None, *, page, tiles_per_split, config, interpret):
     t = lax.axis_index("t")
     split = lax.axis_index("s")
     wg = lax.axis_index("wg")
@@ -284,20 +285,31 @@ def _kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, cache_ref, o_ref, q_smem, k_
             return jnp.maximum(bt_ref[req, pos // page], 0) * page + pos % page
 
         if config.copy == "tma":
-            _tma_producer(cache_ref, k_smem, s_smem, k_ready, k_free, staging, slot_of, busy, config)
+            _tma_producer(cache_ref, k_smem, s_smem, k_ready, k_free, staging, slot_of, busy, config, interpret)
         else:
             _cp_async_producer(cache_ref, k_smem, s_smem, k_ready, k_free, slot_of, busy, config)
 
 
-def _tma_producer(cache_ref, k_smem, s_smem, k_ready, k_free, staging, slot_of, busy, config):
+def _repack_interpreted(stage, k_smem, s_smem, p, b):
+    """`_repack` in array ops, for the Pallas GPU interpreter (which runs no Lane code): the staged run as [64, 132]
+    bytes, its key bytes as e4m3 into buffer `b`, its scale bytes as float32."""
+    rows = stage[p].reshape(BLOCK_K, DI + 4)
+    k_smem[b] = lax.bitcast_convert_type(rows[:, :DI], fp8_formats.FP8)
+    s_smem[b] = lax.bitcast_convert_type(rows[:, DI:].reshape(BLOCK_K, 4), jnp.float32)
+
+
+def _tma_producer(cache_ref, k_smem, s_smem, k_ready, k_free, staging, slot_of, busy, config, interpret):
     """One TMA a tile (its 8448-byte run, `cache_ref` viewed as [tiles, 33, 256]) into `in_flight` staging
-    buffers, `in_flight - 1` tiles ahead; each landed tile is rearranged (`_repack`) into a free key buffer, fenced
-    for the tensor cores and handed to the consumers."""
+    buffers, `in_flight - 1` tiles ahead; each landed tile is rearranged (`_repack`; under the interpreter
+    `_repack_interpreted`) into a free key buffer, fenced for the tensor cores and handed to the consumers."""
     stage, t_bar = staging
     ahead = config.in_flight - 1
-    repack = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),
-                                          plgpu.RefType((plgpu.TilingTransform((8, DI)), plgpu.SwizzleTransform(128))),
-                                          plgpu.RefType(), plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))(_repack)
+    if interpret:
+        repack = _repack_interpreted
+    else:
+        repack = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType((plgpu.TilingTransform((8, DI)),
+                                                                              plgpu.SwizzleTransform(128))),
+                                              plgpu.RefType(), plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))(_repack)
 
     def fetch(i):
         @pl.when(i < busy)
@@ -325,6 +337,13 @@ def _tma_producer(cache_ref, k_smem, s_smem, k_ready, k_free, staging, slot_of, 
         return carry
 
     lax.fori_loop(0, busy, step, None)
+    if interpret:
+        # the interpreter checks that every thread waiting on a barrier observes all its phases: wait for the
+        # consumers to free the last tiles (on the device the producer just leaves first)
+        def drain(i, carry):
+            plgpu.barrier_wait(k_free.at[lax.rem(i, config.stages)])
+            return carry
+        lax.fori_loop(jnp.maximum(busy, config.stages) - config.stages, busy, drain, None)
 
 
 def _cp_async_producer(cache_ref, k_smem, s_smem, k_ready, k_free, slot_of, busy, config):
@@ -362,8 +381,8 @@ def _cp_async_producer(cache_ref, k_smem, s_smem, k_ready, k_free, slot_of, busy
     lax.fori_loop(jnp.maximum(busy - (config.in_flight - 1), 0), busy, last, None)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "config"))
-def _run(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size, config):
+@functools.partial(jax.jit, static_argnames=("block_size", "config", "interpret"))
+def _run(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size, config, interpret):
     t, h, _ = q.shape
     s = block_tables.shape[1] * block_size
     tiles = -(-s // BLOCK_K)
@@ -381,7 +400,8 @@ def _run(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size, c
         staging = (plgpu.SMEM((config.in_flight, TMA_ROWS, TMA_COLS), jnp.uint8),
                    plgpu.Barrier(num_arrivals=1, num_barriers=config.in_flight))
     kernel = plgpu.kernel(
-        functools.partial(_kernel, page=block_size, tiles_per_split=tiles_per_split, config=config),
+        functools.partial(_kernel, page=block_size, tiles_per_split=tiles_per_split, config=config,
+                          interpret=interpret),
         out_type=jax.ShapeDtypeStruct((t, n_split * tiles_per_split * BLOCK_K), jnp.float32),
         scratch_types=(
             plgpu.SMEM((hp, DI), fp8_formats.FP8, transforms=(tiling, swizzle)),
@@ -397,6 +417,7 @@ def _run(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size, c
         num_threads=config.consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     return kernel(token_req.astype(jnp.int32), kv_lens.astype(jnp.int32), q8, w, block_tables.astype(jnp.int32),
                   k_cache)
@@ -416,7 +437,8 @@ def indexer_scores_mosaic(q, weights, k_cache, token_req, kv_lens, block_tables,
                    interpret=interpret, config=config)
     if why:
         raise ValueError(f"indexer_scores_mosaic: {why}")
-    return _run(q, weights, k_cache, token_req, kv_lens, block_tables, block_size=int(block_size), config=config)
+    return _run(q, weights, k_cache, token_req, kv_lens, block_tables, block_size=int(block_size), config=config,
+                interpret=bool(interpret))
 
 
 def indexer_topk_mosaic(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int, topk: int,

@@ -1,9 +1,10 @@
 """The Mosaic GPU indexer scores kernel (kernels/indexer_mosaic.py) and the indexer op's "mosaic" impl.
 
-On CPU: its launch configs, the shapes it refuses (by name), the split rule, the "auto" rule, and that it lowers
-(Lane code included) at GLM-5 decode shapes. Its producer is Lane code, which the Pallas GPU interpreter does not
-run, so the kernel's values are checked on the GPU (marker `gpu`): scores against the float32 xla oracle, the op's
-top-k against the xla op's, on random FP8 caches in shuffled pages.
+On CPU: its launch configs, the shapes it refuses (by name), the split rule, the "auto" rule, that it lowers
+(Lane code included) at GLM-5 decode shapes, and the kernel itself under the Pallas GPU interpreter (its repack in
+array ops there, `_repack_interpreted`; everything else the same) against the oracle. On the GPU (marker `gpu`):
+the native kernel, both producer forms, scores against the float32 xla oracle and the op's top-k against the xla
+op's, on random FP8 caches in shuffled pages.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import pytest
 
 from kernels import fp8_formats, indexer, indexer_mosaic, registry
 from kernels.indexer_mosaic import MosaicIndexerConfig
+
+_ON_GPU = registry.on_gpu()
+MOSAIC = "mosaic" if _ON_GPU else "mosaic_interpret"
 
 
 LENS_PATTERN = [0, 1, 63, 64, 65, 200, 511, 512]
@@ -55,6 +59,7 @@ def _oracle_scores(q, w, cache, req, lens, bt, page):
 
 
 def _mosaic_scores(q, w, cache, req, lens, bt, page, **options):
+    options.setdefault("interpret", not _ON_GPU)
     qp, wp = indexer.prepare_queries(q, w, cache)
     return np.asarray(jax.jit(functools.partial(indexer_mosaic.indexer_scores_mosaic, block_size=page, **options))(
         qp, wp, cache, req, lens, bt))
@@ -149,7 +154,7 @@ def test_shapes_it_does_not_take_are_refused_by_name():
         (dict(q=jnp.zeros((2, 264, 128), jnp.bfloat16)), "at most 256 heads"),
         (dict(block_size=32), "pages of a multiple of 64 keys, got block_size 32"),
         (dict(k_cache=jnp.zeros((200, 132), jnp.uint8)), "whole 64-slot tiles, got 200 slots"),
-        (dict(interpret=True), "Lane code"),
+        (dict(interpret=True, config=MosaicIndexerConfig(copy="rows", stages=4, in_flight=3)), "Lane code"),
         (dict(config=MosaicIndexerConfig(stages=8, in_flight=24)), "bytes of shared memory"),
     ]
     base = dict(q=q, weights=w, k_cache=cache, token_req=req, kv_lens=lens, block_tables=bt, block_size=page)
@@ -160,8 +165,9 @@ def test_shapes_it_does_not_take_are_refused_by_name():
         assert got is not None and __import__("re").search(why, got), (change, got)
     with pytest.raises(ValueError, match="indexer_scores_mosaic: .*block_size 32"):
         indexer_mosaic.indexer_scores_mosaic(q, w, cache, req, lens, bt, block_size=32)
-    with pytest.raises(ValueError, match="indexer_scores_mosaic: .*Lane code, which the GPU interpreter cannot run"):
-        indexer.indexer_topk(q, w, cache, req, lens, bt, block_size=page, topk=8, impl="mosaic_interpret")
+    with pytest.raises(ValueError, match="indexer_scores_mosaic: copy 'rows' is Lane code"):
+        indexer.indexer_topk(q, w, cache, req, lens, bt, block_size=page, topk=8, impl="mosaic_interpret",
+                             copy="rows", stages=4, in_flight=3)
 
 
 def test_auto_rule():
@@ -203,6 +209,47 @@ def test_lowers_at_glm5_decode_shapes(t, options):
     text = _lowered(t, 32, 32768, **options)
     assert "mosaic_gpu" in text
     assert f"tensor<{t}x32768xf32>" in text
+
+
+# ------------------------------------------------------------------------------ the kernel, interpreted on CPU
+
+@pytest.mark.parametrize("h,options", [(32, {}), (4, {"stages": 4, "in_flight": 3}), (20, {"n_split": 3}),
+                                       (8, {"consumers": 2, "stages": 2, "in_flight": 2})])
+def test_interpreted_scores_match_the_oracle(h, options):
+    """Rows of 0 .. 512 visible keys (tile edges), 4 / 8 / 20 / 32 heads (padded to a multiple of 8 with zero
+    weights), signed weights, uneven splits, two consumers, one or three tiles copied ahead."""
+    _check_scores(_inputs(LENS_PATTERN, h=h, seed=h), interpret=True, **options)
+
+
+@pytest.mark.parametrize("page", [128, 256])
+def test_interpreted_pages_larger_than_a_tile(page):
+    """A tile starts inside a page: its first slot is the page's plus the tile's offset in it."""
+    lens = [1, 130, 257, 700, 1023, 1024]
+    _check_scores(_inputs(lens, page=page, pages=1024 // page, seed=page, reqs=[0, 0, 1, 1, 2, 2]),
+                  interpret=True)
+
+
+def test_interpreted_rows_past_kv_len_are_masked_whatever_they_hold():
+    lens = [1, 63, 65, 300]
+    clean = _check_scores(_inputs(lens, seed=5), interpret=True)
+    dirty = _check_scores(_inputs(lens, seed=5, garbage_tail=True), interpret=True)
+    np.testing.assert_array_equal(clean, dirty)
+
+
+def test_interpreted_whole_op_matches_the_xla_op():
+    """impl "mosaic_interpret" through `indexer_topk`: the top-k's positions are the xla op's (as a set) and their
+    scores the oracle's at those positions (the interpreter's dots are float32: no e4m3 accumulation loss)."""
+    lens = [0, 5, 64, 300, 512, 511]
+    args = _inputs(lens, seed=11)
+    q, w, cache, req, kv, bt, page = args
+    f = functools.partial(indexer.indexer_topk, block_size=page, topk=100, return_scores=True, ordered=False)
+    pos, val = map(np.asarray, jax.jit(functools.partial(f, impl="mosaic_interpret"))(q, w, cache, req, kv, bt))
+    ref_pos, ref_val = map(np.asarray, jax.jit(functools.partial(f, impl="xla"))(q, w, cache, req, kv, bt))
+    scores, bound = _oracle_scores(*args), _error_bound(*args)
+    for i, n in enumerate(lens):
+        k = min(100, n)
+        assert np.all(pos[i, k:] == -1) and sorted(pos[i, :k].tolist()) == sorted(ref_pos[i, :k].tolist()), i
+        assert np.all(np.abs(val[i, :k] - scores[i, pos[i, :k]]) <= bound[i, pos[i, :k]] + 1e-6), i
 
 
 # ------------------------------------------------------------------------------ GPU (native Mosaic GPU)
