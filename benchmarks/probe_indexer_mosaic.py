@@ -24,35 +24,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import bench_indexer
-from benchmarks.bench_indexer import CTX, PAGE, TOPK
+from benchmarks.bench_indexer import CTX, PAGE
 from benchmarks.diag_indexer_parts import kernel_breakdown
 from benchmarks.harness import command_line, per_op_traced_times, record, trace_micros, write_json
-from kernels import indexer, indexer_mosaic, indexer_triton
-from kernels.topk_config import TopkConfig
+from kernels import indexer
 
 DEFAULT_VARIANTS = ('[{}, {"copy": "rows"}, {"in_flight": 6}, {"stages": 2, "in_flight": 2}, '
                     '{"stages": 2, "in_flight": 4}, {"ctas": 528}, {"ctas": 132}, {"copy": "rows", "ctas": 528}, '
                     '{"copy": "rows", "ctas": 132}]')
 
 
-def scores(impl, opts, q, w, cache, req, lens, bt):
-    qq, ww = indexer.prepare_queries(q, w, cache)
-    if impl == "mosaic":
-        return indexer_mosaic.indexer_scores_mosaic(qq, ww, cache, req, lens, bt, block_size=PAGE, **opts)
-    return indexer_triton.indexer_scores_triton(qq, ww, cache, req, lens, bt, block_size=PAGE, **opts)
-
-
 def runner(reps, impl, opts, with_topk):
-    @jax.jit
-    def run(cache, bt, q, w, req, lens):
-        outs = []
-        for i in range(reps):
-            sc = scores(impl, opts, q[i], w[i], cache, req[i], lens[i], bt)
-            if with_topk:
-                sc = indexer.select_topk(sc, lens[i], TOPK, CTX, impl="triton", config=TopkConfig(sort="none"))
-            outs.append(sc)
-        return outs
-    return run
+    """`bench_indexer`'s jitted runners: the scores kernel of `impl` alone, or the whole op as the model calls it
+    (the entries as a set)."""
+    if with_topk:
+        return bench_indexer.total_runner(reps, impl, {"ordered": False, **opts})
+    return bench_indexer.scores_runner(reps, opts, impl)
 
 
 def check(data, b, opts):
@@ -62,7 +49,7 @@ def check(data, b, opts):
         qq, ww = indexer.prepare_queries(q[0], w[0], cache)
         want = np.asarray(jax.jit(lambda *a: indexer.indexer_scores_xla(*a, block_size=PAGE))(
             qq, ww, cache, req[0], n, bt))
-        got = np.asarray(jax.jit(lambda *a: scores("mosaic", opts, *a))(q[0], w[0], cache, req[0], n, bt))[:, :CTX]
+        got = np.asarray(runner(1, "mosaic", opts, False)(cache, bt, q, w, req, (n,))[0])[:, :CTX]
         fin = np.isfinite(want)
         scale = np.maximum(np.max(np.where(fin, np.abs(want), 0), axis=1, keepdims=True), 1e-30)
         res[name] = {"mask_equal": bool(np.array_equal(fin, np.isfinite(got)) and np.all(got[~fin] == -np.inf)),

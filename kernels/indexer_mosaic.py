@@ -43,7 +43,8 @@ from .mosaic_common import wait_async_copies
 BLOCK_K = 64  # keys per tile: wgmma's M
 DI = 128  # key width the kernel takes: one 128-byte swizzle row of e4m3
 SM_COUNT = 132  # the H200's SMs
-TILE_BYTES = BLOCK_K * (DI + 4)  # one tile's cache rows: a contiguous run of 8448 bytes
+ROW_BYTES = fp8_formats.index_row_bytes(DI)  # a cache row: 128 e4m3 and a float32 scale, 132 bytes
+TILE_BYTES = BLOCK_K * ROW_BYTES  # one tile's cache rows: a contiguous run of 8448 bytes
 TMA_ROWS, TMA_COLS = TILE_BYTES // 256, 256  # the run as a TMA box (each box dimension at most 256)
 SMEM_LIMIT = 232448  # shared memory one CTA may take on the H200 (Mosaic GPU's max_smem_bytes)
 
@@ -95,6 +96,11 @@ class MosaicIndexerConfig:
         return even if 2 * even >= target else target
 
 
+def _tile_transforms():
+    """The (8, 128)-tiled, 128-byte-swizzled form wgmma reads, of the query tile and the key buffers."""
+    return plgpu.TilingTransform((8, DI)), plgpu.SwizzleTransform(128)
+
+
 def heads_padded(h: int) -> int:
     """Query heads as the kernel runs them: a multiple of 8 (wgmma's N granule)."""
     return -(-h // 8) * 8
@@ -104,7 +110,7 @@ def shared_memory_bytes(h: int, config: MosaicIndexerConfig) -> int:
     """Shared memory of one CTA: the buffered key tiles and their scales, the staging buffers of copy "tma", the
     query tile, barriers (an allowance)."""
     staging = config.in_flight * TILE_BYTES if config.copy == "tma" else 0
-    return config.stages * (BLOCK_K * DI + BLOCK_K * 4) + staging + heads_padded(h) * DI + 1024
+    return config.stages * TILE_BYTES + staging + heads_padded(h) * DI + 1024  # a key buffer + scales: a tile
 
 
 def supports(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int, interpret: bool = False,
@@ -114,8 +120,8 @@ def supports(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_siz
     copy "tma" under the interpreter (copy "rows" is Lane code)."""
     if interpret and (config or MosaicIndexerConfig()).copy != "tma":
         return "copy 'rows' is Lane code, which the GPU interpreter cannot run (copy 'tma' can be interpreted)"
-    if k_cache.dtype != jnp.uint8 or k_cache.ndim != 2 or k_cache.shape[-1] != DI + 4:
-        return (f"the Mosaic indexer takes an FP8 indexer cache uint8 [slots, {DI + 4}], got {k_cache.dtype} "
+    if k_cache.dtype != jnp.uint8 or k_cache.ndim != 2 or k_cache.shape[-1] != ROW_BYTES:
+        return (f"the Mosaic indexer takes an FP8 indexer cache uint8 [slots, {ROW_BYTES}], got {k_cache.dtype} "
                 f"{tuple(k_cache.shape)}")
     if q.ndim != 3 or q.shape[-1] != DI:
         return f"the Mosaic indexer takes keys of {DI} values, got queries of shape {tuple(q.shape)}"
@@ -131,7 +137,7 @@ def supports(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_siz
     return None
 
 
-def _issue_tile(ctx, cache, k_smem, s_smem, base_fa, b_fa, *, row_bytes):
+def _issue_tile(ctx, cache, k_smem, s_smem, base_fa, b_fa):
     """Lane code (inline_mgpu): this producer thread's cp.async copies of the 64 cache rows from slot `base` into
     buffer `b`, committed as one group: warp w copies rows w + 4 m, lane l the word l of each (row j's key bytes
     land in swizzle row j % 8 of 8-row group j // 8, 16-byte chunk (l // 4) ^ (j % 8)); threads 0..63 copy the
@@ -156,17 +162,17 @@ def _issue_tile(ctx, cache, k_smem, s_smem, base_fa, b_fa, *, row_bytes):
     warp = arith.divui(tid, c(32))
     lane = arith.remui(tid, c(32))
     row0 = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(cache),
-                                    [arith.muli(arith.extui(i64, base), arith.constant(i64, row_bytes))], i8)
+                                    [arith.muli(arith.extui(i64, base), arith.constant(i64, ROW_BYTES))], i8)
     k_buf = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(k_smem), [arith.muli(b, c(BLOCK_K * DI))], i8)
     s_buf = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(s_smem), [arith.muli(b, c(BLOCK_K * 4))], i8)
-    src0 = mgpu_utils.getelementptr(row0, [arith.extui(i64, arith.addi(arith.muli(warp, c(row_bytes)),
+    src0 = mgpu_utils.getelementptr(row0, [arith.extui(i64, arith.addi(arith.muli(warp, c(ROW_BYTES)),
                                                                         arith.muli(lane, c(4))))], i8)
     for m in range(BLOCK_K // 4):
         row = arith.addi(warp, c(4 * m))
         cp(mgpu_utils.getelementptr(k_buf, [_swizzled(row, lane)], i8),
-           mgpu_utils.getelementptr(src0, [4 * m * row_bytes], i8))
+           mgpu_utils.getelementptr(src0, [4 * m * ROW_BYTES], i8))
     cp(mgpu_utils.getelementptr(s_buf, [arith.muli(tid, c(4))], i8),
-       mgpu_utils.getelementptr(row0, [arith.extui(i64, arith.addi(arith.muli(tid, c(row_bytes)), c(DI)))], i8),
+       mgpu_utils.getelementptr(row0, [arith.extui(i64, arith.addi(arith.muli(tid, c(ROW_BYTES)), c(DI)))], i8),
        arith.cmpi(arith.CmpIPredicate.ult, tid, c(BLOCK_K)))
     mgpu_utils.inline_ptx("cp.async.commit_group;", has_side_effects=True)
 
@@ -202,16 +208,15 @@ def _repack(ctx, stage, k_smem, s_smem, p_fa, b_fa):
         return arith.constant(i32, v)
     p = p_fa.registers.item()
     b = b_fa.registers.item()
-    row_bytes = DI + 4
     tid = arith.remui(mgpu_utils.thread_idx(), c(128))
     warp = arith.divui(tid, c(32))
     lane = arith.remui(tid, c(32))
     src = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(stage),
                                    [arith.addi(arith.muli(p, c(TILE_BYTES)),
-                                               arith.addi(arith.muli(warp, c(row_bytes)), arith.muli(lane, c(4))))],
+                                               arith.addi(arith.muli(warp, c(ROW_BYTES)), arith.muli(lane, c(4))))],
                                    i8)
     k_buf = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(k_smem), [arith.muli(b, c(BLOCK_K * DI))], i8)
-    words = [mgpu_utils.inline_ptx("ld.shared.b32 $0, [$1];", mgpu_utils.getelementptr(src, [4 * m * row_bytes], i8),
+    words = [mgpu_utils.inline_ptx("ld.shared.b32 $0, [$1];", mgpu_utils.getelementptr(src, [4 * m * ROW_BYTES], i8),
                                    result_types=[i32])[0] for m in range(BLOCK_K // 4)]
     for m, word in enumerate(words):
         dst = mgpu_utils.getelementptr(k_buf, [_swizzled(arith.addi(warp, c(4 * m)), lane)], i8)
@@ -220,7 +225,7 @@ def _repack(ctx, stage, k_smem, s_smem, p_fa, b_fa):
     scale_src = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(stage),
                                          [arith.addi(arith.muli(p, c(TILE_BYTES)),
                                                      arith.addi(arith.muli(arith.remui(tid, c(BLOCK_K)),
-                                                                           c(row_bytes)), c(DI)))], i8)
+                                                                           c(ROW_BYTES)), c(DI)))], i8)
     scale = mgpu_utils.inline_ptx("ld.shared.b32 $0, [$1];", scale_src, result_types=[i32])[0]
     scale_dst = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(s_smem),
                                          [arith.addi(arith.muli(b, c(BLOCK_K * 4)), arith.muli(tid, c(4)))], i8)
@@ -293,7 +298,7 @@ def _kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, cache_ref, o_ref, q_smem, k_
 def _repack_interpreted(stage, k_smem, s_smem, p, b):
     """`_repack` in array ops, for the Pallas GPU interpreter (which runs no Lane code): the staged run as [64, 132]
     bytes, its key bytes as e4m3 into buffer `b`, its scale bytes as float32."""
-    rows = stage[p].reshape(BLOCK_K, DI + 4)
+    rows = stage[p].reshape(BLOCK_K, ROW_BYTES)
     k_smem[b] = lax.bitcast_convert_type(rows[:, :DI], fp8_formats.FP8)
     s_smem[b] = lax.bitcast_convert_type(rows[:, DI:].reshape(BLOCK_K, 4), jnp.float32)
 
@@ -307,9 +312,8 @@ def _tma_producer(cache_ref, k_smem, s_smem, k_ready, k_free, staging, slot_of, 
     if interpret:
         repack = _repack_interpreted
     else:
-        repack = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType((plgpu.TilingTransform((8, DI)),
-                                                                              plgpu.SwizzleTransform(128))),
-                                              plgpu.RefType(), plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))(_repack)
+        repack = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(_tile_transforms()), plgpu.RefType(),
+                                              plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))(_repack)
 
     def fetch(i):
         @pl.when(i < busy)
@@ -349,10 +353,8 @@ def _tma_producer(cache_ref, k_smem, s_smem, k_ready, k_free, staging, slot_of, 
 def _cp_async_producer(cache_ref, k_smem, s_smem, k_ready, k_free, slot_of, busy, config):
     """4-byte cp.async copies straight into the key buffer and scales (`_issue_tile`), `in_flight` tiles of them
     outstanding per thread."""
-    issue = plgpu.inline_mgpu(arg_types=(plgpu.RefType(),
-                                         plgpu.RefType((plgpu.TilingTransform((8, DI)), plgpu.SwizzleTransform(128))),
-                                         plgpu.RefType(), plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))(
-        functools.partial(_issue_tile, row_bytes=DI + 4))
+    issue = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(_tile_transforms()), plgpu.RefType(),
+                                         plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))(_issue_tile)
     stages = config.stages
 
     def fill(i, slot):
@@ -392,8 +394,6 @@ def _run(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size, c
     # e4m3 values (exact in q's dtype) to e4m3 storage: an exact convert, so no folding of converts can change it
     q8 = jnp.pad(q.astype(fp8_formats.FP8), ((0, 0), (0, hp - h), (0, 0)))
     w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, hp - h)))
-    tiling = plgpu.TilingTransform((8, DI))
-    swizzle = plgpu.SwizzleTransform(128)
     staging = None
     if config.copy == "tma":  # each tile's run of rows as one TMA box: the cache viewed as [tiles, 33, 256]
         k_cache = k_cache.reshape(k_cache.shape[0] // BLOCK_K, TMA_ROWS, TMA_COLS)
@@ -404,8 +404,8 @@ def _run(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size, c
                           interpret=interpret),
         out_type=jax.ShapeDtypeStruct((t, n_split * tiles_per_split * BLOCK_K), jnp.float32),
         scratch_types=(
-            plgpu.SMEM((hp, DI), fp8_formats.FP8, transforms=(tiling, swizzle)),
-            plgpu.SMEM((config.stages, BLOCK_K, DI), fp8_formats.FP8, transforms=(tiling, swizzle)),
+            plgpu.SMEM((hp, DI), fp8_formats.FP8, transforms=_tile_transforms()),
+            plgpu.SMEM((config.stages, BLOCK_K, DI), fp8_formats.FP8, transforms=_tile_transforms()),
             plgpu.SMEM((config.stages, BLOCK_K), jnp.float32),
             plgpu.Barrier(num_arrivals=1),
             plgpu.Barrier(num_arrivals=1, num_barriers=config.stages),

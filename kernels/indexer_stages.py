@@ -21,8 +21,8 @@ SELECT_MIN_ROWS = 4
 def topk_select_impl(s: int, topk: int, topk_impl: str | None, interpret: bool, rows: int | None = None,
                      config: TopkConfig | None = None) -> str:
     """The "topk" impl (`kernels.indexer.select_topk`) the indexer's kernel impls run over `rows` rows (None: many)
-    of `s` scores: the select kernel ("triton", or "triton_interpret" when `interpret`) for `topk_impl` "select"; "xla"
-    (`lax.top_k`) for "lax". None: the select kernel on a GPU where it takes the rows (S <= SELECT_MAX_S: faster
+    of `s` scores: the select kernel ("triton", or "triton_interpret" when `interpret`) for `topk_impl` "select";
+    "xla" (`lax.top_k`) for "lax". None: the select kernel on a GPU where it takes the rows (S <= SELECT_MAX_S: faster
     than `lax.top_k` with the same result bit for bit) and either they take the two-pass select of the select's
     `config` (`TopkConfig.two_pass`; None: a config of one pass) or there are at least SELECT_MIN_ROWS of
     them; else `lax.top_k` (one program per row leaves the GPU idle below that: BENCHMARKS.md, sessions 11 and 15);

@@ -338,7 +338,6 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
     return per_row(*args)
 
 
-
 def _scores_call(kernel, token_req, kv_lens, q, weights, *, block_tables, k_cache, rows, width, n_prog, params,
                  interpret, name):
     """One launch of a scores kernel on grid (T / rows, n_prog): program (i, j) scores query rows [i * rows, +rows)
