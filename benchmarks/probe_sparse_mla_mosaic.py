@@ -38,7 +38,26 @@ VARIANTS = {"cp_async": dict(producer="cp_async"), "cp_async_xla_merge": dict(pr
             "lr208": dict(consumer_registers=208, follower_registers=168, producer_registers=128),
             "lr200": dict(consumer_registers=200, follower_registers=168, producer_registers=136),
             "cr208": dict(consumer_registers=208, producer_registers=88),
-            "diag_no_mask": dict(diagnostic="no_mask"), "diag_gather_only": dict(diagnostic="gather_only")}
+            "diag_no_mask": dict(diagnostic="no_mask"),
+            # timing-only forms (kernels/sparse_mla_mosaic.DIAGNOSTICS): the producer alone (the idle consumers are
+            # the plain schedule's), and the fp8 producer's parts (BENCHMARKS.md, session 20)
+            "diag_gather_only": dict(diagnostic="gather_only", share_p=False),
+            "diag_no_convert": dict(diagnostic="no_convert"), "diag_no_load": dict(diagnostic="no_load"),
+            "diag_gather_only_no_convert": dict(diagnostic="gather_only_no_convert", share_p=False),
+            "diag_gather_only_no_load": dict(diagnostic="gather_only_no_load", share_p=False),
+            "diag_compute_only": dict(diagnostic="compute_only"),
+            "diag_compute_only_plain": dict(diagnostic="compute_only", share_p=False),
+            # the consumers alone with the bf16 kernel's registers (232 each; the producer's 40 are enough to idle)
+            "diag_compute_only_r232": dict(diagnostic="compute_only", consumer_registers=232,
+                                           follower_registers=None, producer_registers=40),
+            # where the fp8 producer reads its slot ids (the default: smem, fetched a tile ahead)
+            "slots_gmem": dict(slot_source="gmem"), "slots_smem": dict(slot_source="smem"),
+            "diag_gather_only_slots_gmem": dict(diagnostic="gather_only", share_p=False, slot_source="gmem")}
+
+
+def fp8_only(variant):
+    """Whether the variant is a timing-only form of the fp8_ds_mla producer (a bf16 cache refuses it)."""
+    return mosaic.FP8_PRODUCER_MODE[VARIANTS[variant].get("diagnostic", "none")] != "full"
 
 
 def case(b, reps, fp8=False, seed=0):
@@ -101,6 +120,8 @@ def main(argv=None):
         ref = sparse_mla.sparse_mla(q_s, cache_by_kind[kind], idx_s, scale=SCALE, kv_lora_rank=R, impl="xla")
         for variant in args.variants.split(","):
             if kind == "fp8" and VARIANTS[variant].get("producer") == "tma":
+                continue
+            if kind == "bf16" and fp8_only(variant):
                 continue
             if variant.startswith("diag"):
                 ok.append((kind, variant))

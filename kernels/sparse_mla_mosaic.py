@@ -45,6 +45,21 @@ LOG2E = math.log2(math.e)
 LAUNCH_REGISTERS = 65536 // (3 * 128) // 8 * 8
 
 
+# Timing-only forms of the kernel (`MosaicSparseMLAConfig.diagnostic`; their results are wrong by design): which
+# part of the work costs what (BENCHMARKS.md, sessions 16 and 20). "no_mask": the consumers neither read the slot
+# ids nor mask -1 slots. "gather_only": the consumers only hand each tile back (the producer alone). The rest are
+# the fp8_ds_mla producer's: "no_convert" stores the loaded e4m3 words without converting them, "no_load" converts
+# and stores words it did not load (it reads the slot ids, no cache bytes), "compute_only" only hands tiles to the
+# consumers (the consumers alone, on whatever the tiles hold); "gather_only_no_convert" / "gather_only_no_load"
+# both at once.
+DIAGNOSTICS = ("none", "no_mask", "gather_only", "no_convert", "no_load", "compute_only", "gather_only_no_convert",
+               "gather_only_no_load")
+# what each form asks of the fp8 producer: "full" (load, convert, store), "no_convert", "no_load" or "idle"
+FP8_PRODUCER_MODE = {"none": "full", "no_mask": "full", "gather_only": "full", "no_convert": "no_convert",
+                      "no_load": "no_load", "compute_only": "idle", "gather_only_no_convert": "no_convert",
+                      "gather_only_no_load": "no_load"}
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicSparseMLAConfig:
     """Launch config. n_split: CTAs per query row (each a contiguous share of the row's 64-slot tiles; their
@@ -56,7 +71,12 @@ class MosaicSparseMLAConfig:
     `lse_merge.merge_partials` (five XLA passes). share_p: one QK^T per tile, shared through shared memory (the
     default: 107 against 164 us of kernel time at B = 128, BENCHMARKS.md session 12); False: both consumers
     compute it. l2_prefetch: how many tiles ahead the producer asks L2 for the cache rows of (one bulk prefetch
-    per row, issued before it waits for a free buffer; 0: none; the bf16 cp.async producer only)."""
+    per row, issued before it waits for a free buffer; 0: none; the bf16 cp.async producer only). slot_source:
+    where the TMA and fp8 producers read the slot ids from: "gmem" (the index array, each thread its rows' ids)
+    or "smem" (one TMA copy of the next tile's 64 ids into shared memory while the current tile is gathered; the
+    bf16 cp.async producer reads gmem either way). producer: "cp_async" or "tma", the bf16 cache's gatherer (an
+    fp8_ds_mla cache always takes its own). diagnostic: a timing-only form (`DIAGNOSTICS`), "none" for the
+    kernel."""
     n_split: int = 1
     consumer_registers: int = 232
     producer_registers: int = 40
@@ -71,9 +91,12 @@ class MosaicSparseMLAConfig:
     def __post_init__(self):
         if self.merge not in ("launch", "xla"):
             raise ValueError(f"MosaicSparseMLAConfig.merge must be 'launch' or 'xla', got {self.merge!r}")
-        if self.diagnostic not in ("none", "no_mask", "gather_only"):
-            raise ValueError(f"MosaicSparseMLAConfig.diagnostic must be 'none', 'no_mask' or 'gather_only', "
+        if self.diagnostic not in DIAGNOSTICS:
+            raise ValueError(f"MosaicSparseMLAConfig.diagnostic must be one of {', '.join(map(repr, DIAGNOSTICS))}, "
                              f"got {self.diagnostic!r}")
+        if self.diagnostic.startswith("gather_only") and self.share_p:
+            raise ValueError(f"MosaicSparseMLAConfig.diagnostic {self.diagnostic!r} needs share_p=False (the idle "
+                             "consumers are the plain schedule's)")
         if self.producer not in ("cp_async", "tma"):
             raise ValueError(f"MosaicSparseMLAConfig.producer must be 'cp_async' or 'tma', got {self.producer!r}")
         if self.slot_source not in ("gmem", "smem"):
@@ -123,7 +146,8 @@ def default_config(t: int, k: int, fp8: bool = False, share_p: bool = True) -> M
     fastest split measured: BENCHMARKS.md, session 18). A bf16 cache read by
     one CTA a row asks L2 for the next tile's rows (measured faster there only: BENCHMARKS.md, session 17).
     share_p False (both consumers compute S): for fp8 the two consumers share what the producer leaves, 184 each
-    (not measured for speed; the default schedule is share_p)."""
+    (not measured for speed; the default schedule is share_p). The fp8 producer takes its slot ids from shared
+    memory, fetched a tile ahead (slot_source "smem": 1-2% faster, BENCHMARKS.md, session 20)."""
     tiles = max(1, -(-k // BLOCK_K))
     n_split = 1
     while t * n_split * 2 <= 132 and tiles // (n_split * 2) >= 1:
@@ -131,9 +155,9 @@ def default_config(t: int, k: int, fp8: bool = False, share_p: bool = True) -> M
     if fp8:
         if not share_p:
             return MosaicSparseMLAConfig(n_split=n_split, share_p=False, consumer_registers=184,
-                                         producer_registers=128)
+                                         producer_registers=128, slot_source="smem")
         return MosaicSparseMLAConfig(n_split=n_split, consumer_registers=208, follower_registers=168,
-                                     producer_registers=128)
+                                     producer_registers=128, slot_source="smem")
     return MosaicSparseMLAConfig(n_split=n_split, share_p=share_p, l2_prefetch=1 if n_split == 1 else 0)
 
 
@@ -149,7 +173,8 @@ _SMEM_OVERHEAD = 3144 - _REDUCTION_SCRATCH
 
 
 def _slot_tiles(config: MosaicSparseMLAConfig) -> bool:
-    """Whether the launch keeps the slot ids in shared memory (only the TMA producer reads them from there)."""
+    """Whether the launch keeps the slot ids in shared memory (slot_source "smem"; the TMA and fp8 producers
+    read them from there, the bf16 cp.async producer leaves them unused)."""
     return config.slot_source == "smem"
 
 
@@ -253,10 +278,10 @@ def _kernel(q_ref, cache_ref, idx_ref, o_ref, lse_ref, q_smem, k_view, q_bar, k_
                 acc, m_i, l_i, slots = carry
                 b = lax.rem(i, 2)
                 plgpu.barrier_wait(k_ready.at[b])
-                if config.diagnostic == "gather_only":
+                if config.diagnostic.startswith("gather_only"):
                     plgpu.barrier_arrive(k_free.at[b])
                     return carry
-                slots_next = load_slots(i + 1) if config.diagnostic == "none" else slots
+                slots_next = load_slots(i + 1) if config.diagnostic != "no_mask" else slots
 
                 p, alpha, m_new = _scores_softmax(q_smem, k_tiled.at[b], slots, m_i, scale)
                 l_i = l_i * alpha + p.sum(axis=1)
@@ -278,7 +303,7 @@ def _kernel(q_ref, cache_ref, idx_ref, o_ref, lse_ref, q_smem, k_view, q_bar, k_
                 plgpu.barrier_arrive(k_free.at[b])
                 return acc, m_new, l_i, slots_next
 
-            if config.diagnostic == "none":
+            if config.diagnostic != "no_mask":
                 slots0 = load_slots(0)
             else:
                 slots0 = plgpu.layout_cast(jnp.zeros((BLOCK_K,), jnp.int32), plgpu.Layout.WGMMA.reduce(0))
@@ -297,7 +322,8 @@ def _kernel(q_ref, cache_ref, idx_ref, o_ref, lse_ref, q_smem, k_view, q_bar, k_
     def _producer():
         plgpu.set_max_registers(config.producer_registers, action="decrease")
         if cache_ref.dtype == jnp.uint8:
-            _fp8_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, tiles_per_split, r, width)
+            _fp8_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, idx_smem, idx_bar, t, tile0, tiles_per_split,
+                          r, width, config)
         elif config.producer == "cp_async" and not interpret:
             _cp_async_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, tiles_per_split, width,
                                config)
@@ -515,16 +541,33 @@ def _cp_async_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, t
     _drain(k_free, tiles_per_split)
 
 
-def _fp8_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, tiles_per_split, r, width):
+def _fp8_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, idx_smem, idx_bar, t, tile0, tiles_per_split, r,
+                  width, config):
     """fp8_ds_mla rows dequantised into the bf16 tile: each thread loads 16-byte pieces of e4m3 (4 rows x
     R / 128 pieces), converts them exactly (e4m3 -> f16 -> f32, x the piece's f32 tile scale, one rounding to
     bf16) and stores them at their swizzled place; the bf16 rope part goes by cp.async. One tile at a time: the
-    loads are synchronous, so the next tile's loads wait for this tile's conversion."""
+    loads are synchronous, so the next tile's loads wait for this tile's conversion. With slot_source "smem" the
+    next tile's slot ids come by one TMA copy issued before this tile's gather, so no thread waits on a global
+    load of its ids before its row loads."""
+    mode = FP8_PRODUCER_MODE[config.diagnostic]
+    from_smem = config.slot_source == "smem"
+    slot_types = (plgpu.RefType(),) if from_smem else ()
     gather = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(),
                                           plgpu.RefType((plgpu.TilingTransform((8, COL_TILE)),
                                                          plgpu.SwizzleTransform(128))),
-                                          plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))(
-        functools.partial(_issue_fp8_rows, r=r, width=width))
+                                          plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT)
+                               + slot_types)(
+        functools.partial(_issue_fp8_rows, r=r, width=width, mode=mode, slots_from_smem=from_smem))
+
+    def fetch_slots(i):  # tile i's 64 slot ids into idx_smem[i % 2]
+        @pl.when(i < tiles_per_split)
+        def _():
+            b = lax.rem(i, 2)
+            plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds((tile0 + i) * BLOCK_K, BLOCK_K)], idx_smem.at[b],
+                                    idx_bar.at[b])
+
+    if from_smem and mode != "idle":
+        fetch_slots(0)
 
     def fill(i, _):
         b = lax.rem(i, 2)
@@ -532,9 +575,17 @@ def _fp8_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, tiles_
         @pl.when(i >= 2)
         def _():
             plgpu.barrier_wait(k_free.at[b])
-        gather(cache_ref, idx_ref, k_tiled, t, (tile0 + i) * BLOCK_K, b)
-        wait_async_copies(0)
-        plgpu.commit_smem()
+        if mode != "idle":
+            if from_smem:
+                # idx_smem[1 - b] held tile i - 1's ids, which every thread has read (the warpgroup barrier at the
+                # end of the last gather)
+                fetch_slots(i + 1)
+                plgpu.barrier_wait(idx_bar.at[b])
+                gather(cache_ref, idx_ref, k_tiled, t, (tile0 + i) * BLOCK_K, b, idx_smem)
+            else:
+                gather(cache_ref, idx_ref, k_tiled, t, (tile0 + i) * BLOCK_K, b)
+            wait_async_copies(0)
+            plgpu.commit_smem()
         plgpu.barrier_arrive(k_ready.at[b])
         return None
     lax.fori_loop(0, tiles_per_split, fill, None)
@@ -564,16 +615,20 @@ cvt.rn.bf16x2.f32 $1, x3, x2;
 }"""  # 4 e4m3 bytes (little-endian word) x an f32 scale -> 2 words of bf16 pairs, in memory order
 
 
-def _issue_fp8_rows(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, *, r, width):
-    """Lane code (inline_mgpu): this thread's share of tile `b` from fp8_ds_mla rows idx[t, base:base + 64].
-    Thread (row0 = tid // 8, lane8 = tid % 8) takes rows row0 + 16 k and the 16-value pieces lane8 + 8 j of the
-    latent (R / 128 per row: piece j lies in scale tile j, so a row's scales are one vector load) plus rope piece
-    lane8. Slot -1: zeros (its words and scales selected to 0 before the conversion, the rope by a 0-byte
-    cp.async source)."""
+def _issue_fp8_rows(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, slots_smem=None, *, r, width, mode,
+                    slots_from_smem):
+    """Lane code (inline_mgpu): this thread's share of tile `b` from fp8_ds_mla rows idx[t, base:base + 64]
+    (their ids read from `slots_smem`[b] when slots_from_smem). Thread (row0 = tid // 8, lane8 = tid % 8) takes
+    rows row0 + 16 k and the 16-value pieces lane8 + 8 j of the latent (R / 128 per row: piece j lies in scale
+    tile j, so a row's scales are one vector load) plus rope piece lane8. Slot -1: zeros (its words and scales
+    selected to 0 before the conversion, the rope by a 0-byte cp.async source). mode: "full", or a timing-only
+    form (`DIAGNOSTICS`): "no_convert" stores the loaded words as they are, "no_load" converts words it did not
+    load (no cache bytes read)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, memref
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     del ctx
+    assert mode in ("full", "no_convert", "no_load"), mode
     i8 = ir.IntegerType.get_signless(8)
     i32 = ir.IntegerType.get_signless(32)
     i64 = ir.IntegerType.get_signless(64)
@@ -601,7 +656,10 @@ def _issue_fp8_rows(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, *, r, width):
     rows = []
     for rep in range(BLOCK_K // 16):  # issue every load of the tile first: they are in flight together
         row = arith.addi(row0, c(16 * rep))
-        slot = memref.load(idx, [arith.index_cast(index, t), arith.index_cast(index, arith.addi(base, row))])
+        if slots_from_smem:
+            slot = memref.load(slots_smem, [arith.index_cast(index, b), arith.index_cast(index, row)])
+        else:
+            slot = memref.load(idx, [arith.index_cast(index, t), arith.index_cast(index, arith.addi(base, row))])
         valid = arith.cmpi(arith.CmpIPredicate.sge, slot, zero)
         slot = arith.select(valid, slot, zero)
         row_ptr = mgpu_utils.getelementptr(cache_ptr, [arith.muli(arith.extui(i64, slot),
@@ -611,33 +669,45 @@ def _issue_fp8_rows(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, *, r, width):
                              arith.addi(arith.muli(arith.divui(row, c(8)), c(n_cols * 1024)), arith.muli(r_in, c(128))))
         scales = []
         for j0 in range(0, n_tiles, 4):  # the row's tile scales, four per (16-byte aligned) vector load
+            if mode == "no_load":
+                scales.extend([arith.constant(f32, 1.0)] * 4)
+                continue
             src = mgpu_utils.getelementptr(row_ptr, [scale_off + 4 * j0], i8)
             scales.extend(mgpu_utils.inline_ptx("ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$4];", src,
                                                 result_types=[f32] * 4))
         pieces = []
         for j in range(n_tiles):
             piece = arith.addi(lane8, c(8 * j))  # 16 e4m3 values: columns 16 piece .. 16 piece + 15
-            src = mgpu_utils.getelementptr(row_ptr, [arith.extui(i64, arith.muli(piece, c(16)))], i8)
-            words = mgpu_utils.inline_ptx("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", src,
-                                          result_types=[i32] * 4)
+            if mode == "no_load":  # words the compiler cannot fold (the conversion is opaque PTX anyway)
+                words = [arith.addi(slot, c(0x38383838 + w)) for w in range(4)]
+            else:
+                src = mgpu_utils.getelementptr(row_ptr, [arith.extui(i64, arith.muli(piece, c(16)))], i8)
+                words = mgpu_utils.inline_ptx("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", src,
+                                              result_types=[i32] * 4)
             pieces.append((piece, words, scales[j]))
-        pe_src = mgpu_utils.getelementptr(row_ptr, [arith.extui(i64, arith.addi(c(pe_off), arith.muli(lane8, c(16))))],
-                                          i8)
-        pe_dst = mgpu_utils.getelementptr(k_ptr, [arith.addi(arith.addi(row_dst, c((n_cols - 1) * 1024)),
-                                                             arith.muli(arith.xori(lane8, r_in), c(16)))], i8)
-        mgpu_utils.inline_ptx("cp.async.cg.shared.global [$0], [$1], 16, $2;", pe_dst, pe_src,
-                              arith.select(valid, c(16), zero), has_side_effects=True)
+        if mode != "no_load":
+            pe_src = mgpu_utils.getelementptr(
+                row_ptr, [arith.extui(i64, arith.addi(c(pe_off), arith.muli(lane8, c(16))))], i8)
+            pe_dst = mgpu_utils.getelementptr(k_ptr, [arith.addi(arith.addi(row_dst, c((n_cols - 1) * 1024)),
+                                                                 arith.muli(arith.xori(lane8, r_in), c(16)))], i8)
+            mgpu_utils.inline_ptx("cp.async.cg.shared.global [$0], [$1], 16, $2;", pe_dst, pe_src,
+                                  arith.select(valid, c(16), zero), has_side_effects=True)
         rows.append((valid, row_dst, r_in, pieces))
     mgpu_utils.inline_ptx("cp.async.commit_group;", has_side_effects=True)
+    if slots_from_smem:  # every thread has read its ids from slots_smem[b] before it is refilled (tile b + 2)
+        mgpu_utils.warpgroup_barrier()
     for valid, row_dst, r_in, pieces in rows:
         for piece, words, scale in pieces:
             # slot -1 read row 0, whose bytes may be anything (NaN or inf scales among them): its words and scale
             # become 0 here, so the conversion gives +0 (0 x 0), four selects a piece instead of eight after
             scale = arith.select(valid, scale, fzero)
-            out = []
-            for w in words:
-                out.extend(mgpu_utils.inline_ptx(_E4M3X4_TO_BF16, arith.select(valid, w, zero), scale,
-                                                 result_types=[i32, i32]))
+            if mode == "no_convert":  # 16 bytes loaded, 32 stored: the words twice
+                out = [arith.select(valid, w, zero) for w in words] * 2
+            else:
+                out = []
+                for w in words:
+                    out.extend(mgpu_utils.inline_ptx(_E4M3X4_TO_BF16, arith.select(valid, w, zero), scale,
+                                                     result_types=[i32, i32]))
             # columns 16 piece.. land in column tile piece // 4, 16-byte chunks 2 (piece % 4) and + 1 of the row
             col_tile = arith.divui(piece, c(4))
             chunk = arith.muli(arith.remui(piece, c(4)), c(2))
@@ -773,6 +843,9 @@ def sparse_mla_mosaic(q, cache, indices, *, scale: float, kv_lora_rank: int,
                                       share_p=overrides.get("share_p", True) is not False)
     if overrides:
         config = dataclasses.replace(config, **overrides)
+    if FP8_PRODUCER_MODE[config.diagnostic] != "full" and cache.dtype != jnp.uint8:
+        raise ValueError(f"sparse_mla_mosaic: diagnostic {config.diagnostic!r} is a form of the fp8_ds_mla producer; "
+                         f"this cache is {cache.dtype}")
     need = shared_memory_bytes(q.shape[-1], config)
     if not interpret and need > SMEM_LIMIT:  # refused before a compile that would fail with the same numbers
         raise ValueError(f"sparse_mla_mosaic: this config needs {need} bytes of shared memory per CTA (share_p="

@@ -126,6 +126,17 @@ def test_config_is_validated():
     fp8_cfg = sparse_mla_mosaic.default_config(32, 2048, fp8=True)
     assert (fp8_cfg.consumer_registers, fp8_cfg.second_consumer_registers, fp8_cfg.producer_registers) == (208, 168,
                                                                                                             128)
+    # the fp8 producer's slot ids come a tile ahead through shared memory, in both schedules (session 20)
+    assert fp8_cfg.slot_source == "smem"
+    assert sparse_mla_mosaic.default_config(128, 2048, fp8=True, share_p=False).slot_source == "smem"
+    assert sparse_mla_mosaic.default_config(128, 2048).slot_source == "gmem"
+    # timing-only forms: named, and the idle consumers are the plain schedule's
+    with pytest.raises(ValueError, match="diagnostic must be one of 'none', 'no_mask'.*got 'fast'"):
+        sparse_mla_mosaic.MosaicSparseMLAConfig(diagnostic="fast")
+    for form in ("gather_only", "gather_only_no_load", "gather_only_no_convert"):
+        with pytest.raises(ValueError, match=f"diagnostic '{form}' needs share_p=False"):
+            sparse_mla_mosaic.MosaicSparseMLAConfig(diagnostic=form)
+        assert sparse_mla_mosaic.MosaicSparseMLAConfig(diagnostic=form, share_p=False).diagnostic == form
 
 
 def test_plain_schedule_on_an_fp8_cache_takes_its_own_default():
@@ -142,6 +153,52 @@ def test_plain_schedule_on_an_fp8_cache_takes_its_own_default():
                                            share_p=False),
                          sd((32, 64, 576), jnp.bfloat16), sd((4096, 656), jnp.uint8), sd((32, 2048), jnp.int32))
     assert "mosaic_gpu" in text
+
+
+# what each timing-only form leaves in the fp8 producer: (e4m3 conversion, cache row loads)
+FP8_FORMS = {"none": (True, True), "no_convert": (False, True), "no_load": (True, False),
+             "compute_only": (False, False), "gather_only_no_convert": (False, True),
+             "gather_only_no_load": (True, False)}
+
+
+@pytest.mark.parametrize("form", list(FP8_FORMS))
+def test_fp8_timing_diagnostics_lower(form):
+    """Each timing-only form of the fp8 producer lowers for CUDA on CPU and leaves out what it says it leaves out:
+    the e4m3 conversion (`cvt.rn.f16x2.e4m3x2`) and the 16-byte cache row loads (`ld.global.nc.v4.u32`). Without
+    this, a form that still did the work would time the whole kernel under another name."""
+    from kernels.triton_common import lower_for_gpu
+    sd = jax.ShapeDtypeStruct
+    share_p = not form.startswith("gather_only")
+    text = lower_for_gpu(functools.partial(sparse_mla_mosaic.sparse_mla_mosaic, scale=0.0625, kv_lora_rank=512,
+                                           diagnostic=form, share_p=share_p),
+                         sd((32, 64, 576), jnp.bfloat16), sd((4096, 656), jnp.uint8), sd((32, 2048), jnp.int32))
+    converts, loads = FP8_FORMS[form]
+    assert ("cvt.rn.f16x2.e4m3x2" in text) == converts
+    assert ("ld.global.nc.v4.u32" in text) == loads
+
+
+def test_fp8_producer_diagnostics_need_an_fp8_cache():
+    z = jnp.zeros
+    for form in ("no_load", "compute_only"):
+        with pytest.raises(ValueError, match=f"diagnostic '{form}' is a form of the fp8_ds_mla producer; this "
+                                             "cache is bfloat16"):
+            sparse_mla_mosaic.sparse_mla_mosaic(z((2, 64, 576), jnp.bfloat16), z((64, 576), jnp.bfloat16),
+                                                z((2, 64), jnp.int32), scale=0.1, kv_lora_rank=512, diagnostic=form)
+
+
+def test_fp8_slot_ids_from_shared_memory_lower():
+    """Both fp8 schedules lower for CUDA on CPU with the slot ids read from gmem and from shared memory, and the
+    default (smem) layout fits the H200's shared memory with share_p: 231496 of 232448 bytes."""
+    from kernels.triton_common import lower_for_gpu
+    sd = jax.ShapeDtypeStruct
+    for share_p in (True, False):
+        for source in ("gmem", "smem"):
+            text = lower_for_gpu(functools.partial(sparse_mla_mosaic.sparse_mla_mosaic, scale=0.0625,
+                                                   kv_lora_rank=512, share_p=share_p, slot_source=source),
+                                 sd((4, 64, 576), jnp.bfloat16), sd((4096, 656), jnp.uint8), sd((4, 256), jnp.int32))
+            assert "cvt.rn.f16x2.e4m3x2" in text
+    cfg = sparse_mla_mosaic.default_config(128, 2048, fp8=True)
+    assert sparse_mla_mosaic.shared_memory_bytes(576, cfg) == 231496 <= sparse_mla_mosaic.SMEM_LIMIT
 
 
 def test_shapes_the_kernel_does_not_take_are_refused():
@@ -227,6 +284,24 @@ def test_gpu_fp8_takes_its_own_producer():
     o1, lse1 = _run("mosaic", q, cache, idx, r=512, producer="cp_async")
     np.testing.assert_array_equal(o, o1)
     np.testing.assert_array_equal(lse, lse1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("t,k", [(128, 2048), (32, 2048), (33, 2000), (3, 64)])
+def test_gpu_fp8_slot_ids_from_shared_memory(t, k, schedule):
+    """The fp8 producer's slot ids fetched a tile ahead into shared memory (the default) give the values read
+    from gmem give: against numpy, and bit for bit. Shapes: one CTA a row (32 tiles through both id buffers),
+    four splits a row, a row that is not whole tiles (2000: the last tile's ids padded with -1), a single tile
+    (no fetch ahead)."""
+    q, cache, idx = _inputs(t, 64, k, 200_000, seed=5 + t + k, r=512, fp8=True)
+    o, lse = _run("mosaic", q, cache, idx, r=512, slot_source="smem", **SCHEDULES[schedule])
+    o0, lse0 = _run("mosaic", q, cache, idx, r=512, slot_source="gmem", **SCHEDULES[schedule])
+    kv, pe = fp8_formats.dequantize_mla_rows(cache, 512, DR)
+    cache_f32 = np.asarray(jnp.concatenate([kv.astype(jnp.bfloat16), pe], -1).astype(jnp.float32))
+    _check_against_numpy(o, lse, q, cache_f32, idx, 512)
+    np.testing.assert_array_equal(o, o0)
+    np.testing.assert_array_equal(lse, lse0)
 
 
 @pytest.mark.gpu
