@@ -25,9 +25,10 @@ mla_tests)
     tests/kernels/test_sparse_mla_mosaic.py -k "${TESTS_K:-gpu}"
   tail -4 "$R/mla_tests.log"
   ;;
-attn)
-  cp benchmarks/results/attention.json "$R/attention.json"
-  step attn ${T_ATTN:-260} python3 benchmarks/bench_attention.py --ops sparse_mla_mosaic --merge --timeout_s 250 \
+attn)  # ATTN_MERGE=0: a file of its own (a run on another card than results/attention.json's)
+  [ "${ATTN_MERGE:-1}" = 1 ] && cp benchmarks/results/attention.json "$R/attention.json"
+  step attn ${T_ATTN:-260} python3 benchmarks/bench_attention.py --ops sparse_mla_mosaic \
+    $([ "${ATTN_MERGE:-1}" = 1 ] && echo --merge) --timeout_s 250 \
     --extra "sparse_mla_mosaic=--variants cp_async --baselines xla,triton --splits default" --out "$R/attention.json"
   grep "PROBE time" "$R/attn.log" | cut -c1-170; tail -3 "$R/attn.log"
   ;;
