@@ -18,7 +18,8 @@ swizzle-only view of the K buffer ("tma_rows"). The GPU interpreter (CPU tests) 
 views, so there the same copies go to the tiled view at a traced row, which it accepts and device lowering
 does not: the one place the two paths differ. A bf16 cache goes by 16-byte cp.async copies by default
 ("cp_async"); an fp8_ds_mla cache always takes its own Lane-code producer, which loads the e4m3 rows into
-registers and stores them dequantised to bf16 (the GPU runs it; the interpreter refuses Lane code).
+registers and stores them dequantised to bf16, the next tile's slot ids coming into shared memory by one TMA
+meanwhile (the GPU runs it; the interpreter refuses Lane code). `DIAGNOSTICS` names the timing-only forms.
 """
 
 from __future__ import annotations
