@@ -5,7 +5,8 @@
 #   mla_tests  the Mosaic sparse MLA GPU tests (TESTS_K: a pytest -k expression; default every gpu test)
 #   attn       bench_attention.py --ops sparse_mla_mosaic (mosaic default, triton, xla), merged into a copy of
 #              results/attention.json
-#   ncu        Nsight Compute sections of the Mosaic indexer scores kernel at B = 32 (benchmarks/profile_kernels.py)
+#   ncu_mla    Nsight Compute sections and tensor-pipe metrics of the Mosaic sparse MLA kernel at B = 128, both caches
+#              (benchmarks/profile_kernels.py; the indexer's: benchmarks/gpu_session19.sh ncu)
 # Every step under its own timeout; logs and JSON under $OUT/r, packed into one tarball.
 set -uo pipefail
 source "$(dirname "$0")/gpu_prelude.sh"  # cd to the repository, OUT, R, the exports, step()
@@ -32,11 +33,12 @@ attn)  # ATTN_MERGE=0: a file of its own (a run on another card than results/att
     --extra "sparse_mla_mosaic=--variants cp_async --baselines xla,triton --splits default" --out "$R/attention.json"
   grep "PROBE time" "$R/attn.log" | cut -c1-170; tail -3 "$R/attn.log"
   ;;
-ncu)
-  step ncu ${T_NCU:-150} ncu --clock-control none --kernel-name regex:mosaic --launch-count 1 --section SpeedOfLight \
-    --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats \
-    python3 benchmarks/profile_kernels.py --ops indexer --indexer-impls mosaic
-  grep -E "anonymous|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Warp Cycles Per Issued|Block Size|Grid Size|Waves|Dynamic Shared|L1/TEX Hit|L2 Hit|No Eligible" "$R/ncu.log" | head -40
+ncu_mla)  # the indexer's profile is benchmarks/gpu_session19.sh's ncu step
+  step ncu_mla ${T_NCU:-300} ncu --clock-control none --kernel-name regex:mosaic --launch-count 2 \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis --section LaunchStats --section Occupancy \
+    --section WarpStateStats --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_hmma.sum \
+    python3 benchmarks/profile_kernels.py --ops mla --mla-impls mosaic
+  grep -E "anonymous|Duration|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occ|tensor|Warp Cycles Per Issued|Dynamic Shared|Issue Slots Busy" "$R/ncu_mla.log" | head -40
   ;;
 *) echo "unknown step $what"; exit 2 ;;
 esac; done

@@ -49,16 +49,15 @@ LAUNCH_REGISTERS = 65536 // (3 * 128) // 8 * 8
 # Timing-only forms of the kernel (`MosaicSparseMLAConfig.diagnostic`; their results are wrong by design): which
 # part of the work costs what (BENCHMARKS.md, sessions 16 and 20). "no_mask": the consumers neither read the slot
 # ids nor mask -1 slots. "gather_only": the consumers only hand each tile back (the producer alone). The rest are
-# the fp8_ds_mla producer's: "no_convert" stores the loaded e4m3 words without converting them, "no_load" converts
-# and stores words it did not load (it reads the slot ids, no cache bytes), "compute_only" only hands tiles to the
-# consumers (the consumers alone, on whatever the tiles hold); "gather_only_no_convert" / "gather_only_no_load"
-# both at once.
-DIAGNOSTICS = ("none", "no_mask", "gather_only", "no_convert", "no_load", "compute_only", "gather_only_no_convert",
-               "gather_only_no_load")
-# what each form asks of the fp8 producer: "full" (load, convert, store), "no_convert", "no_load" or "idle"
+# the fp8_ds_mla producer's: "no_convert" stores the loaded e4m3 words without converting them (and so loads no
+# scales: nothing reads them), "no_load" converts and stores words it did not load (it reads the slot ids, no cache
+# bytes), "compute_only" only hands tiles to the consumers (the consumers alone, on whatever the tiles hold);
+# "gather_only_no_convert" / "gather_only_no_load" both at once. Each form -> what it asks of the fp8 producer:
+# "full" (load, convert, store), "no_convert", "no_load" or "idle".
 FP8_PRODUCER_MODE = {"none": "full", "no_mask": "full", "gather_only": "full", "no_convert": "no_convert",
-                      "no_load": "no_load", "compute_only": "idle", "gather_only_no_convert": "no_convert",
-                      "gather_only_no_load": "no_load"}
+                     "no_load": "no_load", "compute_only": "idle", "gather_only_no_convert": "no_convert",
+                     "gather_only_no_load": "no_load"}
+DIAGNOSTICS = tuple(FP8_PRODUCER_MODE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -558,7 +557,7 @@ def _fp8_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, idx_smem, idx_ba
                                                          plgpu.SwizzleTransform(128))),
                                           plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT)
                                + slot_types)(
-        functools.partial(_issue_fp8_rows, r=r, width=width, mode=mode, slots_from_smem=from_smem))
+        functools.partial(_issue_fp8_rows, r=r, width=width, mode=mode))
 
     def fetch_slots(i):  # tile i's 64 slot ids into idx_smem[i % 2]
         @pl.when(i < tiles_per_split)
@@ -616,10 +615,9 @@ cvt.rn.bf16x2.f32 $1, x3, x2;
 }"""  # 4 e4m3 bytes (little-endian word) x an f32 scale -> 2 words of bf16 pairs, in memory order
 
 
-def _issue_fp8_rows(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, slots_smem=None, *, r, width, mode,
-                    slots_from_smem):
+def _issue_fp8_rows(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, slots_smem=None, *, r, width, mode):
     """Lane code (inline_mgpu): this thread's share of tile `b` from fp8_ds_mla rows idx[t, base:base + 64]
-    (their ids read from `slots_smem`[b] when slots_from_smem). Thread (row0 = tid // 8, lane8 = tid % 8) takes
+    (their ids read from `slots_smem`[b] where it is given). Thread (row0 = tid // 8, lane8 = tid % 8) takes
     rows row0 + 16 k and the 16-value pieces lane8 + 8 j of the latent (R / 128 per row: piece j lies in scale
     tile j, so a row's scales are one vector load) plus rope piece lane8. Slot -1: zeros (its words and scales
     selected to 0 before the conversion, the rope by a 0-byte cp.async source). mode: "full", or a timing-only
@@ -657,7 +655,7 @@ def _issue_fp8_rows(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, slots_smem=Non
     rows = []
     for rep in range(BLOCK_K // 16):  # issue every load of the tile first: they are in flight together
         row = arith.addi(row0, c(16 * rep))
-        if slots_from_smem:
+        if slots_smem is not None:
             slot = memref.load(slots_smem, [arith.index_cast(index, b), arith.index_cast(index, row)])
         else:
             slot = memref.load(idx, [arith.index_cast(index, t), arith.index_cast(index, arith.addi(base, row))])
@@ -695,7 +693,7 @@ def _issue_fp8_rows(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, slots_smem=Non
                                   arith.select(valid, c(16), zero), has_side_effects=True)
         rows.append((valid, row_dst, r_in, pieces))
     mgpu_utils.inline_ptx("cp.async.commit_group;", has_side_effects=True)
-    if slots_from_smem:  # every thread has read its ids from slots_smem[b] before it is refilled (tile b + 2)
+    if slots_smem is not None:  # every thread has read its ids from slots_smem[b] before it is refilled (tile b + 2)
         mgpu_utils.warpgroup_barrier()
     for valid, row_dst, r_in, pieces in rows:
         for piece, words, scale in pieces:

@@ -57,6 +57,15 @@ def _check_against_numpy(o, lse, q, cache_f32, idx, r, tol=2e-2):
     assert rel < tol, rel
 
 
+def _oracle_rows(cache, r):
+    """The rows the kernel's tiles hold, in float32 for the numpy oracle: a bf16 cache as it is; an fp8_ds_mla
+    cache exactly dequantised, its latent rounded to bf16 as the fp8 producer's tiles are (the rope part is bf16)."""
+    if cache.dtype != jnp.uint8:
+        return np.asarray(cache.astype(jnp.float32))
+    kv, pe = fp8_formats.dequantize_mla_rows(cache, r, DR)
+    return np.asarray(jnp.concatenate([kv.astype(jnp.bfloat16), pe], -1).astype(jnp.float32))
+
+
 SCHEDULES = {"plain": {"share_p": False}, "share_p": {"share_p": True}}
 
 
@@ -247,12 +256,7 @@ def test_gpu_glm5_shapes(t, h, k, fp8, producer, schedule):
     """fp8_ds_mla has one producer (its Lane code dequantises as it gathers)."""
     q, cache, idx = _inputs(t, h, k, 200_000, seed=t + h, r=512, fp8=fp8)
     o, lse = _run("mosaic", q, cache, idx, r=512, producer=producer, **SCHEDULES[schedule])
-    if fp8:  # the oracle over the exactly dequantised rows, rounded to bf16 as the kernel's tiles are
-        kv, pe = fp8_formats.dequantize_mla_rows(cache, 512, DR)
-        cache_f32 = np.asarray(jnp.concatenate([kv.astype(jnp.bfloat16), pe], -1).astype(jnp.float32))
-    else:
-        cache_f32 = np.asarray(cache.astype(jnp.float32))
-    _check_against_numpy(o, lse, q, cache_f32, idx, 512)
+    _check_against_numpy(o, lse, q, _oracle_rows(cache, 512), idx, 512)
 
 
 @pytest.mark.gpu
@@ -265,12 +269,7 @@ def test_gpu_l2_prefetch(t, k, ahead, fp8):
     q, cache, idx = _inputs(t, 64, k, 200_000, seed=t + k, r=512, fp8=fp8)
     o, lse = _run("mosaic", q, cache, idx, r=512, l2_prefetch=ahead)
     o0, lse0 = _run("mosaic", q, cache, idx, r=512, l2_prefetch=0)
-    if fp8:
-        kv, pe = fp8_formats.dequantize_mla_rows(cache, 512, DR)
-        cache_f32 = np.asarray(jnp.concatenate([kv.astype(jnp.bfloat16), pe], -1).astype(jnp.float32))
-    else:
-        cache_f32 = np.asarray(cache.astype(jnp.float32))
-    _check_against_numpy(o, lse, q, cache_f32, idx, 512)
+    _check_against_numpy(o, lse, q, _oracle_rows(cache, 512), idx, 512)
     np.testing.assert_array_equal(o, o0)
     np.testing.assert_array_equal(lse, lse0)
 
@@ -297,9 +296,7 @@ def test_gpu_fp8_slot_ids_from_shared_memory(t, k, schedule):
     q, cache, idx = _inputs(t, 64, k, 200_000, seed=5 + t + k, r=512, fp8=True)
     o, lse = _run("mosaic", q, cache, idx, r=512, slot_source="smem", **SCHEDULES[schedule])
     o0, lse0 = _run("mosaic", q, cache, idx, r=512, slot_source="gmem", **SCHEDULES[schedule])
-    kv, pe = fp8_formats.dequantize_mla_rows(cache, 512, DR)
-    cache_f32 = np.asarray(jnp.concatenate([kv.astype(jnp.bfloat16), pe], -1).astype(jnp.float32))
-    _check_against_numpy(o, lse, q, cache_f32, idx, 512)
+    _check_against_numpy(o, lse, q, _oracle_rows(cache, 512), idx, 512)
     np.testing.assert_array_equal(o, o0)
     np.testing.assert_array_equal(lse, lse0)
 
@@ -314,8 +311,7 @@ def test_gpu_fp8_slot_minus_one_reads_no_garbage(t):
     idx = np.where(idx == 0, 1, idx)
     cache = cache.at[0].set(jnp.full((cache.shape[1],), 0xFF, jnp.uint8))
     o, lse = _run("mosaic", q, cache, idx, r=512)
-    kv, pe = fp8_formats.dequantize_mla_rows(cache[1:], 512, DR)
-    cache_f32 = np.asarray(jnp.concatenate([kv.astype(jnp.bfloat16), pe], -1).astype(jnp.float32))
+    cache_f32 = _oracle_rows(cache[1:], 512)
     cache_f32 = np.concatenate([np.zeros_like(cache_f32[:1]), cache_f32])  # row 0: never attended
     _check_against_numpy(o, lse, q, cache_f32, idx, 512)
 
