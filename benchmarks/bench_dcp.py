@@ -32,8 +32,8 @@ import numpy as np
 
 from benchmarks.harness import command_line, median_seconds, peak_bytes, record, write_json
 from glm_dsa import configs
-from glm_dsa.engine import Engine
-from glm_dsa.init import init_params
+from glm_dsa.serving.engine import Engine
+from glm_dsa.model.random_init import init_params
 from sharding import ParallelConfig
 from sharding.parallel import QREP_ENV
 

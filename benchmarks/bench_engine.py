@@ -31,12 +31,12 @@ import numpy as np
 
 from benchmarks.harness import (command_line, device_peaks, device_time, median_seconds, nudge, peak_bytes, record,
                                 write_json)
-from glm_dsa.config import GlmDsaConfig
-from glm_dsa.engine import Engine
-from glm_dsa.init import init_params
-from glm_dsa.model import StepBatch
-from glm_dsa.paged_cache import KV_CACHE_DTYPES
-from glm_dsa.step import step
+from glm_dsa.model.config import GlmDsaConfig
+from glm_dsa.serving.engine import Engine
+from glm_dsa.model.random_init import init_params
+from glm_dsa.model.layers import StepBatch
+from glm_dsa.model.paged_cache import KV_CACHE_DTYPES
+from glm_dsa.model.step import step
 from kernels import fused_norm_rope, indexer, sparse_mla
 from kernels.fp8_formats import quantize_index_rows, quantize_mla_rows
 
@@ -107,7 +107,7 @@ def decode_batch(b: int, context: int, block_size: int, vocab_size: int, rng, dc
     """One decode row per sequence at position `context - 1` (pages 1.. in order; under DCP = `dcp` each rank's
     share of the context, the slot on the owning rank), token ids drawn uniformly from the model's vocabulary
     [0, vocab_size)."""
-    from glm_dsa.paged_cache import owner_slots, pages_needed
+    from glm_dsa.model.paged_cache import owner_slots, pages_needed
     pages = pages_needed(context, block_size, dcp)
     tables = (1 + np.arange(b * pages, dtype=np.int32)).reshape(b, pages)
     pos = np.full(b, context - 1, np.int32)
@@ -137,7 +137,7 @@ def stage_times(eng: Engine, batch: StepBatch) -> dict[str, float]:
     idx_args = (w_i, idx_cache, batch.token_req, kv_lens, batch.block_tables)
     top = jax.jit(topk)(q_i, *idx_args)
     out["indexer"] = n_full * device_time(lambda q, *a: nudge(q, topk(q, *a)), q_i, *idx_args)
-    from glm_dsa.paged_cache import positions_to_slots
+    from glm_dsa.model.paged_cache import positions_to_slots
     slots = positions_to_slots(top, batch.token_req, batch.block_tables, eng.block_size)
     attend = functools.partial(sparse_mla.sparse_mla, scale=cfg.softmax_scale, kv_lora_rank=cfg.kv_lora_rank,
                                impl=impl)
@@ -154,9 +154,9 @@ def stage_times(eng: Engine, batch: StepBatch) -> dict[str, float]:
         from flax import nnx
         from jax.sharding import PartitionSpec as P
 
-        from glm_dsa.options import StepOptions
-        from glm_dsa.placement import partition_specs
-        from glm_dsa.step import fp8_paths, model_graphdef
+        from glm_dsa.model.options import StepOptions
+        from glm_dsa.model.placement import partition_specs
+        from glm_dsa.model.step import fp8_paths, model_graphdef
         gd = model_graphdef(cfg, fp8_paths(eng.params))
 
         def moe_step(x, params):  # weights as arguments: a closure would bake them in as constants
@@ -333,7 +333,7 @@ def result_rows(res: dict) -> list[dict]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's flags: the `python -m glm_dsa bench` subcommand's and this module's `main`'s."""
-    from glm_dsa.configs import PRESETS
+    from glm_dsa.model.presets import PRESETS
     p.add_argument("--preset", default="bench", choices=sorted(PRESETS))
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--input-len", type=int, default=32768)

@@ -31,12 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness import command_line, median_seconds, record, write_json
-from glm_dsa import host_buffer
-from glm_dsa.engine import Engine
-from glm_dsa.init import init_params
-from glm_dsa.mtp import init_mtp_params
-from glm_dsa.paged_cache import pages_needed
-from glm_dsa.spec_engine import SpecDecoder
+from glm_dsa.serving import host_buffer
+from glm_dsa.serving.engine import Engine
+from glm_dsa.model.random_init import init_params
+from glm_dsa.model.mtp import init_mtp_params
+from glm_dsa.model.paged_cache import pages_needed
+from glm_dsa.serving.spec_decoder import SpecDecoder
 from sharding import ParallelConfig
 
 PROJECTED_LENGTHS = (1.6, 2.5, 3.5)
@@ -260,7 +260,7 @@ def run(args, log=print) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags (`python -m glm_dsa bench --num-speculative-tokens ...` takes the bench flags it shares)."""
-    from glm_dsa.configs import PRESETS
+    from glm_dsa.model.presets import PRESETS
     p.add_argument("--num-speculative-tokens", default="1,3,5", help="comma-separated draft counts k")
     p.add_argument("--preset", default="bench", choices=sorted(PRESETS))
     p.add_argument("--num-layers", type=int, default=None)

@@ -45,9 +45,9 @@ import jax
 import numpy as np
 
 from benchmarks.harness import command_line, record, write_json
-from glm_dsa.engine import Engine
-from glm_dsa.init import init_params
-from glm_dsa.sampling import SamplingParams
+from glm_dsa.serving.engine import Engine
+from glm_dsa.model.random_init import init_params
+from glm_dsa.serving.sampling import SamplingParams
 from sharding import ParallelConfig
 
 

@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 
-from .configs import PRESETS
+from .model.presets import PRESETS
 
 PRESET_NAMES = sorted(PRESETS)
 
@@ -104,7 +104,7 @@ def _generate_and_report(eng, prompts, args, out=None, tokenizer=None) -> list[l
 
 def cmd_generate(args) -> int:
     import glm_dsa
-    from glm_dsa import text
+    from .serving import text
     if not args.prompt_ids and not args.prompt:
         raise SystemExit("generate: give at least one --prompt TEXT or --prompt-ids IDS")
     tokenizer = text.load_tokenizer(args.checkpoint, required=bool(args.prompt))
@@ -124,8 +124,8 @@ def cmd_serve(args) -> int:
     import jax
 
     import glm_dsa
-    from glm_dsa import text
-    from glm_dsa.server import chat_template, serve
+    from .serving import text
+    from .serving.server import chat_template, serve
     tokenizer = text.load_tokenizer(args.checkpoint)
     engine_kw = {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens", "num_pages", "block_size")
                  if getattr(args, k) is not None}
@@ -140,7 +140,7 @@ def cmd_serve(args) -> int:
         serve(eng, model_name=name, host=args.host, port=args.port, api_key=args.api_key, tokenizer=tokenizer,
               template=chat_template(args.checkpoint), loop=loop)
     if jax.process_count() > 1:  # process 0 serves, the others follow its steps
-        from glm_dsa.lockstep import serve_in_lockstep
+        from .serving.lockstep import serve_in_lockstep
         return serve_in_lockstep(eng, run, timeout_s=args.distributed_timeout)
     run()
     return 0
@@ -150,8 +150,8 @@ def cmd_convert(args) -> int:
     """HF safetensors (bf16 / fp32 / FP8 block-scaled) or orbax -> a new committed orbax version at --to. Across
     processes each reads and writes only its own devices' shards (--to on a filesystem they share)."""
     import checkpoints
-    from glm_dsa.params import has_mtp_layer, load_params
-    from glm_dsa.text import TEXT_FILES
+    from .model.loading import has_mtp_layer, load_params
+    from .serving.text import TEXT_FILES
 
     src, dst = args.src, args.dst
     if os.path.abspath(src) == os.path.abspath(dst):
@@ -188,7 +188,7 @@ def param_bytes_per_device(cfg, parallel, q_replicate: bool, dtype, plan=frozens
     import numpy as np
 
     import checkpoints
-    from glm_dsa.placement import param_bytes_per_device as on_device
+    from .model.placement import param_bytes_per_device as on_device
 
     itemsize = {"fp8": 1, "scale": 4, "fp32": 4, "weight": jnp.dtype(dtype).itemsize}
     leaves = checkpoints.stored_leaves(checkpoints.param_specs(cfg), frozenset(plan))
@@ -202,7 +202,7 @@ def _info_plan(args, cfg) -> frozenset[str]:
     """The weights `info` counts as FP8: a preset's under --quantization (none by default); a checkpoint's own
     (`--quantization` as `glm_dsa.load` takes it)."""
     import checkpoints
-    from glm_dsa.params import checkpoint_fp8_plan, checkpoint_source
+    from .model.loading import checkpoint_fp8_plan, checkpoint_source
 
     if not args.checkpoint:
         return checkpoints.fp8_plan(checkpoints.param_specs(cfg), args.quantization or "none", lambda spec: False)
@@ -217,10 +217,10 @@ def cmd_info(args) -> int:
     import numpy as np
 
     from checkpoints.layout import param_specs
-    from glm_dsa import configs
-    from glm_dsa.config import GlmDsaConfig
-    from glm_dsa.paged_cache import cache_bytes_per_token, pages_needed
-    from glm_dsa.step import resolve_parallel
+    from .model import presets as configs
+    from .model.config import GlmDsaConfig
+    from .model.paged_cache import cache_bytes_per_token, pages_needed
+    from .model.step import resolve_parallel
 
     cfg = configs.get(args.preset) if args.preset else GlmDsaConfig.from_pretrained(args.checkpoint)
     parallel = resolve_parallel(_parallel(args), cfg)
@@ -283,7 +283,7 @@ def cmd_info(args) -> int:
 
 def cmd_random_checkpoint(args) -> int:
     from checkpoints.random import write_random_checkpoint
-    from glm_dsa import configs
+    from .model import presets as configs
     cfg = configs.get(args.preset)
     if args.num_layers is not None:
         cfg = cfg.with_depth(args.num_layers)
@@ -297,7 +297,7 @@ def cmd_random_checkpoint(args) -> int:
 def cmd_demo(args) -> int:
     import glm_dsa
     from checkpoints.random import write_random_checkpoint
-    from glm_dsa import configs
+    from .model import presets as configs
     cfg = configs.get(args.preset)
     path = args.out or tempfile.mkdtemp(prefix="glm_dsa_demo_")
     print(f"writing a random '{args.preset}' checkpoint (GLM-5.2 layout: dense + MoE layers, full/shared indexer "
@@ -326,7 +326,7 @@ def _add_spec_flag(p: argparse.ArgumentParser) -> None:
 
 def cmd_trace(args) -> int:
     import glm_dsa
-    from glm_dsa.trace import save_trace
+    from .debug.trace import save_trace
     eng = glm_dsa.load(args.checkpoint, parallel=_parallel(args), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                        max_model_len=args.max_model_len, impl=args.impl, quantization=args.quantization)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
@@ -338,7 +338,7 @@ def cmd_trace(args) -> int:
 
 
 def cmd_diff(args) -> int:
-    from glm_dsa.trace import diff_traces, format_diff, load_trace
+    from .debug.trace import diff_traces, format_diff, load_trace
     a, b = load_trace(args.a), load_trace(args.b)
     rows, first = diff_traces(a, b, rtol=args.rtol, atol=args.atol)
     print(format_diff(rows, first, set(a) - set(b), set(b) - set(a)))

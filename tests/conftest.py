@@ -1,4 +1,5 @@
-"""Test set-up: 8 simulated CPU devices (before jax is imported), the gpu marker, shared fixtures."""
+"""Test set-up: 8 simulated CPU devices (before jax is imported), the gpu marker, shared fixtures (a tiny random
+checkpoint and an engine over it)."""
 
 import os
 
@@ -43,3 +44,21 @@ def rewrite_checkpoint():
                 w.write(k, a)
         (dst / "config.json").write_text((src / "config.json").read_text())
     return rewrite
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """A random `configs.tiny` checkpoint (float32, HF layout, seed 0), written once per session (tests/serving
+    overrides it with one that carries tokenizer files)."""
+    from checkpoints.random import write_random_checkpoint
+    from glm_dsa import configs
+    path = tmp_path_factory.mktemp("tiny")
+    write_random_checkpoint(configs.tiny, path, seed=0, dtype="float32", progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def eng(ckpt):
+    """An engine over `ckpt` (float32, max_model_len 64), one per test module."""
+    import glm_dsa
+    return glm_dsa.load(ckpt, dtype="float32", max_model_len=64, progress=False)

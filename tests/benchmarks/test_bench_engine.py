@@ -122,7 +122,7 @@ def test_random_fp8_caches_hold_valid_rows():
     import jax.numpy as jnp
 
     from benchmarks.bench_engine import decode_engine
-    from glm_dsa.init import init_params
+    from glm_dsa.model.random_init import init_params
     from kernels.fp8_formats import dequantize_index_rows, dequantize_mla_rows
 
     cfg = configs.tiny

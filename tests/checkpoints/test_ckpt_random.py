@@ -14,7 +14,7 @@ import checkpoints.random as ckrandom
 from glm_dsa.cli import main as cli_main
 from checkpoints import load_hf_params, param_specs, write_random_checkpoint
 from checkpoints.safetensors_io import SafetensorsFile
-from glm_dsa.config import GlmDsaConfig
+from glm_dsa.model.config import GlmDsaConfig
 from glm_dsa import configs
 
 

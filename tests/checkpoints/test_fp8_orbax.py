@@ -15,11 +15,11 @@ from checkpoints.layout import fp8_scale_shape, kept_fp8_spec, param_specs
 from checkpoints.loader import HFCheckpoint
 from checkpoints.quantization import fp8_eligible, scale_path
 from checkpoints.random import write_random_checkpoint
-from glm_dsa.init import init_params
-from glm_dsa.params import param_sharding
-from glm_dsa.placement import leaf_spec
-from glm_dsa.pytree import flatten_params
-from glm_dsa.step import resolve_parallel
+from glm_dsa.model.random_init import init_params
+from glm_dsa.model.loading import param_sharding
+from glm_dsa.model.placement import leaf_spec
+from glm_dsa.model.param_tree import flatten_params
+from glm_dsa.model.step import resolve_parallel
 from sharding import ParallelConfig
 
 # widths 200 and 136 are not multiples of 128: weights have ragged edge blocks, some in both axes

@@ -22,8 +22,8 @@ from checkpoints import CheckpointError, committed_checkpoint, is_orbax_checkpoi
 from checkpoints import load_hf_params, orbax_io, save_orbax_params
 from checkpoints.layout import param_specs
 from checkpoints.random import write_random_checkpoint
-from glm_dsa.pytree import nest_params
-from glm_dsa.step import resolve_parallel
+from glm_dsa.model.param_tree import nest_params
+from glm_dsa.model.step import resolve_parallel
 from sharding import ParallelConfig, make_mesh, param_spec
 
 ROOT = Path(__file__).resolve().parents[2]

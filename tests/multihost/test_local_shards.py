@@ -7,8 +7,8 @@ import numpy as np
 import checkpoints.loader as loader
 from checkpoints.random import write_random_checkpoint
 from glm_dsa import ParallelConfig, configs
-from glm_dsa.params import param_sharding
-from glm_dsa.step import resolve_parallel
+from glm_dsa.model.loading import param_sharding
+from glm_dsa.model.step import resolve_parallel
 
 CFG = configs.tiny.replace(num_attention_heads=8)
 

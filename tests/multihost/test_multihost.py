@@ -20,7 +20,7 @@ from checkpoints import save_orbax_params
 from checkpoints.fp8_blocks import write_fp8_release
 from checkpoints.random import write_random_checkpoint
 from glm_dsa import ParallelConfig, configs
-from glm_dsa.pytree import flatten_params
+from glm_dsa.model.param_tree import flatten_params
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

@@ -14,7 +14,7 @@ import numpy as np
 import glm_dsa
 from checkpoints.random import write_random_checkpoint
 from glm_dsa import ParallelConfig, configs
-from glm_dsa.pytree import flatten_params
+from glm_dsa.model.param_tree import flatten_params
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))

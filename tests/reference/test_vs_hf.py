@@ -206,7 +206,7 @@ def test_dcp_matches_hf(name, reference_dirs):
 @pytest.mark.parametrize("name", ["all_full_sparse", "glm52_shared"])
 def test_trace_matches_hf_dump(name, reference_dirs, engines, tmp_path):
     """Per-layer activations: glm_dsa's trace against the HF adapter's dump of the same names."""
-    from glm_dsa.trace import diff_traces, format_diff, load_trace
+    from glm_dsa.debug.trace import diff_traces, format_diff, load_trace
 
     if not REF_PYTHON.exists():
         pytest.fail(f"reference interpreter {REF_PYTHON} not found")

@@ -7,7 +7,7 @@ import pytest
 
 import glm_dsa
 from glm_dsa import ParallelConfig, configs
-from glm_dsa.sampling import SamplingParams
+from glm_dsa.serving.sampling import SamplingParams
 
 
 def _workload(eng):

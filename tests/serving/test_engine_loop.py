@@ -8,7 +8,7 @@ import pytest
 
 import glm_dsa
 from glm_dsa import configs
-from glm_dsa.sampling import SamplingParams, sample
+from glm_dsa.serving.sampling import SamplingParams, sample
 
 CFG = configs.tiny
 

@@ -43,8 +43,8 @@ class _DeviceIds:
 def test_the_loop_launches_the_next_step_before_reading_the_last_ones_ids_and_sends_one_buffer():
     """The host overlaps the device only if step n + 1 is launched before step n's ids are read (the read blocks
     until step n is done) and nothing else blocks in between; and each step's host inputs go as one transfer."""
-    from glm_dsa.engine import Engine
-    from glm_dsa.init import init_params
+    from glm_dsa.serving.engine import Engine
+    from glm_dsa.model.random_init import init_params
     eng = Engine(CFG, init_params(CFG, seed=0, dtype="float32"), dtype="float32", max_model_len=64, block_size=16,
                  max_num_seqs=4, max_num_batched_tokens=64)
     events, host_arrays = [], []
@@ -70,8 +70,8 @@ def test_bench_host_overhead_replays_the_decode_steps_and_gives_the_engine_back(
     every decode step is recorded and replayed without compiling, and the engine is left as it was (its own
     dispatch and compiled step, the same tokens from a later generate)."""
     from benchmarks.bench_serving import host_overhead
-    from glm_dsa.engine import Engine
-    from glm_dsa.init import init_params
+    from glm_dsa.serving.engine import Engine
+    from glm_dsa.model.random_init import init_params
     eng = Engine(CFG, init_params(CFG, seed=0, dtype="float32"), dtype="float32", max_model_len=64, block_size=16,
                  max_num_seqs=2, max_num_batched_tokens=64)
     rng = np.random.default_rng(1)

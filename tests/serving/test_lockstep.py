@@ -9,7 +9,8 @@ import time
 import pytest
 
 import glm_dsa
-from glm_dsa import SamplingParams, lockstep
+from glm_dsa import SamplingParams
+from glm_dsa.serving import lockstep
 
 MAX_LEN = 64
 

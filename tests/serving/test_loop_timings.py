@@ -28,8 +28,8 @@ def test_decode_step_ms_excludes_the_wait_for_the_last_prefill_step():
     enter decode_step_ms, which is the wall time per decode step from the host receiving the last prefill step's
     ids to its receiving the last decode step's (benchmarks/bench_serving.py's window, computed here from when the
     stubbed ids reached the host)."""
-    from glm_dsa.engine import Engine
-    from glm_dsa.init import init_params
+    from glm_dsa.serving.engine import Engine
+    from glm_dsa.model.random_init import init_params
     eng = Engine(CFG, init_params(CFG, seed=0, dtype="float32"), dtype="float32", max_model_len=64, block_size=16,
                  max_num_seqs=2, max_num_batched_tokens=64)
     prefill_s, decode_s, reads = 0.3, 0.01, []

@@ -5,9 +5,9 @@ Samples are fed back by hand with `process`, as the engine loop does one step la
 import numpy as np
 import pytest
 
-from glm_dsa.paged_cache import PageAllocator
-from glm_dsa.sampling import SamplingParams
-from glm_dsa.scheduler import Request, Scheduler, Status
+from glm_dsa.model.paged_cache import PageAllocator
+from glm_dsa.serving.sampling import SamplingParams
+from glm_dsa.serving.scheduler import Request, Scheduler, Status
 
 
 def _sched(num_pages=64, **kw):

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import glm_dsa
-from glm_dsa import configs, text
+from glm_dsa import configs
+from glm_dsa.serving import text
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")

@@ -7,7 +7,7 @@ from jax.sharding import PartitionSpec as P
 
 from checkpoints.layout import param_specs
 from glm_dsa import configs
-from glm_dsa.pytree import flatten_params, nest_params
+from glm_dsa.model.param_tree import flatten_params, nest_params
 from sharding import DCP, TP, TP_AXES, ParallelConfig, cache_spec, make_mesh, mesh_for, param_partition_specs
 
 

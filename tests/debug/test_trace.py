@@ -12,8 +12,8 @@ import glm_dsa
 import kernels.fused_norm_rope as fnr
 from checkpoints.random import write_random_checkpoint
 from glm_dsa.cli import main
-from glm_dsa.step import prefill_inputs
-from glm_dsa.trace import diff_traces, load_trace, traced_step
+from glm_dsa.model.step import prefill_inputs
+from glm_dsa.debug.trace import diff_traces, load_trace, traced_step
 from kernels.lse_merge import merge_partials
 from sharding import ParallelConfig
 

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from glm_dsa import host_buffer
+from glm_dsa.serving import host_buffer
 
 
 def test_round_trip_inside_jit_is_bit_exact():

@@ -33,11 +33,11 @@ from jax.sharding import PartitionSpec as P
 
 from sharding import ParallelConfig
 
-from .config import GlmDsaConfig
-from .model import StepBatch, StepContext
-from .options import StepOptions, resolve_options
-from .step import fp8_paths, model_graphdef, prefill_inputs, resolve_parallel, run_sharded
-from .tracer import Tracer
+from ..model.config import GlmDsaConfig
+from ..model.layers import StepBatch, StepContext
+from ..model.options import StepOptions, resolve_options
+from ..model.step import fp8_paths, model_graphdef, prefill_inputs, resolve_parallel, run_sharded
+from ..model.taps import Tracer
 
 ORDER = ["attn.q_norm", "attn.kv_norm", "attn.k_pe", "attn.q_pe", "attn.topk", "dcp.partial_o", "dcp.partial_lse",
          "dcp.merged_o", "dcp.merged_lse", "attn.out", "moe.experts", "moe.weights", "residual"]

@@ -18,9 +18,9 @@ from checkpoints.fp8_blocks import write_fp8_release
 from checkpoints.layout import param_specs
 from checkpoints.random import write_random_checkpoint
 from glm_dsa.cli import main, param_bytes_per_device
-from glm_dsa.paged_cache import cache_bytes_per_token
-from glm_dsa.params import load_params
-from glm_dsa.step import resolve_parallel
+from glm_dsa.model.paged_cache import cache_bytes_per_token
+from glm_dsa.model.loading import load_params
+from glm_dsa.model.step import resolve_parallel
 from sharding import ParallelConfig
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,11 +23,11 @@ from jax.sharding import PartitionSpec as P
 
 from sharding import cache_spec
 
-from .mtp import allocate_mtp_caches
-from .paged_cache import cache_dtype
+from ..model.mtp import allocate_mtp_caches
+from ..model.paged_cache import cache_dtype
 from .scheduler import Request, StepPlan
 from . import host_buffer
-from .speculative import spec_serve_step_packed
+from .spec_step import spec_serve_step_packed
 
 
 class SpecDecoder:

@@ -15,11 +15,11 @@ import glm_dsa
 from checkpoints import CheckpointError, HFCheckpoint
 from checkpoints.random import write_random_checkpoint
 from glm_dsa import configs
-from glm_dsa.mtp import allocate_mtp_caches, run_mtp
-from glm_dsa.options import StepOptions
-from glm_dsa.paged_cache import owner_slots
-from glm_dsa.speculative import accept_drafts, nucleus_probs
-from glm_dsa.step import prefill_inputs, resolve_parallel
+from glm_dsa.model.mtp import allocate_mtp_caches, run_mtp
+from glm_dsa.model.options import StepOptions
+from glm_dsa.model.paged_cache import owner_slots
+from glm_dsa.serving.spec_step import accept_drafts, nucleus_probs
+from glm_dsa.model.step import prefill_inputs, resolve_parallel
 from sharding import ParallelConfig
 
 CFG = configs.tiny

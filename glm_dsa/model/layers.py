@@ -25,7 +25,7 @@ from . import linear
 from .config import GlmDsaConfig
 from .options import StepOptions
 from .paged_cache import positions_to_slots
-from .tracer import NO_TRACE, Tracer
+from .taps import NO_TRACE, Tracer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from sharding import ParallelConfig, cache_spec, mesh_for, param_partition_specs, path_str
 
 from .config import GlmDsaConfig
-from .model import GlmDsaModel, StepBatch, StepContext
+from .layers import GlmDsaModel, StepBatch, StepContext
 from .options import StepOptions, resolve_options
 from .placement import partition_specs
 from .paged_cache import allocate_caches, cache_dtype, owner_slots, pages_needed

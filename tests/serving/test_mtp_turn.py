@@ -13,9 +13,9 @@ import pytest
 
 from benchmarks import bench_mtp
 from glm_dsa import configs
-from glm_dsa.engine import Engine
-from glm_dsa.init import init_params
-from glm_dsa.mtp import init_mtp_params
+from glm_dsa.serving.engine import Engine
+from glm_dsa.model.random_init import init_params
+from glm_dsa.model.mtp import init_mtp_params
 
 CFG = configs.tiny
 K = 3

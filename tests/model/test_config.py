@@ -5,7 +5,7 @@ import json
 import pytest
 
 from glm_dsa import ConfigError, GlmDsaConfig, configs
-from glm_dsa.config import indexer_schedule
+from glm_dsa.model.config import indexer_schedule
 
 
 def _write(tmp_path, **fields):

@@ -15,9 +15,9 @@ import pytest
 import glm_dsa
 import kernels.fused_norm_rope as fnr
 from checkpoints.random import write_random_checkpoint
-from glm_dsa.config import indexer_schedule
-from glm_dsa.options import StepOptions, resolve_options
-from glm_dsa.paged_cache import owner_slots, pages_needed
+from glm_dsa.model.config import indexer_schedule
+from glm_dsa.model.options import StepOptions, resolve_options
+from glm_dsa.model.paged_cache import owner_slots, pages_needed
 from kernels import default_impl
 from kernels.chunking import map_row_chunks
 from sharding import DCP, ParallelConfig
@@ -113,7 +113,7 @@ def test_mixed_prefill_and_decode_rows_under_dcp(ckpt, reference):
 def test_long_prefill_runs_in_bounded_row_chunks(ckpt, reference, monkeypatch):
     """Gather/attend/merge in chunks of 5 query rows (StepOptions.dcp_row_chunk) gives the same result as one
     round; every layer's attention does run in chunks of 5."""
-    from glm_dsa import model
+    from glm_dsa.model import layers as model
     rounds = []
 
     def spy(fn, args, chunk):

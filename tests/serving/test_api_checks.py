@@ -13,8 +13,8 @@ import glm_dsa
 import kernels
 from glm_dsa import ConfigError, configs
 from glm_dsa.cli import build_parser, main
-from glm_dsa import sampling
-from glm_dsa.sampling import GREEDY_BELOW, SamplingParams, sample
+from glm_dsa.serving import sampling
+from glm_dsa.serving.sampling import GREEDY_BELOW, SamplingParams, sample
 
 CFG = configs.tiny  # the fixtures `ckpt` and `eng` (conftest.py) hold a random checkpoint of it
 

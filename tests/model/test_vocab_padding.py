@@ -16,7 +16,7 @@ from checkpoints.loader import HFCheckpoint
 from checkpoints.random import write_random_checkpoint
 from checkpoints.writer import save_hf_params, write_hf_tensors
 from glm_dsa import ParallelConfig, configs
-from glm_dsa.pytree import flatten_params
+from glm_dsa.model.param_tree import flatten_params
 
 #: tiny with a prime vocabulary and 8 heads, so that TP = 8 applies.
 PRIME = configs.tiny.replace(vocab_size=257, num_attention_heads=8)
@@ -113,13 +113,13 @@ def test_pad_ids_are_never_sampled(one):
 
 
 def _one_step(eng):
-    from glm_dsa.step import prefill_inputs
+    from glm_dsa.model.step import prefill_inputs
     caches, batch = prefill_inputs(eng.params, np.array([PROMPTS[1]]), config=PRIME, parallel=eng.parallel)
     return eng.params, caches, batch
 
 
 def test_trace_and_forward_are_vocab_wide(one):
-    from glm_dsa.trace import traced_step
+    from glm_dsa.debug.trace import traced_step
     params, caches, batch = _one_step(one)
     logits, _, taps = traced_step(params, caches, batch, config=PRIME)
     assert logits.shape == (len(PROMPTS[1]), 257) and taps

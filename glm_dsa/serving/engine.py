@@ -23,19 +23,19 @@ from sharding import ParallelConfig, cache_spec, mesh_for
 from sharding.dcp import local_position
 
 from . import host_buffer
-from .config import GlmDsaConfig
-from .distributed import check_mesh_spans_processes
-from .model import StepBatch
-from .mtp import mtp_cache_bytes_per_token
-from .params import load_params, resolve_dtype
-from .paged_cache import (PageAllocator, allocate_caches, block_table_array, cache_bytes_per_token, cache_dtype,
+from ..model.config import GlmDsaConfig
+from ..distributed import check_mesh_spans_processes
+from ..model.layers import StepBatch
+from ..model.mtp import mtp_cache_bytes_per_token
+from ..model.loading import load_params, resolve_dtype
+from ..model.paged_cache import (PageAllocator, allocate_caches, block_table_array, cache_bytes_per_token, cache_dtype,
                           free_device_bytes, max_addressable_pages, owner_slots, pages_needed, plan_pages)
 from .sampling import GREEDY_BELOW, SamplingParams, check_token_ids, sample
 from .scheduler import Request, Scheduler, StepPlan
-from .spec_engine import SpecDecoder
+from .spec_decoder import SpecDecoder
 from .streaming import RequestStream
-from .pytree import nest_params
-from .step import resolve_parallel, step
+from ..model.param_tree import nest_params
+from ..model.step import resolve_parallel, step
 
 
 def _positive_int(name: str, value, minimum: int = 1) -> int:
@@ -334,7 +334,7 @@ class Engine:
     def trace(self, token_ids, layers=None) -> dict[str, np.ndarray]:
         """Per-layer intermediates of one sequence (int [T]) by name (see glm_dsa.trace), as numpy arrays;
         `layers` (an iterable of layer indices) keeps only those layers."""
-        from .trace import select_layers, trace
+        from ..debug.trace import select_layers, trace
         ids = np.asarray(token_ids)
         if ids.ndim != 1 and not (ids.ndim == 2 and ids.shape[0] == 1):
             raise ValueError(f"token_ids must be one sequence [T] (or [1, T]), got shape {ids.shape}")

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .paged_cache import PageAllocator, pages_needed
+from ..model.paged_cache import PageAllocator, pages_needed
 from .sampling import SamplingParams
 
 

@@ -26,11 +26,11 @@ from kernels.norms import rms_norm
 from sharding import TP_AXES, ParallelConfig, cache_spec, mesh_for, param_partition_specs
 
 from .config import GlmDsaConfig
-from .model import DecoderLayer, StepBatch, StepContext
+from .layers import DecoderLayer, StepBatch, StepContext
 from .options import StepOptions
 from .paged_cache import allocate_caches, cache_bytes_per_token
-from .params import param_sharding, resolve_dtype
-from .pytree import nest_params
+from .loading import param_sharding, resolve_dtype
+from .param_tree import nest_params
 from .step import matmul_precision, resolve_parallel
 
 

@@ -4,7 +4,7 @@ import pytest
 
 import glm_dsa
 from checkpoints.random import write_random_checkpoint
-from glm_dsa import text
+from glm_dsa.serving import text
 from glm_dsa.cli import main
 
 tokenizers = pytest.importorskip("tokenizers")

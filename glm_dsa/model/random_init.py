@@ -13,8 +13,8 @@ from checkpoints.quantization import fp8_plan, kept_sharding, scale_path
 from checkpoints.random import init_stats
 
 from .config import GlmDsaConfig
-from .params import param_sharding, resolve_dtype
-from .pytree import nest_params
+from .loading import param_sharding, resolve_dtype
+from .param_tree import nest_params
 from .step import resolve_parallel
 
 

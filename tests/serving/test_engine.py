@@ -135,7 +135,7 @@ def test_compiled_steps_are_reused(eng):
 def test_moe_forms_agree(eng, monkeypatch, mode):
     """The routed-expert forms (gathered weights, masked dense, expert tiles, ragged_dot) give the same logits;
     the form is forced through StepOptions.moe_mode, which reaches every MoE layer's op."""
-    from glm_dsa.options import StepOptions
+    from glm_dsa.model.options import StepOptions
     from kernels import moe as moe_mod
     ids = np.asarray(_prompts(9, [13]))
     want = _fwd(eng, ids)
@@ -164,7 +164,7 @@ def test_fp8_cache_close_to_bf16_cache(ckpt):
 def test_fp8_cache_pages_capped_for_the_kernels_offsets():
     """FP8 rows per layer (656 B for GLM-5.2) x pages x block stay under 2**31 bytes on the Triton path."""
     from glm_dsa import configs
-    from glm_dsa.paged_cache import max_addressable_pages
+    from glm_dsa.model.paged_cache import max_addressable_pages
     cfg = configs.get("glm52")
     pages = max_addressable_pages(cfg, 64, "fp8_ds_mla")
     assert pages == (2**31 - 1) // (64 * 656) and max_addressable_pages(cfg, 64, "bfloat16") is None
@@ -173,8 +173,8 @@ def test_fp8_cache_pages_capped_for_the_kernels_offsets():
 
 
 def test_pages_sized_from_free_device_memory(ckpt, monkeypatch):
-    from glm_dsa import engine as engine_mod
-    from glm_dsa.paged_cache import cache_bytes_per_token, plan_pages
+    from glm_dsa.serving import engine as engine_mod
+    from glm_dsa.model.paged_cache import cache_bytes_per_token, plan_pages
     # by hand: 10 pages per sequence of 1 KiB each; 25.6 KiB free at fraction 0.5 -> 12 pages -> 1 sequence
     assert plan_pages(max_num_seqs=4, pages_per_seq=10, page_bytes=1024, free_bytes=25600,
                       memory_fraction=0.5) == (12, 1)
