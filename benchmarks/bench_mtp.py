@@ -55,9 +55,9 @@ def _fill_random(tree, key):
 
 def _tables(eng: Engine, b: int, pp: int) -> None:
     """Requests 0..b-1 hold pages 1 + i pp .. in the engine's device block table."""
-    t = np.zeros(np.asarray(eng._tables).shape, np.int32)
+    t = np.zeros(np.asarray(eng.runner.tables).shape, np.int32)
     t[:b, :pp] = (1 + np.arange(b * pp, dtype=np.int32)).reshape(b, pp)
-    eng._tables = jax.device_put(t, eng._tables.sharding)
+    eng.runner.tables = jax.device_put(t, eng.runner.tables.sharding)
 
 
 def _bucket16(n: int) -> int:
@@ -65,7 +65,7 @@ def _bucket16(n: int) -> int:
 
 
 def plain_rows(token, pos, req) -> np.ndarray:
-    """int32 [4, T] rows of a plain step (`engine._serve_step`): the given tokens, positions and requests, src -1
+    """int32 [4, T] rows of a plain step (`runner.serve_step`): the given tokens, positions and requests, src -1
     (every token from the host: src >= 0 would read the previous step's id instead, the same for every row);
     padding rows to the bucket: token 0, position -1 (write nothing), request 0, src -1."""
     n = len(token)
@@ -100,7 +100,7 @@ def spec_inputs(b: int, k: int, ctx: int, pp: int, nr: int, s: int, vocab: int, 
 def step_times(eng: Engine, b: int, ctx: int, k: int, rng) -> dict:
     """Milliseconds of the plain step over the speculative step's rows ("verify_ms"), of the speculative step
     pipelined ("spec_ms") and as a synchronous turn ("turn_ms"), at batch b, context ctx, k drafts, greedy."""
-    s, vocab, nr, width = eng.max_num_seqs, eng.config.vocab_size, eng._n_out, eng.pages_per_seq
+    s, vocab, nr, width = eng.max_num_seqs, eng.config.vocab_size, eng.runner.n_out, eng.pages_per_seq
     pp = pages_needed(ctx + 2 * k + 2, eng.block_size, eng.parallel.dcp, eng.parallel.interleave)
     _tables(eng, b, pp)
     plan_rows = np.full(nr, s, np.int32)
@@ -125,24 +125,25 @@ def step_times(eng: Engine, b: int, ctx: int, k: int, rng) -> dict:
 
 
 def _plain_call(eng: Engine, rows, plan_rows, resets, su):
-    """A call of the engine's compiled plain step (`engine._serve_step`, greedy) on these inputs."""
+    """A call of the engine's compiled plain step (`runner.serve_step`, greedy) on these inputs."""
     nr = len(plan_rows)
     sf = np.zeros((2, nr), np.float32)
     sf[1] = 1.0
     upd = np.full((3, rows.shape[1]), eng.max_num_seqs + 1, np.int32)
-    prev = jax.device_put(np.zeros(nr, np.int32), eng._tables.sharding)
+    prev = jax.device_put(np.zeros(nr, np.int32), eng.runner.tables.sharding)
 
     def call():
         packed, layout = host_buffer.pack(rows, plan_rows, upd, resets, su, sf)
-        out, eng.caches, eng._tables = eng._serve_step(eng.params, eng.caches, eng._tables, packed, prev,
-                                                       width=eng.pages_per_seq, greedy=True, layout=layout)
+        run = eng.runner
+        out, run.caches, run.tables = run.serve_step(run.params, run.caches, run.tables, packed, prev,
+                                                     width=eng.pages_per_seq, greedy=True, layout=layout)
         return out
     return call
 
 
 def plain_step_ms(eng: Engine, b: int, ctx: int, rng) -> float:
     """Milliseconds of one plain decode step of b rows (distinct random tokens at position ctx - 1), pipelined."""
-    s, nr = eng.max_num_seqs, eng._n_out
+    s, nr = eng.max_num_seqs, eng.runner.n_out
     _tables(eng, b, pages_needed(ctx + 1, eng.block_size, eng.parallel.dcp, eng.parallel.interleave))
     plan_rows = np.full(nr, s, np.int32)
     plan_rows[:b] = np.arange(b)

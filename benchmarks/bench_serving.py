@@ -96,7 +96,7 @@ def serve_workload(eng: Engine, prompts, output_len: int, arrivals, mode: str) -
     steps0, host0, wall0, dsteps0, dhost0, dwall0 = (st.steps, st.host_s, st.wall_s, st.decode_steps,
                                                      st.decode_host_s, st.decode_wall_s)
     timed0 = st.decode_timed_steps
-    compiled0 = eng._serve_step._cache_size()
+    compiled0 = eng.runner.serve_step._cache_size()
     t0 = time.perf_counter()
     nxt = 0
     running: list[int] = []  # requests running after each step that dispatched work
@@ -142,7 +142,7 @@ def serve_workload(eng: Engine, prompts, output_len: int, arrivals, mode: str) -
             "ttft_ms_p50": 1e3 * _pct(ttft, 50), "ttft_ms_p99": 1e3 * _pct(ttft, 99),
             "tpot_ms_p50": 1e3 * _pct(tpot, 50), "tpot_ms_p99": 1e3 * _pct(tpot, 99),
             "steps": steps, "preemptions": eng.scheduler.preemptions - pre0,
-            "compiles": eng._serve_step._cache_size() - compiled0,
+            "compiles": eng.runner.serve_step._cache_size() - compiled0,
             "mean_running": float(np.mean(running)) if running else 0.0,
             "host_ms_per_step": 1e3 * (st.host_s - host0) / max(steps, 1),
             "step_ms": 1e3 * (st.wall_s - wall0) / max(steps, 1),
@@ -154,33 +154,33 @@ def serve_workload(eng: Engine, prompts, output_len: int, arrivals, mode: str) -
 class DecodeStepRecorder:
     """Records the arguments of `eng`'s decode-only steps (plans without prefill rows) as the loop launches them,
     so that `replay_ms` can run the same steps again back to back, and when each step's ids reached the host
-    (`decode_window`). Installed on the engine instance (its `_dispatch`, compiled `_serve_step` and scheduler's
-    `process`) until `close`."""
+    (`decode_window`). Installed on the engine instance (its runner's `execute` and compiled `serve_step`, and its
+    scheduler's `process`) until `close`."""
 
     def __init__(self, eng: Engine):
         self.eng, self.calls, self._decode = eng, [], False
         self.arrived: list[tuple[float, bool]] = []  # per processed step: when its ids were on the host, decode-only
-        self._step, dispatch, process = eng._serve_step, eng._dispatch, eng.scheduler.process
+        self._step, dispatch, process = eng.runner.serve_step, eng.runner.execute, eng.scheduler.process
 
         def on_process(plan, ids, now=None):
             self.arrived.append((time.perf_counter() if now is None else now, plan.prefill_rows == 0))
             return process(plan, ids, now)
 
-        def on_dispatch(plan):
+        def on_dispatch(plan, dry=None):
             self._decode = plan.prefill_rows == 0
-            return dispatch(plan)
+            return dispatch(plan, dry)
 
         def on_step(params, caches, tables, *args, **kw):
             if self._decode:  # the host buffers (not the previous ids: a replay chains its own) and static args
                 self.calls.append((args[:-1], kw))
             return self._step(params, caches, tables, *args, **kw)
-        eng._dispatch, eng._serve_step, eng.scheduler.process = on_dispatch, on_step, on_process
+        eng.runner.execute, eng.runner.serve_step, eng.scheduler.process = on_dispatch, on_step, on_process
 
     def close(self) -> None:
         """Give the engine its own dispatch, compiled step and the scheduler's process back."""
-        del self.eng._dispatch  # the instance attributes: the classes' methods show again
+        del self.eng.runner.execute  # the instance attributes: the classes' methods show again
         del self.eng.scheduler.process
-        self.eng._serve_step = self._step
+        self.eng.runner.serve_step = self._step
 
     def decode_window(self) -> tuple[float, int]:
         """(seconds, steps): from the host receiving the last prefill step's ids to its receiving the last decode
@@ -201,15 +201,16 @@ class DecodeStepRecorder:
         if not self.calls:
             raise RuntimeError("no decode step was recorded")
         eng, best = self.eng, float("inf")
-        prev = eng._prev_ids
+        prev = eng.runner.prev_ids
         for _ in range(passes):
             jax.block_until_ready((prev, eng.caches))
             t = time.perf_counter()
             for args, kw in self.calls:
-                prev, eng.caches, eng._tables = self._step(eng.params, eng.caches, eng._tables, *args, prev, **kw)
+                run = eng.runner
+                prev, run.caches, run.tables = self._step(run.params, run.caches, run.tables, *args, prev, **kw)
             jax.block_until_ready(prev)
             best = min(best, time.perf_counter() - t)
-        eng._prev_ids = prev
+        eng.runner.prev_ids = prev
         return 1e3 * best / len(self.calls)
 
 
@@ -219,7 +220,7 @@ def host_overhead(eng: Engine, prompts, output_len: int) -> dict:
     between steps, and where the host's time goes (see the module docstring)."""
     st = eng.stats
     s0 = (st.steps, st.build_s, st.launch_s, st.process_s, st.h2d_bytes)
-    compiled0 = eng._serve_step._cache_size()
+    compiled0 = eng.runner.serve_step._cache_size()
     rec = DecodeStepRecorder(eng)
     try:
         eng.generate(prompts, output_len, stop_token_ids=[])
@@ -228,7 +229,7 @@ def host_overhead(eng: Engine, prompts, output_len: int) -> dict:
         device_ms = rec.replay_ms()
     finally:
         rec.close()
-    compiles = eng._serve_step._cache_size() - compiled0  # the generate's and the replay's
+    compiles = eng.runner.serve_step._cache_size() - compiled0  # the generate's and the replay's
     n = max(st.steps - s0[0], 1)
     step_ms, host_ms = 1e3 * window_s / window_steps, t["decode_host_ms_per_step"]
     return {"B": len(prompts), "decode_steps": t["decode_steps"], "window_steps": window_steps,

@@ -1,10 +1,10 @@
-"""The paged-cache engine: `load` a checkpoint, then `logits` and `generate` over compiled, bucketed steps."""
+"""The request side of serving: `load` a checkpoint into an `Engine`, then `logits`, `generate`, `stream`, `submit`
+and `abort` over its `ModelRunner` (glm_dsa.serving.runner: the mesh, caches and compiled steps)."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 import logging
 import os
@@ -12,90 +12,25 @@ import queue
 import threading
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from kernels import default_impl
-from sharding import ParallelConfig, cache_spec, mesh_for
-from sharding.dcp import local_position
+from sharding import ParallelConfig
 
-from . import host_buffer
 from ..model.config import GlmDsaConfig
-from ..distributed import check_mesh_spans_processes
-from ..model.layers import StepBatch
-from ..model.mtp import mtp_cache_bytes_per_token
-from ..model.loading import load_params, resolve_dtype
-from ..model.paged_cache import (PageAllocator, allocate_caches, block_table_array, cache_bytes_per_token, cache_dtype,
-                          free_device_bytes, max_addressable_pages, owner_slots, pages_needed, plan_pages)
-from .sampling import GREEDY_BELOW, SamplingParams, check_token_ids, sample
-from .scheduler import Request, Scheduler, StepPlan
+from ..model.loading import load_params
+from ..model.param_tree import nest_params
+from ..model.paged_cache import pages_needed
+from .runner import ModelRunner, check_positive_int
+from .sampling import SamplingParams, check_token_ids
+from .scheduler import Request, Scheduler
 from .spec_decoder import SpecDecoder
 from .streaming import RequestStream
-from ..model.param_tree import nest_params
-from ..model.step import resolve_parallel, step
 
 
-def _positive_int(name: str, value, minimum: int = 1) -> int:
-    """`value` as an int >= minimum, or a TypeError / ValueError naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
-    return int(value)
-
-
-def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32,
-                prev_ids, *, config, parallel, impl, n_out: int, block_size: int, width: int, greedy: bool):
-    """One serving step: update the device block table, run the model step, sample each logits row; returns the
-    sampled ids padded to `n_out`, the caches and the table.
-
-    tables int32 [S + 1, pages_per_seq]: the block table of every running request, one row each (row S stays
-    page 0, for padding), kept on the device and changed only by `table_resets` (int32 [S + 1], 1: zero the row)
-    and `table_updates` (int32 [3, U]: row, column, page; rows past S are padding, dropped). So a step sends what
-    changed, never whole tables: the host work and bytes per step do not grow with the context.
-    rows int32 [4, T]: each row's token, position (-1: a padding row, which writes nothing), request (index into
-    `plan_rows`, the requests' table rows) and src (>= 0: the token is `prev_ids[src]`, the previous step's sampled
-    id still on the device, so the host does not wait for it). samp_u32 uint32 [5, L]: logits row, seed high and
-    low words, token index, prompt index; samp_f32 float32 [2, L]: temperature, top_p. Logits row i samples with
-    the key fold_in(fold_in(key(seed), token_index), prompt_index): a request's draws depend on its own seed,
-    prompt index and token index only, never on the batch it shares a step with. `width` (static): block-table
-    columns the step reads; `greedy` (static): every sampled row is greedy (argmax only)."""
-    tables = jnp.where(table_resets[:, None] > 0, 0, tables)
-    tables = tables.at[table_updates[0], table_updates[1]].set(table_updates[2], mode="drop")
-    block_tables = tables[plan_rows, :width]
-    src, pos, req = rows[3], rows[1], rows[2]
-    token_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], rows[0])
-    p = jnp.maximum(pos, 0)
-    lp = local_position(p, parallel.dcp, parallel.interleave)  # the position on its owning DCP rank
-    slot = block_tables[req, lp // block_size] * block_size + lp % block_size
-    slot = jnp.where(pos < 0, -1, slot).astype(jnp.int32)  # padding rows write nothing
-    batch = StepBatch(token_ids.astype(jnp.int32), p, slot, req, block_tables, samp_u32[0].astype(jnp.int32))
-    logits, caches = step(params, caches, batch, config=config, parallel=parallel, impl=impl)
-
-    def key(words, token_index, prompt_index):
-        return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(words), token_index), prompt_index)
-    keys = jax.vmap(key)(samp_u32[1:3].T, samp_u32[3], samp_u32[4])
-    ids = sample(logits, keys, samp_f32[0], samp_f32[1], all_greedy=greedy)
-    return jnp.zeros(n_out, jnp.int32).at[: ids.shape[0]].set(ids), caches, tables
-
-
-def _serve_step_packed(params, caches, tables, packed, prev_ids, *, layout: host_buffer.Layout, **kw):
-    """`_serve_step` with its host inputs in one uint32 buffer (`host_buffer.pack` of the int32 `rows` [4, T],
-    `plan_rows` [R], `table_updates` [3, T], `table_resets` [S + 1], `samp_u32` [5, L] and `samp_f32` [2, L]), so
-    a step makes one host-to-device transfer instead of six; `layout` (static) is the pack's."""
-    rows, plan_rows, updates, resets, samp_u32, samp_f32 = host_buffer.unpack(packed, layout)
-    return _serve_step(params, caches, tables, rows, plan_rows, updates, resets, samp_u32, samp_f32, prev_ids, **kw)
-
-
-def _bucket(n: int, minimum: int, factor: int = 2) -> int:
-    """Smallest minimum * factor**i >= n: a few static shapes, so steps compile once per bucket."""
-    b = minimum
-    while b < n:
-        b *= factor
-    return b
+def _runner_attribute(name: str, doc: str, writable: bool = False) -> property:
+    """An Engine attribute that is its runner's (`eng.params` is `eng.runner.params`)."""
+    setter = (lambda self, value: setattr(self.runner, name, value)) if writable else None
+    return property(lambda self: getattr(self.runner, name), setter, doc=doc)
 
 
 @dataclasses.dataclass
@@ -131,86 +66,53 @@ class _Seq:
 
 
 class Engine:
-    """A loaded model with its paged caches and compiled step.
+    """A loaded model serving requests: the request front over a `ModelRunner`.
 
-    `params` and `caches` are plain pytrees (see `glm_dsa.step`); the Engine owns the page allocator and the
-    host-side scheduling: prefill in chunks of at most `max_num_batched_tokens` rows, then one decode row per
-    live sequence per step. Shapes are bucketed to powers of two, so a new call reuses compiled steps.
+    The runner (`eng.runner`, glm_dsa.serving.runner) holds the mesh, the parameters, the paged caches, the page
+    allocator and the compiled steps; `params` and `caches` (plain pytrees, see `glm_dsa.step`), `config`,
+    `parallel`, `mesh`, `num_pages` and the other sizes read through to it. The Engine owns the host-side
+    scheduling: the continuous-batching `Scheduler` (prefill in chunks of at most `max_num_batched_tokens` rows,
+    then one decode row per live sequence per step), requests submitted from other threads, speculative decoding
+    and the loop's counters. Shapes are bucketed, so a new call reuses compiled steps.
     """
+
+    config = _runner_attribute("config", "The model's `GlmDsaConfig`.")
+    parallel = _runner_attribute("parallel", "The resolved `ParallelConfig`.")
+    mesh = _runner_attribute("mesh", "The device mesh ('tp', 'dcp').")
+    dtype = _runner_attribute("dtype", "The compute dtype.")
+    kv_cache_dtype = _runner_attribute("kv_cache_dtype", "The cache form: 'auto', 'bfloat16' or 'fp8_ds_mla'.")
+    impl = _runner_attribute("impl", "The op implementation the steps use.")
+    max_model_len = _runner_attribute("max_model_len", "Longest sequence (prompt and output) in tokens.")
+    block_size = _runner_attribute("block_size", "Tokens per cache page.")
+    pages_per_seq = _runner_attribute("pages_per_seq", "Pages (per DCP rank) a sequence of max_model_len holds.")
+    num_pages = _runner_attribute("num_pages", "Cache pages per DCP rank (page 0 is padding).")
+    max_num_seqs = _runner_attribute("max_num_seqs", "Most sequences running at once (the memory plan's).")
+    allocator = _runner_attribute("allocator", "The runner's `PageAllocator`.")
+    params = _runner_attribute("params", "The parameters: a plain pytree.", writable=True)
+    caches = _runner_attribute("caches", "The paged caches: a plain pytree, replaced by each step.", writable=True)
 
     def __init__(self, config: GlmDsaConfig, params, *, parallel: ParallelConfig | None = None,
                  dtype="bfloat16", kv_cache_dtype: str = "auto", max_model_len: int | None = None,
                  block_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 2048, impl: str | None = None,
                  cache_memory_fraction: float = 0.8, num_speculative_tokens: int = 0, mtp_params=None):
-        self.config = config
-        self.parallel = resolve_parallel(parallel, config)
-        self.dtype = resolve_dtype(dtype)
-        self.kv_cache_dtype = kv_cache_dtype
-        self.impl = impl or default_impl()
-        self.max_model_len = (min(config.max_position_embeddings, 4096) if max_model_len is None
-                              else _positive_int("max_model_len", max_model_len))
-        if self.max_model_len > config.max_position_embeddings:
-            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
-                             f"({config.max_position_embeddings})")
-        if _positive_int("block_size", block_size) & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {block_size}")
-        self.block_size = int(block_size)
-        self.max_num_seqs = max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
-        self.max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        if isinstance(cache_memory_fraction, bool) or not 0 < cache_memory_fraction <= 1:
-            raise ValueError(f"cache_memory_fraction must be in (0, 1], got {cache_memory_fraction!r}")
-        # MTP speculative decoding (glm_dsa.spec_engine): k drafts per step from the nextn layer `mtp_params`
-        self.num_speculative_tokens = _positive_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
+        # MTP speculative decoding (glm_dsa.serving.spec_decoder): k drafts per step from the nextn layer
+        # `mtp_params`; checked first, before the runner allocates anything
+        self.num_speculative_tokens = check_positive_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
         if self.num_speculative_tokens and mtp_params is None:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} needs the MTP (nextn) layer's "
                              "parameters (mtp_params; glm_dsa.load reads them from the checkpoint)")
-        n, inter = self.parallel.dcp, self.parallel.interleave
-        self.pages_per_seq = pages_needed(self.max_model_len, block_size, n, inter)
-        self.mesh = mesh_for(self.parallel)
-        check_mesh_spans_processes(self.mesh)
-        # FP8 caches over 2 GiB per layer are misaddressed by the Triton kernels (32-bit offsets)
-        triton = self.impl in ("triton", "auto")
-        max_pages = max_addressable_pages(config, block_size, kv_cache_dtype) if triton else None
-        if num_pages is not None:
-            # per DCP rank; page 0 is the padding page, so one sequence needs pages_per_seq + 1
-            self.num_pages = _positive_int("num_pages", num_pages, minimum=2)
-            if max_pages is not None and self.num_pages > max_pages:
-                raise ValueError(f"num_pages={self.num_pages}: an FP8 cache of at most {max_pages} pages per layer "
-                                 f"(block_size {block_size}) stays under the 2 GiB the Triton kernels address")
-        else:  # enough for max_num_seqs full sequences, within cache_memory_fraction of the free device memory
-            page_bytes = block_size * cache_bytes_per_token(config, self.dtype, kv_cache_dtype)
-            if self.num_speculative_tokens:  # the nextn layer's cache rows share the pages
-                page_bytes += block_size * mtp_cache_bytes_per_token(config, self.dtype, kv_cache_dtype)
-            self.num_pages, self.max_num_seqs = plan_pages(
-                max_num_seqs=max_num_seqs, pages_per_seq=self.pages_per_seq, page_bytes=page_bytes,
-                free_bytes=free_device_bytes(self.mesh.local_devices[0]), memory_fraction=cache_memory_fraction,
-                max_pages=max_pages)
-        self.params = params
-        cache_sharding = NamedSharding(self.mesh, cache_spec())
-        self.caches = allocate_caches(config, self.num_pages * n, block_size,
-                                      cache_dtype(kv_cache_dtype, self.dtype), cache_sharding, kv_cache_dtype)
-        self.allocator = PageAllocator(self.num_pages)
+        self.max_num_batched_tokens = check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        self.runner = ModelRunner(config, params, parallel=parallel, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                  max_model_len=max_model_len, block_size=block_size, num_pages=num_pages,
+                                  max_num_seqs=max_num_seqs, impl=impl, cache_memory_fraction=cache_memory_fraction,
+                                  num_speculative_tokens=self.num_speculative_tokens)
         self.last_timings: dict = {}  # of the last generate (see there)
-        self._step = jax.jit(functools.partial(step, config=config, parallel=self.parallel, impl=self.impl),
-                             donate_argnums=(1,))
-        # serving: the host scheduler, the fused step + sampler, and the loop's state (see `step`)
-        self.scheduler = Scheduler(self.allocator, block_size=self.block_size, dcp=n, interleave=inter,
-                                   max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+        # serving: the host scheduler over the runner's pages, and the loop's state (see `step`)
+        self.scheduler = Scheduler(self.allocator, block_size=self.block_size, dcp=self.parallel.dcp,
+                                   interleave=self.parallel.interleave, max_num_seqs=self.max_num_seqs,
+                                   max_num_batched_tokens=self.max_num_batched_tokens,
                                    max_model_len=self.max_model_len, lookahead=self.num_speculative_tokens)
-        self._n_out = _bucket(self.max_num_seqs, 8)  # a step samples at most one row per running request
-        # the block table of the running requests (scheduler table rows 0..max_num_seqs-1; the last row stays
-        # page 0 for padding), on the device: steps send only its changes (see `_serve_step`)
-        replicated = NamedSharding(self.mesh, P())
-        self._tables = jax.device_put(np.zeros((self.max_num_seqs + 1, self.pages_per_seq), np.int32), replicated)
-        # outputs placed exactly as the inputs they replace: a step fed the caches (or ids) of the previous one
-        # hits the compiled step the first call made, instead of compiling again for an equal-but-new sharding
-        out_shardings = (replicated, jax.tree.map(lambda c: c.sharding, self.caches), replicated)
-        self._serve_step = jax.jit(functools.partial(_serve_step_packed, config=config, parallel=self.parallel,
-                                                     impl=self.impl, n_out=self._n_out, block_size=self.block_size),
-                                   static_argnames=("width", "greedy", "layout"), donate_argnums=(1, 2),
-                                   out_shardings=out_shardings)
-        self._prev_ids = None  # device ids sampled by the last dispatched step
         self._pending = None  # (plan, device ids) of the dispatched step whose ids are not processed yet
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submits and aborts from other threads
         self._requests: dict[str, Request] = {}
@@ -218,10 +120,9 @@ class Engine:
         self._background = None
         self.wake_event = threading.Event()
         self._dry: set | None = None  # warmup: shapes already compiled (their steps are skipped)
-        self._launch_s = 0.0  # seconds the last step's jitted call took (see `_LoopStats.launch_s`)
         self.stats = _LoopStats()
-        # serving across processes (glm_dsa.lockstep): called by each step with the submits and aborts this
-        # process received, returns those every process applies at this step (process 0's), so all plan alike
+        # serving across processes (glm_dsa.serving.lockstep): called by each step with the submits and aborts
+        # this process received, returns those every process applies at this step (process 0's), so all plan alike
         self.step_sync = None
         self.spec = SpecDecoder(self, mtp_params, self.num_speculative_tokens) if self.num_speculative_tokens else None
 
@@ -244,26 +145,7 @@ class Engine:
             out.append(s)
         return out
 
-    # ---- one compiled step -----------------------------------------------------------------
-    def _run(self, seq_idx: np.ndarray, pos: np.ndarray, tok: np.ndarray, seqs: list[_Seq],
-             logits_rows: np.ndarray) -> jax.Array:
-        """One compiled step over rows (sequence index, position, token id), all int arrays; returns the device
-        float32 logits [bucket >= len(logits_rows), vocab] of `logits_rows` (padding rows after them)."""
-        bs, n, inter = self.block_size, self.parallel.dcp, self.parallel.interleave
-        t = _bucket(len(pos), 8)
-        # capped at a full sequence's pages: a power-of-two bucket past it would double the indexer's top-k width
-        width = min(_bucket(max(len(s.pages) for s in seqs), 1), self.pages_per_seq)
-        tables = block_table_array([s.pages for s in seqs], width, _bucket(len(seqs), 1))
-        ids, p, slot, req = (np.zeros(t, np.int32) for _ in range(4))
-        slot[:] = -1  # padding rows write nothing
-        ids[: len(pos)], p[: len(pos)], req[: len(pos)] = tok, pos, seq_idx
-        slot[: len(pos)] = owner_slots(tables, seq_idx, pos, bs, n, inter)
-        li = np.zeros(_bucket(len(logits_rows), 8), np.int32)
-        li[: len(logits_rows)] = logits_rows
-        batch = StepBatch(*(jnp.asarray(x) for x in (ids, p, slot, req, tables, li)))
-        logits, self.caches = self._step(self.params, self.caches, batch)
-        return logits
-
+    # ---- prefill for `logits` -----------------------------------------------------------------
     def _prefill(self, seqs: list[_Seq], on_logits, all_rows: bool = False) -> None:
         """Feed every token of every sequence in chunks of at most `max_num_batched_tokens` rows, calling
         `on_logits(logits, seq_idx, pos)` with each chunk's device logits for its rows (seq_idx, pos): all of
@@ -275,7 +157,7 @@ class Engine:
         for c in range(0, len(pos), self.max_num_batched_tokens):
             sl = slice(c, c + self.max_num_batched_tokens)
             want = np.arange(len(pos[sl])) if all_rows else np.nonzero(pos[sl] == lens[seq_idx[sl]] - 1)[0]
-            logits = self._run(seq_idx[sl], pos[sl], tok[sl], seqs, want)
+            logits = self.runner.run(seq_idx[sl], pos[sl], tok[sl], [s.pages for s in seqs], want)
             if len(want):
                 on_logits(logits, seq_idx[sl][want], pos[sl][want])
 
@@ -284,7 +166,7 @@ class Engine:
         """Compile what a `generate` of `batch` prompts of `prompt_len` tokens and `max_new_tokens` will use: the
         scheduler plans that call step by step, but only a step of a shape not seen yet runs (on the pages the
         plan holds, released afterwards); the others are skipped, with token 0 standing for their samples."""
-        _positive_int("max_new_tokens", max_new_tokens, minimum=0)
+        check_positive_int("max_new_tokens", max_new_tokens, minimum=0)
         params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, stop_token_ids=[])
         self._check_idle("warmup")
         self._dry = set()
@@ -332,18 +214,13 @@ class Engine:
         return out
 
     def trace(self, token_ids, layers=None) -> dict[str, np.ndarray]:
-        """Per-layer intermediates of one sequence (int [T]) by name (see glm_dsa.trace), as numpy arrays;
+        """Per-layer intermediates of one sequence (int [T]) by name (see glm_dsa.debug.trace), as numpy arrays;
         `layers` (an iterable of layer indices) keeps only those layers."""
-        from ..debug.trace import select_layers, trace
         ids = np.asarray(token_ids)
         if ids.ndim != 1 and not (ids.ndim == 2 and ids.shape[0] == 1):
             raise ValueError(f"token_ids must be one sequence [T] (or [1, T]), got shape {ids.shape}")
         ids = np.asarray(self._check_tokens([ids.reshape(-1).tolist()], "sequence")[0], np.int32)
-        if not hasattr(self, "_trace"):
-            self._trace = jax.jit(functools.partial(trace, config=self.config, parallel=self.parallel, impl=self.impl,
-                                                    block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype))
-        taps = self._trace(self.params, jnp.asarray(ids, jnp.int32))
-        return {k: np.asarray(v) for k, v in select_layers(taps, layers).items()}
+        return self.runner.trace(ids, layers)
 
     def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                  stop_token_ids=None) -> list[list[int]]:
@@ -366,7 +243,7 @@ class Engine:
         benchmarks/bench_serving.py's step_ms; the turn that launches the first decode step waits for the last
         prefill step and is not counted) and "preemptions".
         """
-        _positive_int("max_new_tokens", max_new_tokens, minimum=0)  # named as the caller named it
+        check_positive_int("max_new_tokens", max_new_tokens, minimum=0)  # named as the caller named it
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_new_tokens,
                                 stop_token_ids=stop_token_ids)
         prompts = self._check_tokens(prompts, "prompt")
@@ -382,7 +259,7 @@ class Engine:
                stop_token_ids=None):
         """`generate`'s work as an iterator of (prompt index, token id) in the order tokens are sampled (the same
         tokens `generate` returns). Closing the iterator early aborts what is left and frees its pages."""
-        _positive_int("max_new_tokens", max_new_tokens, minimum=0)
+        check_positive_int("max_new_tokens", max_new_tokens, minimum=0)
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_new_tokens,
                                 stop_token_ids=stop_token_ids)
         prompts = self._check_tokens(prompts, "prompt")
@@ -422,7 +299,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt = self._check_tokens([prompt], "prompt")[0]
-        r = self._request(prompt, params, _positive_int("prompt_index", prompt_index, minimum=0), request_id)
+        r = self._request(prompt, params, check_positive_int("prompt_index", prompt_index, minimum=0), request_id)
         stream = RequestStream(self, r)
         self._inbox.put(("add", r))
         self.wake_event.set()
@@ -531,13 +408,16 @@ class Engine:
         self._drain_inbox()
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
-        if self.spec is not None:  # speculative decoding: one synchronous turn (glm_dsa.spec_engine)
+        if self.spec is not None:  # speculative decoding: one synchronous turn (glm_dsa.serving.spec_decoder)
             return self.spec.turn(plan, t0)
         new = None
-        self._launch_s = 0.0
+        launch_s = 0.0
         if plan is not None:
             try:
-                new = (plan, self._dispatch(plan))
+                new = (plan, self.runner.execute(plan, self._dry))
+                launch_s = self.runner.launch_s
+                self.stats.h2d_bytes += self.runner.last_h2d_bytes
+                self.stats.last_h2d_bytes = self.runner.last_h2d_bytes
             except Exception as e:  # a step that cannot run fails its requests, not the loop
                 logging.getLogger(__name__).exception("step failed")
                 self.scheduler.fail(plan.requests, f"{type(e).__name__}: {e}")
@@ -556,8 +436,8 @@ class Engine:
         t1 = time.perf_counter()
         st = self.stats
         if new is not None:
-            st.build_s += tb - t0 - self._launch_s
-            st.launch_s += self._launch_s
+            st.build_s += tb - t0 - launch_s
+            st.launch_s += launch_s
             st.process_s += t1 - tb - blocked
             st.steps += 1
             st.decode_steps += plan.prefill_rows == 0
@@ -571,73 +451,6 @@ class Engine:
             st.decode_host_s += t1 - t0 - blocked
             st.decode_wall_s += t1 - t0
         return self.scheduler.has_work or self._pending is not None
-
-    def step_shapes(self, plan: StepPlan) -> tuple[int, int, int]:
-        """The bucketed static shapes of a plan's step: (rows T, block-table columns read, requests R)."""
-        t = _bucket(plan.num_rows, 16)
-        # capped at a full sequence's pages: a power-of-two bucket past it would double the indexer's top-k width;
-        # a bucket over half of it takes the cap at once (at most twice the pages, as any bucket): one shape less
-        width = _bucket(max(len(r.pages) for r in plan.requests), 8)
-        width = self.pages_per_seq if 2 * width > self.pages_per_seq else width
-        # requests (and logits rows, at most one each) in buckets growing 4x, capped at max_num_seqs' bucket
-        nr = min(_bucket(len(plan.requests), 8, 4), self._n_out)
-        return t, width, nr
-
-    def table_inputs(self, plan: StepPlan, t: int, nr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The block-table inputs of a plan's step (see `_serve_step`): the requests' table rows int32 [nr], the
-        entries it changes int32 [3, t] and the rows it clears int32 [max_num_seqs + 1]."""
-        plan_rows = np.full(nr, self.max_num_seqs, np.int32)  # padding requests read the all-zero last row
-        plan_rows[: len(plan.requests)] = [r.table_row for r in plan.requests]
-        # a step adds at most one page per row it computes, so the rows bucket bounds the updates
-        upd = np.full((3, t), self.max_num_seqs + 1, np.int32)  # padding updates fall outside the table: dropped
-        nu = plan.table_updates.shape[1]
-        if nu > t:
-            raise RuntimeError(f"a step of {plan.num_rows} rows changes {nu} block-table entries, more than its {t} "
-                               "slots")
-        upd[:, :nu] = plan.table_updates
-        resets = np.zeros(self.max_num_seqs + 1, np.int32)
-        resets[plan.table_resets] = 1
-        return plan_rows, upd, resets
-
-    def _dispatch(self, plan: StepPlan):
-        """Build the plan's step inputs on the host and launch the fused step; returns the device ids. What is
-        built does not depend on the requests' lengths: rows, logits rows and block-table changes only."""
-        rows = plan.num_rows
-        t, width, nr = self.step_shapes(plan)
-        row_arr = np.zeros((4, t), np.int32)
-        row_arr[1:, rows:] = -1  # padding rows: position -1 (write nothing), src -1; request 0
-        row_arr[2, rows:] = 0
-        row_arr[0, :rows], row_arr[1, :rows], row_arr[2, :rows], row_arr[3, :rows] = (plan.token, plan.pos, plan.req,
-                                                                                       plan.src)
-        plan_rows, upd, resets = self.table_inputs(plan, t, nr)
-        k = len(plan.sample_rows)
-        nl = nr  # logits rows bucketed with the requests (at most one each): one shape dimension less to compile
-        su = np.zeros((5, nl), np.uint32)  # logits row, seed words, token index, prompt index
-        sf = np.zeros((2, nl), np.float32)  # temperature, top_p: padding rows greedy
-        sf[1] = 1.0
-        su[0, :k] = plan.sample_rows
-        su[3, :k] = plan.sample_token_index
-        for j, r in enumerate(plan.sample_reqs):
-            su[1, j], su[2, j], su[4, j] = r.params.seed >> 32, r.params.seed & 0xFFFFFFFF, r.prompt_index
-            sf[0, j], sf[1, j] = r.params.temperature, r.params.top_p
-        packed, layout = host_buffer.pack(row_arr, plan_rows, upd, resets, su, sf)
-        self.stats.h2d_bytes += packed.nbytes
-        self.stats.last_h2d_bytes = packed.nbytes
-        if self._dry is not None:
-            shape = (t, nr, width)
-            if shape in self._dry:
-                return np.zeros(self._n_out, np.int32)
-            self._dry.add(shape)
-        prev = self._prev_ids
-        if prev is None:
-            prev = jax.device_put(np.zeros(self._n_out, np.int32), NamedSharding(self.mesh, P()))
-        t_launch = time.perf_counter()
-        greedy = bool(np.all(sf[0, :k] < GREEDY_BELOW))  # static: no device-side branch (see sampling.sample)
-        out, self.caches, self._tables = self._serve_step(self.params, self.caches, self._tables, packed, prev,
-                                                          width=width, greedy=greedy, layout=layout)
-        self._launch_s = time.perf_counter() - t_launch
-        self._prev_ids = out
-        return out
 
 
 def load(path: str | os.PathLike, *, parallel: ParallelConfig | None = None, dtype="bfloat16",
@@ -658,7 +471,7 @@ def load(path: str | os.PathLike, *, parallel: ParallelConfig | None = None, dty
     `checkpoints.quantization`. A layout whose weights cannot fit a device (`device_memory` bytes, default the
     device's free memory where it reports it) is refused before anything is allocated.
     """
-    k = _positive_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
+    k = check_positive_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
     config, parallel, flat = load_params(path, parallel=parallel, dtype=dtype, progress=progress, mtp=k > 0,
                                          quantization=quantization, device_memory=device_memory)
     params = nest_params(flat)

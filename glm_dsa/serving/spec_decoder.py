@@ -1,5 +1,5 @@
 """The host side of MTP speculative decoding for an `Engine` (docs/math.md §12): the nextn layer's parameters and
-caches, the draft distributions kept on the device, the compiled step (`speculative.spec_serve_step`), one
+caches, the draft distributions kept on the device, the compiled step (`spec_step.spec_serve_step`), one
 synchronous serving turn, and the acceptance statistics.
 
 A speculative turn cannot be planned before the previous one's accepted counts are known (they move every
@@ -47,7 +47,7 @@ class SpecDecoder:
         shardings = (replicated, jax.tree.map(lambda c: c.sharding, eng.caches),
                      jax.tree.map(lambda c: c.sharding, self.caches), replicated, replicated)
         # one executable per (rows, requests, width, greedy) bucket: the accepted counts move positions and tokens,
-        # never shapes, so turns with different acceptance reuse it (tests/glm_dsa/test_mtp_turn.py)
+        # never shapes, so turns with different acceptance reuse it (tests/serving/test_mtp_turn.py)
         self._step = jax.jit(functools.partial(spec_serve_step_packed, config=cfg, parallel=eng.parallel,
                                                impl=eng.impl, k=k, block_size=eng.block_size),
                              static_argnames=("width", "greedy", "layout"), donate_argnums=(2, 3, 4, 5),
@@ -99,13 +99,13 @@ class SpecDecoder:
         """Run the plan's speculative step and return its host results int32 [G >= len(sample_reqs), 2k + 2]."""
         eng, k = self.eng, self.k
         rows = plan.num_rows
-        t, width, nr = eng.step_shapes(plan)
+        t, width, nr = eng.runner.step_shapes(plan)
         row_arr = np.zeros((4, t), np.int32)
         row_arr[1, rows:] = -1  # padding rows: position -1 (write nothing), request 0
         row_arr[3, :] = -1
         row_arr[0, :rows], row_arr[1, :rows], row_arr[2, :rows] = plan.token, plan.pos, plan.req
         row_arr[3, :rows] = plan.next_token
-        plan_rows, upd, resets = eng.table_inputs(plan, t, nr)
+        plan_rows, upd, resets = eng.runner.table_inputs(plan, t, nr)
         g = len(plan.sample_rows)
         vrows = np.full((nr, k + 1), -1, np.int32)
         gmeta = np.zeros((3, nr), np.int32)
@@ -131,15 +131,15 @@ class SpecDecoder:
         return np.asarray(self.launch(arrays, width=width, greedy=greedy))
 
     def launch(self, arrays: tuple, *, width: int, greedy: bool):
-        """Send one step's host inputs (`speculative.spec_serve_step`'s eight arrays, packed into one transfer)
+        """Send one step's host inputs (`spec_step.spec_serve_step`'s eight arrays, packed into one transfer)
         and launch it; returns its device results int32 [G, 2k + 2] (the caches, tables and draft distributions
         are replaced in place). Benchmarks call this with inputs they build."""
-        eng = self.eng
+        eng, run = self.eng, self.eng.runner
         packed, layout = host_buffer.pack(*arrays)
         eng.stats.h2d_bytes += packed.nbytes
         eng.stats.last_h2d_bytes = packed.nbytes
-        out, eng.caches, self.caches, eng._tables, self.draft_probs = self._step(
-            eng.params, self.mtp_params, eng.caches, self.caches, eng._tables, self.draft_probs, packed,
+        out, run.caches, self.caches, run.tables, self.draft_probs = self._step(
+            run.params, self.mtp_params, run.caches, self.caches, run.tables, self.draft_probs, packed,
             width=width, greedy=greedy, layout=layout)
         return out
 

@@ -126,9 +126,9 @@ def test_generate_records_its_timings(eng):
 def test_compiled_steps_are_reused(eng):
     prompts = _prompts(7, [4, 6])
     eng.generate(prompts, max_new_tokens=5, stop_token_ids=[])
-    before = eng._serve_step._cache_size()  # generate's compiled step (the model step with its sampler)
+    before = eng.runner.serve_step._cache_size()  # generate's compiled step (the model step with its sampler)
     eng.generate(_prompts(8, [5, 7]), max_new_tokens=9, stop_token_ids=[])  # same buckets, more tokens
-    assert eng._serve_step._cache_size() == before
+    assert eng.runner.serve_step._cache_size() == before
 
 
 @pytest.mark.parametrize("mode", ["gather", "dense", "tiles", "ragged"])
@@ -173,7 +173,7 @@ def test_fp8_cache_pages_capped_for_the_kernels_offsets():
 
 
 def test_pages_sized_from_free_device_memory(ckpt, monkeypatch):
-    from glm_dsa.serving import engine as engine_mod
+    from glm_dsa.serving import runner as runner_mod
     from glm_dsa.model.paged_cache import cache_bytes_per_token, plan_pages
     # by hand: 10 pages per sequence of 1 KiB each; 25.6 KiB free at fraction 0.5 -> 12 pages -> 1 sequence
     assert plan_pages(max_num_seqs=4, pages_per_seq=10, page_bytes=1024, free_bytes=25600,
@@ -189,7 +189,7 @@ def test_pages_sized_from_free_device_memory(ckpt, monkeypatch):
         plan_pages(max_num_seqs=4, pages_per_seq=10, page_bytes=1024, free_bytes=None, memory_fraction=0.5,
                    max_pages=10)
     page = 16 * cache_bytes_per_token(CFG, "float32")
-    monkeypatch.setattr(engine_mod, "free_device_bytes", lambda device: int(9.5 * page / 0.8))
+    monkeypatch.setattr(runner_mod, "free_device_bytes", lambda device: int(9.5 * page / 0.8))
     eng = glm_dsa.load(ckpt, dtype="float32", max_model_len=64, progress=False, max_num_seqs=8)
     assert (eng.num_pages, eng.max_num_seqs) == (9, 2)  # 4 pages per sequence of 64 tokens
     assert eng.generate(_prompts(11, [5, 6, 7]), max_new_tokens=2, stop_token_ids=[])  # served in groups of 2

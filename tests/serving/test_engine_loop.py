@@ -108,10 +108,10 @@ def test_warmup_compiles_every_step_generate_runs(ckpt):
     e = glm_dsa.load(ckpt, dtype="float32", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                      progress=False)
     e.warmup(3, 10, 6)
-    compiled = e._serve_step._cache_size()
+    compiled = e.runner.serve_step._cache_size()
     assert compiled >= 2 and _all_pages_free(e)
     e.generate(_prompts(5, [10, 10, 10]), max_new_tokens=6, stop_token_ids=[])
-    assert e._serve_step._cache_size() == compiled
+    assert e.runner.serve_step._cache_size() == compiled
     t = e.last_timings
     assert t["steps"] >= 6 and t["decode_steps"] >= 4 and 0 < t["host_ms_per_step"] <= t["step_ms"]
     m = e.metrics()

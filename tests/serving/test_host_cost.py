@@ -53,8 +53,8 @@ def test_the_loop_launches_the_next_step_before_reading_the_last_ones_ids_and_se
         host_arrays.append(sum(isinstance(a, np.ndarray) for a in args))
         k = len(host_arrays) - 1
         events.append(("launch", k))
-        return _DeviceIds(k, events, eng._n_out), caches, tables
-    eng._serve_step = step
+        return _DeviceIds(k, events, eng.runner.n_out), caches, tables
+    eng.runner.serve_step = step
     rng = np.random.default_rng(0)
     eng.generate([rng.integers(0, CFG.vocab_size, n).tolist() for n in (5, 20, 9)], 6, stop_token_ids=[])
     n = len(host_arrays)
@@ -81,6 +81,6 @@ def test_bench_host_overhead_replays_the_decode_steps_and_gives_the_engine_back(
     row = host_overhead(eng, prompts, 5)
     assert row["B"] == 2 and row["decode_steps"] == row["window_steps"] == 4 and row["compiles"] == 0
     assert row["device_step_ms"] > 0 and abs(row["idle_ms"] - (row["step_ms"] - row["device_step_ms"])) < 1e-9
-    assert "_dispatch" not in vars(eng) and "process" not in vars(eng.scheduler)
-    assert hasattr(eng._serve_step, "_cache_size")
+    assert "execute" not in vars(eng.runner) and "process" not in vars(eng.scheduler)
+    assert hasattr(eng.runner.serve_step, "_cache_size")
     assert eng.generate(prompts, 5, stop_token_ids=[]) == before

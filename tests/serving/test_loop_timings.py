@@ -33,14 +33,14 @@ def test_decode_step_ms_excludes_the_wait_for_the_last_prefill_step():
     eng = Engine(CFG, init_params(CFG, seed=0, dtype="float32"), dtype="float32", max_model_len=64, block_size=16,
                  max_num_seqs=2, max_num_batched_tokens=64)
     prefill_s, decode_s, reads = 0.3, 0.01, []
-    eng._serve_step = lambda params, caches, tables, *args, **kw: (None, caches, tables)  # nothing compiled
-    dispatch = eng._dispatch
+    eng.runner.serve_step = lambda params, caches, tables, *args, **kw: (None, caches, tables)  # nothing compiled
+    execute = eng.runner.execute
 
-    def slow(plan):
-        dispatch(plan)
+    def slow(plan, dry=None):
+        execute(plan, dry)
         decode = plan.prefill_rows == 0
-        return _SlowIds(decode_s if decode else prefill_s, eng._n_out, reads, decode)
-    eng._dispatch = slow
+        return _SlowIds(decode_s if decode else prefill_s, eng.runner.n_out, reads, decode)
+    eng.runner.execute = slow
     rng = np.random.default_rng(2)
     eng.generate([rng.integers(0, CFG.vocab_size, 7).tolist() for _ in range(2)], 5, stop_token_ids=[])
     t = eng.last_timings

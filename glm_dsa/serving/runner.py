@@ -1,0 +1,274 @@
+"""The device side of an `Engine`: the mesh, the parameters and the paged caches, the memory plan (how many pages
+fit), and the compiled steps (the model step for `logits`, the fused step + sampler of the serving loop, the trace).
+
+A `ModelRunner` knows nothing of requests: it takes rows and block tables (`run`) or a scheduler's `StepPlan`
+(`execute`) and returns device logits or sampled ids. The request side (scheduling, streams, metrics) is
+`glm_dsa.serving.engine.Engine`, which holds one.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kernels import default_impl
+from sharding import ParallelConfig, cache_spec, mesh_for
+from sharding.dcp import local_position
+
+from ..distributed import check_mesh_spans_processes
+from ..model.config import GlmDsaConfig
+from ..model.layers import StepBatch
+from ..model.loading import resolve_dtype
+from ..model.mtp import mtp_cache_bytes_per_token
+from ..model.paged_cache import (PageAllocator, allocate_caches, block_table_array, cache_bytes_per_token, cache_dtype,
+                                 free_device_bytes, max_addressable_pages, owner_slots, pages_needed, plan_pages)
+from ..model.step import resolve_parallel, step
+from . import host_buffer
+from .sampling import GREEDY_BELOW, sample
+from .scheduler import StepPlan
+
+
+def check_positive_int(name: str, value, minimum: int = 1) -> int:
+    """`value` as an int >= minimum, or a TypeError / ValueError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return int(value)
+
+
+def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32,
+                prev_ids, *, config, parallel, impl, n_out: int, block_size: int, width: int, greedy: bool):
+    """One serving step: update the device block table, run the model step, sample each logits row; returns the
+    sampled ids padded to `n_out`, the caches and the table.
+
+    tables int32 [S + 1, pages_per_seq]: the block table of every running request, one row each (row S stays
+    page 0, for padding), kept on the device and changed only by `table_resets` (int32 [S + 1], 1: zero the row)
+    and `table_updates` (int32 [3, U]: row, column, page; rows past S are padding, dropped). So a step sends what
+    changed, never whole tables: the host work and bytes per step do not grow with the context.
+    rows int32 [4, T]: each row's token, position (-1: a padding row, which writes nothing), request (index into
+    `plan_rows`, the requests' table rows) and src (>= 0: the token is `prev_ids[src]`, the previous step's sampled
+    id still on the device, so the host does not wait for it). samp_u32 uint32 [5, L]: logits row, seed high and
+    low words, token index, prompt index; samp_f32 float32 [2, L]: temperature, top_p. Logits row i samples with
+    the key fold_in(fold_in(key(seed), token_index), prompt_index): a request's draws depend on its own seed,
+    prompt index and token index only, never on the batch it shares a step with. `width` (static): block-table
+    columns the step reads; `greedy` (static): every sampled row is greedy (argmax only)."""
+    tables = jnp.where(table_resets[:, None] > 0, 0, tables)
+    tables = tables.at[table_updates[0], table_updates[1]].set(table_updates[2], mode="drop")
+    block_tables = tables[plan_rows, :width]
+    src, pos, req = rows[3], rows[1], rows[2]
+    token_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], rows[0])
+    p = jnp.maximum(pos, 0)
+    lp = local_position(p, parallel.dcp, parallel.interleave)  # the position on its owning DCP rank
+    slot = block_tables[req, lp // block_size] * block_size + lp % block_size
+    slot = jnp.where(pos < 0, -1, slot).astype(jnp.int32)  # padding rows write nothing
+    batch = StepBatch(token_ids.astype(jnp.int32), p, slot, req, block_tables, samp_u32[0].astype(jnp.int32))
+    logits, caches = step(params, caches, batch, config=config, parallel=parallel, impl=impl)
+
+    def key(words, token_index, prompt_index):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(words), token_index), prompt_index)
+    keys = jax.vmap(key)(samp_u32[1:3].T, samp_u32[3], samp_u32[4])
+    ids = sample(logits, keys, samp_f32[0], samp_f32[1], all_greedy=greedy)
+    return jnp.zeros(n_out, jnp.int32).at[: ids.shape[0]].set(ids), caches, tables
+
+
+def _serve_step_packed(params, caches, tables, packed, prev_ids, *, layout: host_buffer.Layout, **kw):
+    """`_serve_step` with its host inputs in one uint32 buffer (`host_buffer.pack` of the int32 `rows` [4, T],
+    `plan_rows` [R], `table_updates` [3, T], `table_resets` [S + 1], `samp_u32` [5, L] and `samp_f32` [2, L]), so
+    a step makes one host-to-device transfer instead of six; `layout` (static) is the pack's."""
+    rows, plan_rows, updates, resets, samp_u32, samp_f32 = host_buffer.unpack(packed, layout)
+    return _serve_step(params, caches, tables, rows, plan_rows, updates, resets, samp_u32, samp_f32, prev_ids, **kw)
+
+
+def _bucket(n: int, minimum: int, factor: int = 2) -> int:
+    """Smallest minimum * factor**i >= n: a few static shapes, so steps compile once per bucket."""
+    b = minimum
+    while b < n:
+        b *= factor
+    return b
+
+
+class ModelRunner:
+    """The model on its mesh: parameters, paged caches, the page allocator and the compiled steps.
+
+    Arguments as `Engine`'s (which passes them on): the runner checks them, resolves `parallel`, makes the mesh and
+    plans the cache: `num_pages` per DCP rank given, or as many as `max_num_seqs` full sequences of
+    `max_model_len` need within `cache_memory_fraction` of the free device memory (fewer sequences where fewer
+    fit: `max_num_seqs` is then lowered). `num_speculative_tokens` > 0 makes room in each page for the nextn
+    layer's cache rows. `params` and `caches` are plain pytrees (see `glm_dsa.step`); the compiled steps donate
+    the caches, so `caches` is replaced by each step.
+    """
+
+    def __init__(self, config: GlmDsaConfig, params, *, parallel: ParallelConfig | None = None, dtype="bfloat16",
+                 kv_cache_dtype: str = "auto", max_model_len: int | None = None, block_size: int = 16,
+                 num_pages: int | None = None, max_num_seqs: int = 8, impl: str | None = None,
+                 cache_memory_fraction: float = 0.8, num_speculative_tokens: int = 0):
+        self.config = config
+        self.parallel = resolve_parallel(parallel, config)
+        self.dtype = resolve_dtype(dtype)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.impl = impl or default_impl()
+        self.max_model_len = (min(config.max_position_embeddings, 4096) if max_model_len is None
+                              else check_positive_int("max_model_len", max_model_len))
+        if self.max_model_len > config.max_position_embeddings:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({config.max_position_embeddings})")
+        if check_positive_int("block_size", block_size) & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        self.block_size = int(block_size)
+        self.max_num_seqs = max_num_seqs = check_positive_int("max_num_seqs", max_num_seqs)
+        if isinstance(cache_memory_fraction, bool) or not 0 < cache_memory_fraction <= 1:
+            raise ValueError(f"cache_memory_fraction must be in (0, 1], got {cache_memory_fraction!r}")
+        n, inter = self.parallel.dcp, self.parallel.interleave
+        self.pages_per_seq = pages_needed(self.max_model_len, block_size, n, inter)
+        self.mesh = mesh_for(self.parallel)
+        check_mesh_spans_processes(self.mesh)
+        # FP8 caches over 2 GiB per layer are misaddressed by the Triton kernels (32-bit offsets)
+        triton = self.impl in ("triton", "auto")
+        max_pages = max_addressable_pages(config, block_size, kv_cache_dtype) if triton else None
+        if num_pages is not None:
+            # per DCP rank; page 0 is the padding page, so one sequence needs pages_per_seq + 1
+            self.num_pages = check_positive_int("num_pages", num_pages, minimum=2)
+            if max_pages is not None and self.num_pages > max_pages:
+                raise ValueError(f"num_pages={self.num_pages}: an FP8 cache of at most {max_pages} pages per layer "
+                                 f"(block_size {block_size}) stays under the 2 GiB the Triton kernels address")
+        else:  # enough for max_num_seqs full sequences, within cache_memory_fraction of the free device memory
+            page_bytes = block_size * cache_bytes_per_token(config, self.dtype, kv_cache_dtype)
+            if num_speculative_tokens:  # the nextn layer's cache rows share the pages
+                page_bytes += block_size * mtp_cache_bytes_per_token(config, self.dtype, kv_cache_dtype)
+            self.num_pages, self.max_num_seqs = plan_pages(
+                max_num_seqs=max_num_seqs, pages_per_seq=self.pages_per_seq, page_bytes=page_bytes,
+                free_bytes=free_device_bytes(self.mesh.local_devices[0]), memory_fraction=cache_memory_fraction,
+                max_pages=max_pages)
+        self.params = params
+        cache_sharding = NamedSharding(self.mesh, cache_spec())
+        self.caches = allocate_caches(config, self.num_pages * n, block_size,
+                                      cache_dtype(kv_cache_dtype, self.dtype), cache_sharding, kv_cache_dtype)
+        self.allocator = PageAllocator(self.num_pages)
+        # the model step alone, for `run` (logits of every asked row; no sampling)
+        self.model_step = jax.jit(functools.partial(step, config=config, parallel=self.parallel, impl=self.impl),
+                                  donate_argnums=(1,))
+        self.n_out = _bucket(self.max_num_seqs, 8)  # a serving step samples at most one row per running request
+        # the block table of the running requests (scheduler table rows 0..max_num_seqs-1; the last row stays
+        # page 0 for padding), on the device: steps send only its changes (see `_serve_step`)
+        self.replicated = NamedSharding(self.mesh, P())
+        self.tables = jax.device_put(np.zeros((self.max_num_seqs + 1, self.pages_per_seq), np.int32),
+                                     self.replicated)
+        # outputs placed exactly as the inputs they replace: a step fed the caches (or ids) of the previous one
+        # hits the compiled step the first call made, instead of compiling again for an equal-but-new sharding
+        out_shardings = (self.replicated, jax.tree.map(lambda c: c.sharding, self.caches), self.replicated)
+        # the serving loop's step: block-table changes, the model step and the sampler in one executable
+        self.serve_step = jax.jit(functools.partial(_serve_step_packed, config=config, parallel=self.parallel,
+                                                    impl=self.impl, n_out=self.n_out, block_size=self.block_size),
+                                  static_argnames=("width", "greedy", "layout"), donate_argnums=(1, 2),
+                                  out_shardings=out_shardings)
+        self.prev_ids = None  # device ids sampled by the last executed serving step
+        self.launch_s = 0.0  # seconds the last `execute`'s jitted call took (transfers, dispatch)
+        self.last_h2d_bytes = 0  # bytes of the host buffer the last `execute` built
+        self._trace = None
+
+    def run(self, seq_idx: np.ndarray, pos: np.ndarray, tok: np.ndarray, pages: list[list[int]],
+            logits_rows: np.ndarray) -> jax.Array:
+        """One compiled model step over rows (sequence index, position, token id), all int arrays, of sequences
+        holding `pages` (one page list per sequence); returns the device float32 logits
+        [bucket >= len(logits_rows), vocab] of `logits_rows` (padding rows after them)."""
+        bs, n, inter = self.block_size, self.parallel.dcp, self.parallel.interleave
+        t = _bucket(len(pos), 8)
+        # capped at a full sequence's pages: a power-of-two bucket past it would double the indexer's top-k width
+        width = min(_bucket(max(len(p) for p in pages), 1), self.pages_per_seq)
+        tables = block_table_array(pages, width, _bucket(len(pages), 1))
+        ids, p, slot, req = (np.zeros(t, np.int32) for _ in range(4))
+        slot[:] = -1  # padding rows write nothing
+        ids[: len(pos)], p[: len(pos)], req[: len(pos)] = tok, pos, seq_idx
+        slot[: len(pos)] = owner_slots(tables, seq_idx, pos, bs, n, inter)
+        li = np.zeros(_bucket(len(logits_rows), 8), np.int32)
+        li[: len(logits_rows)] = logits_rows
+        batch = StepBatch(*(jnp.asarray(x) for x in (ids, p, slot, req, tables, li)))
+        logits, self.caches = self.model_step(self.params, self.caches, batch)
+        return logits
+
+    def trace(self, ids: np.ndarray, layers=None) -> dict[str, np.ndarray]:
+        """Per-layer intermediates of one checked sequence (int32 [T]) by name (see `glm_dsa.debug.trace`), as
+        numpy arrays; `layers` (an iterable of layer indices) keeps only those layers."""
+        from ..debug.trace import select_layers, trace
+        if self._trace is None:
+            self._trace = jax.jit(functools.partial(trace, config=self.config, parallel=self.parallel, impl=self.impl,
+                                                    block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype))
+        taps = self._trace(self.params, jnp.asarray(ids, jnp.int32))
+        return {k: np.asarray(v) for k, v in select_layers(taps, layers).items()}
+
+    def step_shapes(self, plan: StepPlan) -> tuple[int, int, int]:
+        """The bucketed static shapes of a plan's step: (rows T, block-table columns read, requests R)."""
+        t = _bucket(plan.num_rows, 16)
+        # capped at a full sequence's pages: a power-of-two bucket past it would double the indexer's top-k width;
+        # a bucket over half of it takes the cap at once (at most twice the pages, as any bucket): one shape less
+        width = _bucket(max(len(r.pages) for r in plan.requests), 8)
+        width = self.pages_per_seq if 2 * width > self.pages_per_seq else width
+        # requests (and logits rows, at most one each) in buckets growing 4x, capped at max_num_seqs' bucket
+        nr = min(_bucket(len(plan.requests), 8, 4), self.n_out)
+        return t, width, nr
+
+    def table_inputs(self, plan: StepPlan, t: int, nr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The block-table inputs of a plan's step (see `_serve_step`): the requests' table rows int32 [nr], the
+        entries it changes int32 [3, t] and the rows it clears int32 [max_num_seqs + 1]."""
+        plan_rows = np.full(nr, self.max_num_seqs, np.int32)  # padding requests read the all-zero last row
+        plan_rows[: len(plan.requests)] = [r.table_row for r in plan.requests]
+        # a step adds at most one page per row it computes, so the rows bucket bounds the updates
+        upd = np.full((3, t), self.max_num_seqs + 1, np.int32)  # padding updates fall outside the table: dropped
+        nu = plan.table_updates.shape[1]
+        if nu > t:
+            raise RuntimeError(f"a step of {plan.num_rows} rows changes {nu} block-table entries, more than its {t} "
+                               "slots")
+        upd[:, :nu] = plan.table_updates
+        resets = np.zeros(self.max_num_seqs + 1, np.int32)
+        resets[plan.table_resets] = 1
+        return plan_rows, upd, resets
+
+    def execute(self, plan: StepPlan, dry: set | None = None):
+        """Build a scheduler plan's step inputs on the host and launch the fused serving step; returns the device
+        ids (without waiting for them). What is built does not depend on the requests' lengths: rows, logits
+        rows and block-table changes only. `dry` (warmup): the static shapes already compiled; a step of one of
+        them is not launched (zeros stand for its ids), a new one is run and added. Sets `last_h2d_bytes` and
+        `launch_s`."""
+        self.launch_s = 0.0
+        rows = plan.num_rows
+        t, width, nr = self.step_shapes(plan)
+        row_arr = np.zeros((4, t), np.int32)
+        row_arr[1:, rows:] = -1  # padding rows: position -1 (write nothing), src -1; request 0
+        row_arr[2, rows:] = 0
+        row_arr[0, :rows], row_arr[1, :rows], row_arr[2, :rows], row_arr[3, :rows] = (plan.token, plan.pos, plan.req,
+                                                                                       plan.src)
+        plan_rows, upd, resets = self.table_inputs(plan, t, nr)
+        k = len(plan.sample_rows)
+        nl = nr  # logits rows bucketed with the requests (at most one each): one shape dimension less to compile
+        su = np.zeros((5, nl), np.uint32)  # logits row, seed words, token index, prompt index
+        sf = np.zeros((2, nl), np.float32)  # temperature, top_p: padding rows greedy
+        sf[1] = 1.0
+        su[0, :k] = plan.sample_rows
+        su[3, :k] = plan.sample_token_index
+        for j, r in enumerate(plan.sample_reqs):
+            su[1, j], su[2, j], su[4, j] = r.params.seed >> 32, r.params.seed & 0xFFFFFFFF, r.prompt_index
+            sf[0, j], sf[1, j] = r.params.temperature, r.params.top_p
+        packed, layout = host_buffer.pack(row_arr, plan_rows, upd, resets, su, sf)
+        self.last_h2d_bytes = packed.nbytes
+        if dry is not None:
+            shape = (t, nr, width)
+            if shape in dry:
+                return np.zeros(self.n_out, np.int32)
+            dry.add(shape)
+        prev = self.prev_ids
+        if prev is None:
+            prev = jax.device_put(np.zeros(self.n_out, np.int32), self.replicated)
+        t_launch = time.perf_counter()
+        greedy = bool(np.all(sf[0, :k] < GREEDY_BELOW))  # static: no device-side branch (see sampling.sample)
+        out, self.caches, self.tables = self.serve_step(self.params, self.caches, self.tables, packed, prev,
+                                                        width=width, greedy=greedy, layout=layout)
+        self.launch_s = time.perf_counter() - t_launch
+        self.prev_ids = out
+        return out
