@@ -22,6 +22,7 @@ _EXPORTS = {
     "quantize_blocks": "fp8_blocks", "write_fp8_release": "fp8_blocks",
     "fp8_plan": "quantization", "scale_path": "quantization", "stored_leaves": "quantization",
     "check_quantization": "quantization", "fp8_scale_shape": "layout", "kept_fp8_spec": "layout",
+    "QuantizationPlan": "quantization", "resolve_quantization": "quantization",
 }
 # submodules, reachable as attributes (`checkpoints.orbax_io`) even before anything imported them
 _SUBMODULES = ("fp8_blocks", "fp8_device", "layout", "loader", "orbax_io", "quantization", "random",

@@ -33,7 +33,7 @@ from .fp8_codec import FP8_BLOCK, dequantize_blocks_np, quantize_blocks
 from .layout import (ParamSpec, assemble_shard, fp8_scale_shape, hf_index, is_mtp_key, kept_fp8_spec,
                      ours_from_hf_blocks, param_specs)
 from .mtp_layout import mtp_layer_index, mtp_param_specs
-from .quantization import fp8_plan, kept_sharding, scale_path
+from .quantization import QuantizationPlan, fp8_plan, kept_sharding, scale_path
 from .safetensors_io import INDEX, SINGLE, CheckpointError, SafetensorsFile, as_dtype
 
 _SCALE = "_scale_inv"
@@ -189,7 +189,8 @@ def load_hf_params(path: str | os.PathLike | HFCheckpoint, cfg, *, dtype,
         `sharding_for(path, shape, kept=True)` in its stored form (`quantization.kept_sharding`: a callback
         without `kept` is asked for our layout's sharding, transposed for K-major stacks).
     progress: show a tqdm bar over parameters.
-    quantization: None | "fp8" | "none" (`checkpoints.quantization`): the weights of its plan (`hf_fp8_plan`) are
+    quantization: None | "fp8" | "none", or the `QuantizationPlan` already made of one (`checkpoints.quantization`):
+        the weights of its plan (`hf_fp8_plan`) are
         kept FP8: `path` float8_e4m3fn in its stored form (`layout.kept_fp8_spec`: our layout, K-major for expert
         stacks), each device sent only its slice of the e4m3 bytes, placed by `sharding_for(path, shape,
         kept=True)`, and `path + "_scale"` float32 (the HF grids in that form's orientation), placed by
@@ -205,7 +206,7 @@ def load_hf_params(path: str | os.PathLike | HFCheckpoint, cfg, *, dtype,
         specs = {**specs, **mtp_specs(ckpt, cfg)}
     ckpt.check(specs, cfg)
     # the nextn (MTP) layer is dequantised: one layer of 79, and its module is built from the plain layout
-    plan = frozenset(p for p in hf_fp8_plan(ckpt, specs, quantization) if not p.startswith("mtp."))
+    plan = hf_fp8_plan(ckpt, specs, quantization).without_prefix("mtp.")
     dtype = None if dtype is None else as_dtype(dtype)
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     params: dict[str, jax.Array] = {}
@@ -238,9 +239,9 @@ def load_hf_params(path: str | os.PathLike | HFCheckpoint, cfg, *, dtype,
     return params
 
 
-def hf_fp8_plan(ckpt: HFCheckpoint, specs: dict[str, ParamSpec], quantization) -> frozenset[str]:
+def hf_fp8_plan(ckpt: HFCheckpoint, specs: dict[str, ParamSpec], quantization) -> QuantizationPlan:
     """The parameters of `specs` kept FP8 when loading `ckpt` under `quantization` (`quantization.fp8_plan`):
-    with None, those whose every HF tensor is stored block-scaled."""
+    with None, those whose every HF tensor is stored block-scaled; a `QuantizationPlan` is returned as it is."""
     return fp8_plan(specs, quantization, lambda spec: all(ckpt.is_block_scaled(k) for k in spec.hf_keys))
 
 

@@ -48,7 +48,8 @@ from .fp8_codec import E4M3
 from .fp8_device import dequantize_kept, quantize_kept
 from .layout import fp8_scale_shape, kept_fp8_spec, param_specs
 from .mtp_layout import mtp_param_specs
-from .quantization import check_quantization, fp8_plan, kept_sharding, scale_path, stored_leaves
+from .quantization import (QuantizationPlan, check_quantization, fp8_plan, kept_sharding, resolve_quantization,
+                           scale_path, stored_leaves)
 from .safetensors_io import CheckpointError, as_dtype, fsync_dir, pid_alive, write_json_atomic
 
 FORMAT = "glm_dsa.orbax"
@@ -75,7 +76,7 @@ def _absolute(path: str | os.PathLike) -> str:
 
 def flatten_params(params) -> dict:
     """A flat {'layers.0.attn.q_a_proj': array} dict from either that dict or the nested params pytree
-    ({'layers': {0: {'attn': {...}}}}, as `glm_dsa.pytree.nest_params` builds it)."""
+    ({'layers': {0: {'attn': {...}}}}, as `glm_dsa.model.param_tree.nest_params` builds it)."""
     flat: dict = {}
 
     def walk(node, prefix):
@@ -323,19 +324,19 @@ def _short(e: BaseException, limit: int = 400) -> str:
     return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
-def stored_fp8_plan(path: str | os.PathLike, quantization, cfg=None) -> frozenset[str]:
+def stored_fp8_plan(path: str | os.PathLike, quantization, cfg=None) -> QuantizationPlan:
     """The weights kept FP8 when loading the newest committed version under `path` with `quantization`
     (`checkpoints.quantization`): None, the FP8 weights it stores (its metadata's float8_e4m3fn leaves);
     "none", nothing; "fp8", every `fp8_eligible` weight of `cfg` (the config the checkpoint holds; needed for
     "fp8"). With `cfg`, a stored FP8 weight that is not eligible (kv_b_proj) is left out: it is dequantised."""
-    check_quantization(quantization)
-    if quantization == "none":
-        return frozenset()
-    if quantization == "fp8" and cfg is None:
+    setting = resolve_quantization(quantization)
+    if setting == "none":
+        return QuantizationPlan((), setting)
+    if setting == "fp8" and cfg is None:
         raise ValueError("stored_fp8_plan: quantization 'fp8' needs the model config (cfg=) to name its weights")
     stored = _stored_fp8(read_orbax_metadata(path)["params"])
     if cfg is None:
-        return stored
+        return QuantizationPlan(stored, setting)
     return fp8_plan(param_specs(cfg), quantization, lambda spec: spec.path in stored)
 
 
@@ -378,7 +379,8 @@ def load_orbax_params(path: str | os.PathLike, cfg, *, dtype,
     quantization (`checkpoints.quantization`): None keeps the checkpoint's form (its FP8 weights restored as
     float8_e4m3fn plus float32 '<path>_scale' grids); "none" dequantises FP8 weights to `dtype` on the devices;
     "fp8" also quantises its bf16 / fp32 linear weights on the devices (128 x 128 blocks, `fp8_device`). The
-    FP8 weights of the result are `stored_fp8_plan(path, quantization, cfg)`.
+    FP8 weights of the result are `stored_fp8_plan(path, quantization, cfg)`; a `QuantizationPlan` given as
+    `quantization` (`glm_dsa.load` makes it once) is that plan, not decided again.
     mtp: restore the nextn layer's `mtp.*` parameters too (saved by `convert` from a checkpoint that has one; in
     `dtype`, never quantised); without it a stored nextn layer is skipped.
     Raises `CheckpointError` for no committed version, a corrupt or incomplete version, parameters that do not

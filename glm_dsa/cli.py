@@ -119,8 +119,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    """Load a checkpoint and serve it over an OpenAI-compatible HTTP API (see glm_dsa.server). Across processes,
-    process 0 answers HTTP and the others run its steps in lockstep (see glm_dsa.lockstep)."""
+    """Load a checkpoint and serve it over an OpenAI-compatible HTTP API (see glm_dsa.serving.server). Across processes,
+    process 0 answers HTTP and the others run its steps in lockstep (see glm_dsa.serving.lockstep)."""
     import jax
 
     import glm_dsa
@@ -181,7 +181,7 @@ def _human(n: float) -> str:
 
 def param_bytes_per_device(cfg, parallel, q_replicate: bool, dtype, plan=frozenset()) -> tuple[int, int]:
     """(all parameter bytes, the bytes one device holds) for `cfg` on the mesh of a resolved `parallel` with QREP
-    on or off, the weights in `plan` kept FP8 (1 byte each plus float32 block scales): `glm_dsa.placement`."""
+    on or off, the weights in `plan` kept FP8 (1 byte each plus float32 block scales): `glm_dsa.model.placement`."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -198,14 +198,14 @@ def param_bytes_per_device(cfg, parallel, q_replicate: bool, dtype, plan=frozens
     return total, per_device
 
 
-def _info_plan(args, cfg) -> frozenset[str]:
-    """The weights `info` counts as FP8: a preset's under --quantization (none by default); a checkpoint's own
-    (`--quantization` as `glm_dsa.load` takes it)."""
+def _info_plan(args, cfg):
+    """The `QuantizationPlan` `info` counts bytes from: a preset's under --quantization (a preset stores nothing
+    block-scaled, so by default nothing is FP8); a checkpoint's as `glm_dsa.load` makes it."""
     import checkpoints
     from .model.loading import checkpoint_fp8_plan, checkpoint_source
 
     if not args.checkpoint:
-        return checkpoints.fp8_plan(checkpoints.param_specs(cfg), args.quantization or "none", lambda spec: False)
+        return checkpoints.fp8_plan(checkpoints.param_specs(cfg), args.quantization, lambda spec: False)
     return checkpoint_fp8_plan(*checkpoint_source(args.checkpoint), cfg, args.quantization)
 
 
@@ -256,7 +256,8 @@ def cmd_info(args) -> int:
         "param_bytes_per_device_without_qrep": _human(without),
         "param_bytes_per_device_with_qrep": _human(with_qrep),
         "param_bytes_per_device": _human(per_device),
-        "quantization": args.quantization or ("the checkpoint's own" if args.checkpoint else "none"),
+        "quantization": (plan.setting if plan.setting != "checkpoint"
+                         else "the checkpoint's own" if args.checkpoint else "none"),
         "fp8_weights": len(plan),
         "device_memory": _human(device_bytes),
         f"kv_bytes_per_{INFO_SEQUENCE // 1024}k_sequence_per_device": _human(seq_bytes),

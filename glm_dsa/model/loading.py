@@ -60,10 +60,11 @@ def checkpoint_source(path: str | os.PathLike) -> tuple[str, bool]:
     return path, False
 
 
-def checkpoint_fp8_plan(source, orbax: bool, config: GlmDsaConfig, quantization) -> frozenset[str]:
-    """The weights loading the checkpoint directory `source` (from `checkpoint_source`; an HF one may be given as an
-    open `checkpoints.HFCheckpoint`) keeps FP8 under `quantization` (`checkpoints.quantization`), known before
-    anything is read but headers and metadata."""
+def checkpoint_fp8_plan(source, orbax: bool, config: GlmDsaConfig, quantization) -> checkpoints.QuantizationPlan:
+    """The `QuantizationPlan` of loading the checkpoint directory `source` (from `checkpoint_source`; an HF one may
+    be given as an open `checkpoints.HFCheckpoint`) under `quantization` (`checkpoints.quantization`): the weights
+    it keeps FP8, known before anything is read but headers and metadata. `load_params` makes it once and the
+    readers, `check_fits` and `info` read it."""
     if orbax:
         return checkpoints.orbax_io.stored_fp8_plan(source, quantization, config)
     ckpt = source if isinstance(source, checkpoints.HFCheckpoint) else checkpoints.HFCheckpoint(source)
@@ -81,7 +82,7 @@ def load_params(path: str | os.PathLike, *, parallel: ParallelConfig | None = No
     load), "none" (dequantise to `dtype`); see `checkpoints.quantization`. Before anything is allocated, the
     weights one device would hold are compared with `device_memory` bytes (default: what the first device reports
     free, when it reports it): a layout that cannot fit is a ValueError naming the need and the free bytes."""
-    checkpoints.check_quantization(quantization)
+    checkpoints.resolve_quantization(quantization)  # a bad value fails before anything is opened
     source, orbax = checkpoint_source(path)
     config = GlmDsaConfig.from_pretrained(source)
     parallel = resolve_parallel(parallel, config)
@@ -94,10 +95,11 @@ def load_params(path: str | os.PathLike, *, parallel: ParallelConfig | None = No
     check_fits(config, parallel, dtype=dtype, plan=plan, mtp=mtp, device_memory=device_memory, what=source)
     read = checkpoints.load_orbax_params if orbax else checkpoints.load_hf_params
     extra = {}
-    if mtp:  # the nextn layer's `mtp.*` parameters too (glm_dsa.mtp)
+    if mtp:  # the nextn layer's `mtp.*` parameters too (glm_dsa.model.mtp)
         extra["mtp"] = True
+    # the reader loads the plan's weights FP8 as decided here (the plan given as `quantization` is not redecided)
     flat = read(opened, config, dtype=dtype, progress=progress, sharding_for=param_sharding(parallel, config),
-                quantization=quantization, **extra)
+                quantization=plan, **extra)
     return config, parallel, flat
 
 

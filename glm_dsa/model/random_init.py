@@ -30,7 +30,7 @@ def init_params(config: GlmDsaConfig, *, seed: int = 0, dtype="bfloat16", parall
     parallel = resolve_parallel(parallel, config)
     sharding_for, dt = param_sharding(parallel, config), resolve_dtype(dtype)
     specs = param_specs(config)
-    plan = fp8_plan(specs, quantization or "none", lambda spec: False)  # a random model stores no FP8 itself
+    plan = fp8_plan(specs, quantization, lambda spec: False)  # a random model stores no FP8: None keeps it so
     key = jax.random.key(seed)
     flat, programs = {}, {}
     for path, spec in specs.items():

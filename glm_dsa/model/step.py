@@ -29,7 +29,8 @@ def model_graphdef(config: GlmDsaConfig, fp8: frozenset = frozenset()):
 
 
 def fp8_paths(params) -> frozenset:
-    """The flat paths of the weights `params` holds in FP8 (float8_e4m3fn leaves)."""
+    """The flat paths of the weights `params` holds in FP8 (float8_e4m3fn leaves): the loader's `QuantizationPlan`
+    as the parameters carry it, so `step` (a pure function of its pytrees) builds the graph they were loaded for."""
     return frozenset(path_str(p) for p, leaf in jax.tree_util.tree_leaves_with_path(params)
                      if jnp.dtype(leaf.dtype) == jnp.float8_e4m3fn)
 
@@ -73,7 +74,7 @@ def run_sharded(body, params, caches, batch: StepBatch, parallel: ParallelConfig
 def step(params, caches, batch: StepBatch, *, config: GlmDsaConfig, parallel: ParallelConfig | None = None,
          impl: str | None = None, options: StepOptions | None = None):
     """One model step over a ragged batch: returns (float32 logits [L, vocab] for `batch.logits_indices`,
-    updated caches). Pure: jit it, donate `caches` to update them in place. `options` (glm_dsa.options) says
+    updated caches). Pure: jit it, donate `caches` to update them in place. `options` (glm_dsa.model.options) says
     how to compute; `impl=` is a shorthand for `StepOptions(impl=impl)` (both, with different impls: an error)."""
     options = resolve_options(impl, options)
     parallel = resolve_parallel(parallel, config)

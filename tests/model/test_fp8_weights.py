@@ -141,3 +141,40 @@ def test_load_parses_the_headers_once(dirs, monkeypatch):
     eng = glm_dsa.load(dirs / "fp8", dtype="float32", progress=False, max_model_len=32)
     assert len(opened) == 1
     assert any(str(a.dtype) == "float8_e4m3fn" for a in jax.tree_util.tree_leaves(eng.params))
+
+
+def test_quantization_is_resolved_once_into_one_plan(dirs, monkeypatch):
+    """One resolver reads `quantization`: None is the checkpoint's own form ("checkpoint"), which "none" is not,
+    and a typo is one ValueError naming the argument and what it takes. `glm_dsa.load` decides the plan once
+    (from the headers) and the reader loads exactly the plan's weights FP8."""
+    import pickle
+
+    import checkpoints.loader as loader
+    from checkpoints.quantization import QuantizationPlan, resolve_quantization
+    assert [resolve_quantization(q) for q in (None, "fp8", "none")] == ["checkpoint", "fp8", "none"]
+    for bad in ("None", "FP8", "int4", True, 8):
+        with pytest.raises(ValueError, match=r"quantization must be None \(the checkpoint's own form\), 'fp8' or "
+                                             r"'none', got " + repr(bad)):
+            resolve_quantization(bad)
+    plan = QuantizationPlan({"a", "b"}, "fp8")
+    assert plan == {"a", "b"} and pickle.loads(pickle.dumps(plan)).setting == "fp8"
+
+    decided, plan_of = [], loader.fp8_plan
+
+    def counting(specs, quantization, block_scaled):
+        out = plan_of(specs, quantization, block_scaled)
+        if not isinstance(quantization, QuantizationPlan):
+            decided.append(out)
+        return out
+    monkeypatch.setattr(loader, "fp8_plan", counting)
+    for quantization, setting in ((None, "checkpoint"), ("none", "none")):
+        decided.clear()
+        eng = glm_dsa.load(dirs / "fp8", dtype="float32", progress=False, max_model_len=32, quantization=quantization)
+        assert [p.setting for p in decided] == [setting]  # decided once, read by the loader as it is
+        fp8 = {k for k, a in _flat(eng.params).items() if str(a.dtype) == "float8_e4m3fn"}
+        assert fp8 == set(decided[0]) and (len(fp8) > 0) == (quantization is None)
+
+
+def _flat(params) -> dict:
+    from glm_dsa.model.param_tree import flatten_params
+    return flatten_params(params)
