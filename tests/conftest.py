@@ -48,7 +48,7 @@ def rewrite_checkpoint():
 
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory):
-    """A random `configs.tiny` checkpoint (float32, HF layout, seed 0), written once per session (tests/serving
+    """A random `configs.tiny` checkpoint (float32, HF layout, seed 0), written once per test run (tests/serving
     overrides it with one that carries tokenizer files)."""
     from checkpoints.random import write_random_checkpoint
     from glm_dsa import configs

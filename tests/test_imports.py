@@ -1,7 +1,8 @@
 """The house's import rules, read from the source (every import statement, also those inside functions):
 no import cycles between our modules, no module importing a private name from another module, and the
 dependency direction of docs/architecture.md (kernels know neither the model nor the mesh; sharding knows the
-mesh, not the model; checkpoints map names and shapes; glm_dsa composes them)."""
+mesh, not the model; checkpoints map names and shapes; glm_dsa composes them), and inside glm_dsa the model apart
+from serving: glm_dsa.model imports nothing of glm_dsa.serving, glm_dsa.debug or the CLI."""
 
 from __future__ import annotations
 
@@ -135,4 +136,26 @@ def test_packages_import_only_downwards():
             other = target.split(".")[0]
             if other != pkg and other not in ALLOWED[pkg] | ALLOWED_MODULE.get(m, set()):
                 bad.append(f"{path.relative_to(ROOT)}:{line} ({pkg}) imports {target}")
+    assert bad == []
+
+
+#: glm_dsa subpackage -> the glm_dsa modules (and the packages under them) it must not import. `glm_dsa` itself (its
+#: __init__ imports the engine) is out of bounds for all three.
+FORBIDDEN_INSIDE = {
+    "glm_dsa.model": ("glm_dsa.serving", "glm_dsa.debug", "glm_dsa.cli"),
+    "glm_dsa.debug": ("glm_dsa.serving", "glm_dsa.cli"),
+    "glm_dsa.serving": ("glm_dsa.cli",),
+}
+
+
+def test_the_model_imports_nothing_of_serving():
+    assert {m.rpartition(".")[0] for m in MODULES if m.startswith("glm_dsa.")} >= set(FORBIDDEN_INSIDE)
+    bad = []
+    for m, path in MODULES.items():
+        sub = next((s for s in FORBIDDEN_INSIDE if m == s or m.startswith(s + ".")), None)
+        if sub is None:
+            continue
+        for target, _, line in _imports(m, path):
+            if target == "glm_dsa" or any(target == f or target.startswith(f + ".") for f in FORBIDDEN_INSIDE[sub]):
+                bad.append(f"{path.relative_to(ROOT)}:{line} ({sub}) imports {target}")
     assert bad == []

@@ -3,6 +3,7 @@ at its source (layer 0's attention), not downstream."""
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,7 +63,7 @@ def test_tracing_does_not_change_logits_or_caches(ckpt, single, par):
     t_logits, t_caches, records = jax.jit(functools.partial(traced_step, config=CFG, parallel=par))(
         eng.params, caches, batch)
     np.testing.assert_array_equal(np.asarray(t_logits), np.asarray(logits))
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), t_caches, new_caches)
+    chex.assert_trees_all_equal(t_caches, new_caches)  # the same tree, every leaf equal (a diff names its path)
     dcp_names = {f"layers.{i}.dcp.{k}_{v}" for i in range(CFG.num_hidden_layers) for k in ("partial", "merged")
                  for v in ("o", "lse")}
     assert set(records) == set(single) | (dcp_names if par.dcp > 1 else set())

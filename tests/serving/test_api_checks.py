@@ -211,3 +211,17 @@ def test_cli_bad_outputs_are_messages(tmp_path, ckpt, capsys):
     assert out.is_file()
     assert main(["generate", "--checkpoint", str(ckpt), "--prompt-ids", "5,6", "--max-model-len", "0"]) == 2
     assert "max_model_len" in capsys.readouterr().err
+
+
+def test_the_module_paths_the_readme_names_still_import():
+    """`glm_dsa.configs` (the presets), `glm_dsa.sampling`, `glm_dsa.text` and `glm_dsa.distributed` are modules the
+    README and DESIGN.md name: importable by those paths and the package's attributes, whatever subpackage holds
+    them now."""
+    import importlib
+
+    for name in ("configs", "sampling", "text", "distributed"):
+        assert importlib.import_module(f"glm_dsa.{name}") is getattr(glm_dsa, name)
+    from glm_dsa.configs import PRESETS, glm52
+    from glm_dsa.sampling import SamplingParams as Params
+    assert PRESETS["glm52"] is glm52 and glm_dsa.configs.tiny.model_type == "glm_moe_dsa"
+    assert Params is glm_dsa.SamplingParams and callable(glm_dsa.text.load_tokenizer)
