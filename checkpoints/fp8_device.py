@@ -4,7 +4,8 @@ The arithmetic of `fp8_codec.quantize_blocks` / `dequantize_blocks_np` (docs/mat
 `ParamSpec.fp8_grid` (lead, n_in, n_out) is blocked over its flattened input and output axes ([*lead, IN, OUT]),
 where the HF release blocks [OUT, IN]. The amax of a block is symmetric under that transpose, so the e4m3 bytes are
 those of the release transposed, and the scale grid is `layout.fp8_scale_shape`. The one device-side quantiser:
-orbax restores (`orbax_io`) and random benchmark parameters (`glm_dsa.init`) both call it, so the two never differ.
+orbax restores (`orbax_io`) and random benchmark parameters (`glm_dsa.model.random_init`) both call it, so the two
+never differ.
 `quantize_kept` / `dequantize_kept` go between a weight in our layout and its kept form (`layout.kept_fp8_spec`:
 K-major for expert stacks, blocked as stored, which is the same blocking transposed).
 """

@@ -180,7 +180,7 @@ def exit_now(status: int, *, wait_s: float = 10.0) -> None:
 
 def _report_exit(status: int, wait_s: float) -> None:
     """The exit handshake of `exit_now` (nothing outside a multi-process run)."""
-    from jax._src import distributed as jax_distributed  # jax has no public key-value store (as glm_dsa.lockstep)
+    from jax._src import distributed as jax_distributed  # jax has no public key-value store (as serving.lockstep)
     client = jax_distributed.global_state.client
     if client is None or not is_multiprocess():
         return

@@ -1,4 +1,4 @@
-"""Dump the glm_dsa trace names (see glm_dsa/trace.py) from Hugging Face transformers' GlmMoeDsaForCausalLM.
+"""Dump the glm_dsa trace names (see glm_dsa/debug/trace.py) from Hugging Face transformers' GlmMoeDsaForCausalLM.
 
 A standalone script for the reference environment (torch + transformers >= 5.13; it imports nothing from
 glm_dsa, so it runs under Python 3.11):

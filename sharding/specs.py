@@ -76,7 +76,7 @@ def fp8_scale_spec(weight_spec: P, weight_shape, fp8_grid: tuple[int, int, int],
     n_out) counts of the weight's axes, `checkpoints.layout.ParamSpec.fp8_grid`): a block axis is split like the
     weight axes it covers when each device's slice of them is a whole number of 128-blocks (every GLM-5.2 shard
     at TP <= 8); otherwise the grid is replicated there and each device slices its blocks by its rank (a shard
-    that starts mid-block: glm_dsa.linear)."""
+    that starts mid-block: glm_dsa.model.linear)."""
     lead, n_in, n_out = fp8_grid
     spec = tuple(weight_spec) + (None,) * (len(weight_shape) - len(weight_spec))
     out = list(spec[:lead])

@@ -51,7 +51,7 @@ jax.tree_util.register_dataclass(StepBatch, data_fields=[f.name for f in datacla
 @dataclasses.dataclass(frozen=True)
 class StepContext:
     """Static per-step settings shared by the layers: the model, the page size, the resolved `parallel` (QREP
-    and backend decided), how to compute (`options`) and the tracer (inactive unless glm_dsa.trace runs)."""
+    and backend decided), how to compute (`options`) and the tracer (inactive unless glm_dsa.debug.trace runs)."""
 
     cfg: GlmDsaConfig
     block_size: int
@@ -82,7 +82,7 @@ class ModelSpecs:
 
 def _declare(module: nnx.Module, prefix: str, names, specs: ModelSpecs, dtype) -> None:
     """Give `module` a zero Param per name, shaped and typed from the layout (`fp32` params stay float32); a weight
-    kept FP8 is float8_e4m3fn with its float32 scale grid `<name>_scale` beside it (glm_dsa.linear)."""
+    kept FP8 is float8_e4m3fn with its float32 scale grid `<name>_scale` beside it (glm_dsa.model.linear)."""
     for name in names:
         spec = specs[prefix + name]
         if prefix + name in getattr(specs, "fp8", ()):
@@ -264,7 +264,7 @@ class MoE(nnx.Module):
 
     def expert_scales(self) -> dict:
         """The FP8 experts' keywords for `moe.routed_experts`: their scale grids (this device's blocks of the expert
-        width and the width slice's offset in its first block: glm_dsa.linear.local_grid) and their K-major layout
+        width and the width slice's offset in its first block: glm_dsa.model.linear.local_grid) and their K-major layout
         (kept FP8 the stacks are the release's [E, out, in]: gate/up [E, I, D] with grids [E, I-blocks, D-blocks],
         down [E, D, I] with [E, D-blocks, I-blocks]; checkpoints.layout.kept_fp8_spec); {} for bf16 experts."""
         if linear.scale_of(self, "experts_gate") is None:
@@ -321,9 +321,10 @@ class GlmDsaModel(nnx.Module):
 
     def __call__(self, caches, batch: StepBatch, ctx: StepContext, return_hidden: bool = False):
         """Per-shard step: returns (float32 logits [L, vocab_size] of the logits rows, updated caches); an active
-        `ctx.tracer` records every layer's intermediate tensors (glm_dsa.trace). The LM head's padding columns
+        `ctx.tracer` records every layer's intermediate tensors (glm_dsa.debug.trace). The LM head's padding columns
         (past vocab_size) are cut off here, so no caller (logits, sampling, trace) ever sees a pad id.
-        `return_hidden` adds every row's final-normed hidden state [T, hidden] (the MTP layer's input, glm_dsa.mtp)."""
+        `return_hidden` adds every row's final-normed hidden state [T, hidden] (the MTP layer's input,
+        glm_dsa.model.mtp)."""
         cfg = ctx.cfg
         x = self.embed[...][batch.token_ids]
         mla, index = list(caches["mla"]), list(caches["indexer"])

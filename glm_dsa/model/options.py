@@ -38,7 +38,7 @@ def resolve_options(impl: str | None = None, options: StepOptions | None = None)
     if options is None:
         return StepOptions(impl=impl)
     if not isinstance(options, StepOptions):
-        raise TypeError(f"options must be a glm_dsa.options.StepOptions, got {type(options).__name__}")
+        raise TypeError(f"options must be a glm_dsa.StepOptions, got {type(options).__name__}")
     if impl is not None and impl != options.impl:
         raise ValueError(f"impl={impl!r} conflicts with options.impl={options.impl!r}; give the impl in one place "
                          "(StepOptions(impl=...) or impl=)")

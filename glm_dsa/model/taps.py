@@ -1,4 +1,4 @@
-"""The tracer on the step context: records a step's intermediates (names and layouts in glm_dsa.trace) without
+"""The tracer on the step context: records a step's intermediates (names and layouts in glm_dsa.debug.trace) without
 the model's math knowing how they are gathered.
 
 Every method is a no-op on an inactive tracer (`NO_TRACE`, the step's default): no op, no collective is added

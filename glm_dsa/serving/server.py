@@ -88,8 +88,8 @@ class _Detokenizer:
 def create_app(engine, *, model_name: str, tokenizer=None, template: str | None = None, api_key: str | None = None,
                loop=None):
     """The FastAPI app serving `engine` as `model_name`. The engine runs on `loop` (anything with `start()` and
-    `stop()`; default a `BackgroundLoop`, across processes a `glm_dsa.lockstep.LeaderLoop`), started with the app
-    and stopped with it. `tokenizer`: a `glm_dsa.text.TextTokenizer` or None (token ids only); `template`: a
+    `stop()`; default a `BackgroundLoop`, across processes a `glm_dsa.serving.lockstep.LeaderLoop`), started with the
+    app and stopped with it. `tokenizer`: a `glm_dsa.serving.text.TextTokenizer` or None (token ids only); `template`: a
     Jinja chat template (None: chat completions are refused with 400)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError

@@ -29,7 +29,7 @@ def fp8_release(tmp_path_factory):
 
 def test_convert_fp8_release_then_load_on_another_mesh(fp8_release, tmp_path, capsys):
     out = tmp_path / "orbax"
-    # --quantization none: dequantised (by default an FP8 release stays FP8: tests/glm_dsa/test_info_fp8.py)
+    # --quantization none: dequantised (by default an FP8 release stays FP8: tests/model/test_info_fp8.py)
     assert main(["convert", "--from", str(fp8_release), "--to", str(out), "--dtype", "float32", "-tp", "2",
                  "--quantization", "none"]) == 0
     captured = capsys.readouterr()

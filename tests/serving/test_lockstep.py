@@ -1,4 +1,4 @@
-"""glm_dsa.lockstep in one process: a leader engine (served through `submit`, as process 0's HTTP server does)
+"""glm_dsa.serving.lockstep in one process: a leader engine (served through `submit`, as process 0's HTTP server does)
 and a follower engine fed only the leader's published messages, over an in-memory key-value store with JAX's
 client interface. Oracle: the leader's own request outputs, which the follower must reproduce token for token
 (sampling seeds, prompt indices, aborts and their step included); plus the failure paths."""
