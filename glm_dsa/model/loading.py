@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding
 import checkpoints
 from sharding import ParallelConfig, mesh_for, param_spec
 
-from .config import GlmDsaConfig
 from ..distributed import check_mesh_spans_processes
+from .config import GlmDsaConfig
 from .placement import leaf_spec, param_bytes_per_device
 from .step import resolve_parallel
 

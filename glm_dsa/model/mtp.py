@@ -27,9 +27,9 @@ from sharding import TP_AXES, ParallelConfig, cache_spec, mesh_for, param_partit
 
 from .config import GlmDsaConfig
 from .layers import DecoderLayer, StepBatch, StepContext
+from .loading import param_sharding, resolve_dtype
 from .options import StepOptions
 from .paged_cache import allocate_caches, cache_bytes_per_token
-from .loading import param_sharding, resolve_dtype
 from .param_tree import nest_params
 from .step import matmul_precision, resolve_parallel
 

@@ -25,8 +25,8 @@ from sharding import cache_spec
 
 from ..model.mtp import allocate_mtp_caches
 from ..model.paged_cache import cache_dtype
-from .scheduler import Request, StepPlan
 from . import host_buffer
+from .scheduler import Request, StepPlan
 from .spec_step import spec_serve_step_packed
 
 

@@ -28,12 +28,12 @@ from jax.sharding import PartitionSpec as P
 
 from sharding.dcp import local_position
 
-from . import host_buffer
 from ..model.layers import StepBatch, StepContext
 from ..model.mtp import run_mtp
 from ..model.options import StepOptions
-from .sampling import GREEDY_BELOW
 from ..model.step import fp8_paths, model_graphdef, run_sharded
+from . import host_buffer
+from .sampling import GREEDY_BELOW
 
 _DRAFT, _TEST, _RESIDUAL = 0, 1, 2  # what a token index's key is folded with for each of its draws
 
