@@ -21,6 +21,47 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"token ids must be integers separated by commas or spaces: {text!r}")
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = None
+    if port is None or not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be an integer in 1..65535, got {text!r}")
+    return port
+
+
+def _non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must not be empty or blank, got {text!r}")
+    return text
+
+
+def _positive(kind):
+    """An argparse type: a finite number of `kind` (int or float) > 0."""
+    def parse(text: str):
+        try:
+            x = kind(text)
+        except ValueError:
+            x = None
+        if x is None or not 0 < x < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a {'positive integer' if kind is int else 'number > 0'}, "
+                                             f"got {text!r}")
+        return x
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = -1.0
+    if not 0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return x
+
+
 def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -125,7 +166,9 @@ def cmd_serve(args) -> int:
 
     import glm_dsa
     from glm_dsa import text
-    from glm_dsa.server import chat_template, serve
+    from glm_dsa.server import chat_template, listen_socket, serve
+    # the port first: one in use fails now, not after the model has loaded (only process 0 answers HTTP)
+    sock = listen_socket(args.host, args.port) if jax.process_index() == 0 else None
     tokenizer = text.load_tokenizer(args.checkpoint)
     engine_kw = {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens", "num_pages", "block_size")
                  if getattr(args, k) is not None}
@@ -138,7 +181,8 @@ def cmd_serve(args) -> int:
 
     def run(loop=None):
         serve(eng, model_name=name, host=args.host, port=args.port, api_key=args.api_key, tokenizer=tokenizer,
-              template=chat_template(args.checkpoint), loop=loop)
+              template=chat_template(args.checkpoint), loop=loop, max_request_bytes=args.max_request_bytes,
+              shutdown_timeout=args.shutdown_timeout, sock=sock)
     if jax.process_count() > 1:  # process 0 serves, the others follow its steps
         from glm_dsa.lockstep import serve_in_lockstep
         return serve_in_lockstep(eng, run, timeout_s=args.distributed_timeout)
@@ -372,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     _add_quantization_flag(i)
     i.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "fp8_ds_mla"])
-    i.add_argument("--device-memory", type=float, default=141.0, metavar="GiB",
+    i.add_argument("--device-memory", type=_positive(float), default=141.0, metavar="GiB",
                    help="memory of one device, for the KV cache room left after the weights (default 141: H200)")
     i.add_argument("--num-hosts", type=int, default=1,
                    help="hosts the -tp devices are spread over (one process each): devices and bytes per host, and "
@@ -393,14 +437,21 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the extra 'serve')")
     sv.add_argument("--checkpoint", required=True, help="HF safetensors or orbax (convert) directory")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests")
+    sv.add_argument("--port", type=_port, default=8000, help="1..65535 (default 8000); checked before the model loads")
+    sv.add_argument("--api-key", type=_non_empty, default=None,
+                    help="require 'Authorization: Bearer KEY' on /v1 requests (not empty)")
     sv.add_argument("--served-model-name", default=None, help="the model id (default: the checkpoint's directory name)")
     sv.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once (default 8)")
     sv.add_argument("--max-num-batched-tokens", type=int, default=None, help="rows per step (default 2048)")
     sv.add_argument("--num-pages", type=int, default=None,
                     help="KV cache pages per DCP rank (default: from the free device memory)")
     sv.add_argument("--block-size", type=int, default=None, help="tokens per KV cache page (default 16)")
+    sv.add_argument("--max-request-bytes", type=_positive(int), default=None, metavar="BYTES",
+                    help="the largest request body; larger ones get 413 before they are read (default: 16 bytes per "
+                         "token of --max-model-len, room for its longest prompt as token ids or text, plus 4 MiB)")
+    sv.add_argument("--shutdown-timeout", type=_non_negative_float, default=5.0, metavar="SECONDS",
+                    help="on SIGTERM / SIGINT: stop accepting, let requests in flight run this long, then abort them "
+                         "(streams end with finish_reason 'abort') and exit 0 (default 5)")
     _add_spec_flag(sv)
     _add_model_flags(sv)
     sv.set_defaults(fn=cmd_serve)
