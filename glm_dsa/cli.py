@@ -190,6 +190,40 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _check_write_target(path: str, flag: str, ours, what: str, overwrite: bool) -> str | None:
+    """The rule of the commands that write a checkpoint directory: never destroy what they did not write.
+
+    `path` missing or an empty directory: written, None. `path` holding a checkpoint of ours (`ours(path)`, the
+    kind this command writes): replaced as the writer replaces it (atomically: interrupted, the old checkpoint
+    stays readable); returns the line saying so. Any other non-empty directory: an error naming it and what it
+    holds, unless `overwrite`, then written into (files of the names it writes are replaced, others kept). A
+    file at `path`: an error."""
+    if not os.path.exists(path):
+        return None
+    if not os.path.isdir(path):
+        raise ValueError(f"{path} is a file, not a checkpoint directory (give {flag} a directory)")
+    names = sorted(os.listdir(path))
+    if not names:
+        return None
+    if ours(path):
+        return f"replacing the {what} in {path} (atomically: until the new one is complete, the old one stays)"
+    if not overwrite:
+        shown = ", ".join(names[:5]) + (f", ... ({len(names)} entries)" if len(names) > 5 else "")
+        raise ValueError(f"{flag} {path} is a non-empty directory that is not a {what} written by glm-dsa (it "
+                         f"holds {shown}); writing there would replace its files of the same names. Give a new or "
+                         "empty directory, or pass --overwrite")
+    return f"writing into the non-empty directory {path} (--overwrite: its files of the names written are replaced)"
+
+
+def _remove_if_empty(path: str, existed: bool) -> None:
+    """After a failed write: the directory the command created is removed again if nothing is in it."""
+    if not existed:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+
+
 def cmd_convert(args) -> int:
     """HF safetensors (bf16 / fp32 / FP8 block-scaled) or orbax -> a new committed orbax version at --to. Across
     processes each reads and writes only its own devices' shards (--to on a filesystem they share)."""
@@ -201,12 +235,21 @@ def cmd_convert(args) -> int:
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError(f"convert: --from and --to are the same directory ({src})")
     checkpoints.check_save_target(dst)  # before loading anything
+    note = _check_write_target(dst, "--to", checkpoints.is_orbax_checkpoint, "glm-dsa orbax checkpoint",
+                               args.overwrite)
+    if note:
+        print(note, flush=True)
+    existed = os.path.exists(dst)
     mtp = has_mtp_layer(src)  # a nextn layer travels with the model (in the compute dtype)
     cfg, _, flat = load_params(src, parallel=_parallel(args), dtype=args.dtype, progress=not args.no_progress,
                                quantization=args.quantization, mtp=mtp)
     extra = [os.path.join(src, f) for f in TEXT_FILES if os.path.isfile(os.path.join(src, f))]
-    version = checkpoints.save_orbax_params(flat, cfg, dst, extra_files=extra, source=os.path.abspath(src),
-                                            progress=not args.no_progress)
+    try:
+        version = checkpoints.save_orbax_params(flat, cfg, dst, extra_files=extra, source=os.path.abspath(src),
+                                                progress=not args.no_progress)
+    except BaseException:
+        _remove_if_empty(dst, existed)
+        raise
     fp8 = sum(1 for p in flat if checkpoints.scale_path(p) in flat)
     print(f"converted {src} -> {version}: {len(flat) - fp8} parameters in {args.dtype}"
           + (f" ({fp8} linear weights FP8 with their block scales)" if fp8 else "")
@@ -326,14 +369,22 @@ def cmd_info(args) -> int:
 
 
 def cmd_random_checkpoint(args) -> int:
-    from checkpoints.random import write_random_checkpoint
+    from checkpoints.random import is_random_checkpoint, write_random_checkpoint
     from glm_dsa import configs
     cfg = configs.get(args.preset)
     if args.num_layers is not None:
         cfg = cfg.with_depth(args.num_layers)
-    write_random_checkpoint(cfg, args.out, seed=args.seed, dtype=args.dtype,
-                            max_shard_bytes=int(args.max_shard_mb * 2**20) if args.max_shard_mb else None,
-                            with_mtp=args.with_mtp)
+    note = _check_write_target(args.out, "--out", is_random_checkpoint, "random checkpoint", args.overwrite)
+    if note:
+        print(note, flush=True)
+    existed = os.path.exists(args.out)
+    try:
+        write_random_checkpoint(cfg, args.out, seed=args.seed, dtype=args.dtype,
+                                max_shard_bytes=int(args.max_shard_mb * 2**20) if args.max_shard_mb else None,
+                                with_mtp=args.with_mtp)
+    except BaseException:
+        _remove_if_empty(args.out, existed)
+        raise
     print(f"wrote a random {args.preset} checkpoint ({cfg.num_hidden_layers} layers) to {args.out}")
     return 0
 
@@ -432,6 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--num-layers", type=int, default=None)
     r.add_argument("--max-shard-mb", type=float, default=None)
     r.add_argument("--with-mtp", action="store_true", help="add the MTP (nextn) layer model.layers.{L}.*")
+    r.add_argument("--overwrite", action="store_true",
+                   help="write into --out even when it is a non-empty directory that is not a random checkpoint "
+                        "(files of the names written are replaced); an existing random checkpoint is replaced "
+                        "(atomically) without it")
     r.set_defaults(fn=cmd_random_checkpoint)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the extra 'serve')")
@@ -463,6 +518,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stored dtype (router, norms and indexer weights_proj stay float32)")
     _add_quantization_flag(c)
     c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--overwrite", action="store_true",
+                   help="write into --to even when it is a non-empty directory that is not a glm-dsa orbax "
+                        "checkpoint (config.json and tokenizer files there are replaced); an existing orbax "
+                        "checkpoint is replaced (a new version committed atomically) without it")
     _add_parallel_flags(c)  # the mesh the parameters are staged on while converting (memory per device)
     _add_distributed_flags(c)
     c.set_defaults(fn=cmd_convert)
