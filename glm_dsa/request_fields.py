@@ -75,30 +75,35 @@ def _want(name: str, what: str, v) -> FieldError:
 
 # ---- the types: each returns the value (converted where needed) or raises FieldError ----------------------
 def integer(name, v):
+    """An integer, not a boolean nor an integer-valued float."""
     if not _is_int(v):
         raise _want(name, "an integer", v)
     return v
 
 
 def number(name, v):
+    """A finite number (integer or float), not a boolean; as a float."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise _want(name, "a finite number", v)
     return float(v)
 
 
 def boolean(name, v):
+    """true or false, not a string or a number."""
     if not isinstance(v, bool):
         raise _want(name, "a boolean (true or false)", v)
     return v
 
 
 def string(name, v):
+    """A string."""
     if not isinstance(v, str):
         raise _want(name, "a string", v)
     return v
 
 
 def token_id_list(name, v):
+    """A list of integer token ids >= 0."""
     if not isinstance(v, list):
         raise _want(name, "a list of integer token ids", v)
     for j, t in enumerate(v):
@@ -110,6 +115,7 @@ def token_id_list(name, v):
 
 
 def stream_options(name, v):
+    """An object whose only key is include_usage (a boolean)."""
     if not isinstance(v, dict):
         raise _want(name, 'an object ({"include_usage": true | false})', v)
     unknown = sorted(set(v) - {"include_usage"})
@@ -121,6 +127,7 @@ def stream_options(name, v):
 
 
 def stop_strings(name, v):
+    """A string or a list of strings."""
     if isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)):
         return v
     raise _want(name, "a string or a list of strings", v)
@@ -146,6 +153,7 @@ def prompt(name, v):
 
 
 def messages(name, v):
+    """A non-empty list of {role: string, content: string | list of parts | null} objects."""
     if not isinstance(v, list) or not v:
         raise FieldError(f"{name} must be a non-empty list of {{role, content}} objects, got {_json_type(v)}", name)
     for i, m in enumerate(v):
@@ -160,6 +168,7 @@ def messages(name, v):
 
 # ---- the ranges ---------------------------------------------------------------------------------------------
 def at_least(low):
+    """The range check value >= low."""
     def check(name, v):
         if v < low:
             raise FieldError(f"{name} must be >= {low}, got {v}", name)
@@ -167,6 +176,7 @@ def at_least(low):
 
 
 def between(low, high, what: str = ""):
+    """The range check low <= value <= high (`what` explains the bounds in the message)."""
     def check(name, v):
         if not low <= v <= high:
             raise FieldError(f"{name} must be in [{low:.8g}, {high:.8g}]{what}, got {v!r}", name)
@@ -174,6 +184,7 @@ def between(low, high, what: str = ""):
 
 
 def equal(want, why: str):
+    """The check value == want (`why` says why in the message)."""
     def check(name, v):
         if v != want:
             raise FieldError(f"{name} must be {want}, got {v!r} ({why})", name)
@@ -189,6 +200,7 @@ def unsupported(why: str):
 
 
 def seed_range(name, v):
+    """The seed's range, [0, 2**64): what the sampler's two 32-bit key words hold."""
     if not 0 <= v < 2**64:
         raise FieldError(f"{name} must be an integer in [0, 2**64), got {v}", name)
 

@@ -33,6 +33,7 @@ import contextlib
 import json
 import secrets
 import signal
+import threading
 import time
 import uuid
 
@@ -266,10 +267,10 @@ def create_app(engine, *, model_name: str, tokenizer=None, template: str | None 
             out.append(p)
         return out
 
-    def max_tokens_of(f: dict, prompts, chat: bool) -> tuple[int, str]:
-        """The new-token budget (the same for every prompt) and the field it came from. An explicit one that
-        cannot fit with the longest prompt in max_model_len is refused as vLLM refuses it; the default is
-        capped at the room the longest prompt leaves."""
+    def max_tokens_of(f: dict, prompts, chat: bool) -> int:
+        """The new-token budget (the same for every prompt). An explicit one that cannot fit with the longest
+        prompt in max_model_len is refused as vLLM refuses it; the default is capped at the room the longest
+        prompt leaves."""
         name = "max_completion_tokens" if chat and f.get("max_completion_tokens") is not None else "max_tokens"
         asked = f.get(name)
         n_max = engine.max_model_len
@@ -277,18 +278,18 @@ def create_app(engine, *, model_name: str, tokenizer=None, template: str | None 
         i, longest = max(enumerate(map(len, prompts)), key=lambda x: x[1])
         which = "" if len(prompts) == 1 else f" (prompt {i})"
         if longest > n_max:  # the engine's own message, naming the prompt
-            return 0, name
+            return 0
         if asked is None:
             if longest >= n_max:
                 raise _bad(f"This model's maximum context length is {n_max} tokens. However, you requested "
                            f"{longest} tokens in the {where}{which}, which leaves no room for the completion. "
                            f"Please reduce the length of the {where}.", where)
-            return (n_max - longest) if chat else min(16, n_max - longest), name
+            return (n_max - longest) if chat else min(16, n_max - longest)
         if longest + asked > n_max:
             raise _bad(f"This model's maximum context length is {n_max} tokens. However, you requested "
                        f"{longest + asked} tokens ({longest} in the {where}{which}, {asked} in the completion). "
                        f"Please reduce the length of the {where} or completion.", name)
-        return asked, name
+        return asked
 
     def params_of(f: dict, max_tokens: int) -> SamplingParams:
         stop = f["stop_token_ids"]
@@ -345,7 +346,7 @@ def create_app(engine, *, model_name: str, tokenizer=None, template: str | None 
                     s.abort()
 
     async def respond(request: Request, f: dict, prompts, chat: bool):
-        max_tokens, _ = max_tokens_of(f, prompts, chat)
+        max_tokens = max_tokens_of(f, prompts, chat)
         params = params_of(f, max_tokens)
         streams = await asyncio.to_thread(submit_all, prompts, params)  # checks every id of a long prompt
         in_flight.streams.update(streams)
@@ -515,7 +516,8 @@ def serve(engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
     log(f"serving {model_name} on http://{host}:{port} (OpenAI API at /v1)", flush=True)
     # uvicorn raises the signal that stopped it again once it is done, under the handlers it found: ignore it
     # here, so that a shutdown by signal returns (exit status 0) instead of dying of the signal afterwards
-    caught = {s: signal.signal(s, lambda sig, frame: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+    caught = {s: signal.signal(s, lambda sig, frame: None) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
         server.run(sockets=None if sock is None else [sock])
     finally:
