@@ -316,6 +316,23 @@ def create_app(engine, *, model_name: str, tokenizer=None, template: str | None 
             raise _bad(str(e).replace("prompt 0", f"prompt {len(streams)}"), "prompt")
         return streams
 
+    class EventStream(StreamingResponse):
+        """Server-sent events that abort their requests however the response ends: also when the client went
+        away before the first event, where the events' generator never started (so its own cleanup never ran)."""
+
+        def __init__(self, events, streams):
+            super().__init__(events, media_type="text/event-stream")
+            self.streams = streams
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                in_flight.streams.difference_update(self.streams)
+                for s in self.streams:
+                    if not s.finished:
+                        s.abort()
+
     def finish_reason(s) -> str:
         if s.finish_reason == "error":
             raise APIError(500, f"the request failed: {s.error}", "internal_error")
@@ -355,8 +372,7 @@ def create_app(engine, *, model_name: str, tokenizer=None, template: str | None 
         want_ids = f["return_token_ids"] or tokenizer is None
         usage = {"prompt_tokens": sum(map(len, prompts))}
         if f["stream"]:
-            return StreamingResponse(sse(rid, created, streams, chat, want_ids, usage, f),
-                                     media_type="text/event-stream")
+            return EventStream(sse(rid, created, streams, chat, want_ids, usage, f), streams)
         try:
             if not await wait_or_abort(request, streams):
                 return Response(status_code=499)  # nobody reads it: the client is gone
