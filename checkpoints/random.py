@@ -17,11 +17,14 @@ from tqdm import tqdm
 
 from .layout import param_specs
 from .mtp_layout import mtp_param_specs
-from .safetensors_io import as_dtype
+from .safetensors_io import INDEX, SINGLE, CheckpointError, SafetensorsFile, as_dtype
 from .writer import write_hf_tensors
 
 _CHUNK = 1 << 22  # values per draw: each worker thread holds one float32 chunk (16 MiB) of scratch
 _THREADS = min(16, os.cpu_count() or 1)
+#: the header metadata of every file `write_random_checkpoint` writes: what tells one of its checkpoints (which
+#: `random-checkpoint` may replace) from any other HF checkpoint (which it replaces only with --overwrite)
+MARK = {"format": "pt", "writer": "glm_dsa random-checkpoint"}
 
 
 def init_stats(param_path: str) -> tuple[float, float]:
@@ -90,4 +93,20 @@ def write_random_checkpoint(cfg, path: str | os.PathLike, *, seed: int = 0, dtyp
             yield key, random_tensor(key, shape, mean, std, dt, seed)
 
     return write_hf_tensors(path, [(k, dt, shape) for k, (shape, dt, _) in todo.items()], tensors(),
-                            max_shard_bytes=max_shard_bytes, extra=cfg.save_pretrained)
+                            max_shard_bytes=max_shard_bytes, extra=cfg.save_pretrained, metadata=MARK)
+
+
+def is_random_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether the directory `path` holds a checkpoint `write_random_checkpoint` wrote (its live safetensors file,
+    the index's first shard or model.safetensors, carries `MARK`)."""
+    import json
+    path = os.fspath(path)
+    try:
+        if os.path.isfile(os.path.join(path, INDEX)):
+            with open(os.path.join(path, INDEX)) as f:
+                first = sorted(set(json.load(f)["weight_map"].values()))[0]
+        else:
+            first = SINGLE
+        return SafetensorsFile(os.path.join(path, first)).metadata.get("writer") == MARK["writer"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, CheckpointError):
+        return False

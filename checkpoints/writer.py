@@ -148,14 +148,16 @@ def _commit(path: str, stage: str, names: list[str]) -> None:
 
 def write_hf_tensors(path: str | os.PathLike, entries: Iterable[Entry], tensors: Iterable[tuple[str, np.ndarray]],
                      *, max_shard_bytes: int | None = None,
-                     extra: Callable[[str], None] | None = None) -> list[str]:
+                     extra: Callable[[str], None] | None = None,
+                     metadata: dict[str, str] | None = None) -> list[str]:
     """Write HF tensors to the directory `path`; returns the file names written.
 
     `entries` lists every tensor (key, dtype, shape) in order; `tensors` then yields (key, array) in the same
     order, lazily. One file `model.safetensors` if everything fits in `max_shard_bytes` (or it is None), else
     shards `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`. `extra(directory)` writes
     other files of the checkpoint (config.json, tokenizer) into the directory it is given; they are staged and
-    moved in with the tensors. Over an existing checkpoint the write is staged and committed (module doc): if it
+    moved in with the tensors. `metadata`: every file's header `__metadata__` (default {"format": "pt"}).
+    Over an existing checkpoint the write is staged and committed (module doc): if it
     fails or is killed, the old checkpoint stays readable as it was; once it is complete, checkpoint files of
     the earlier save that the new one does not use are removed. Raises `CheckpointError` if `path` is a file.
     """
@@ -172,7 +174,7 @@ def write_hf_tensors(path: str | os.PathLike, entries: Iterable[Entry], tensors:
         os.makedirs(stage)
         it: Iterator[tuple[str, np.ndarray]] = iter(tensors)
         for name, group in zip(names, groups):
-            with SafetensorsWriter(os.path.join(stage, name), group) as w:
+            with SafetensorsWriter(os.path.join(stage, name), group, metadata) as w:
                 for key, _, _ in group:
                     try:
                         got, array = next(it)

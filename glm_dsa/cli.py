@@ -21,6 +21,47 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"token ids must be integers separated by commas or spaces: {text!r}")
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = None
+    if port is None or not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be an integer in 1..65535, got {text!r}")
+    return port
+
+
+def _non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must not be empty or blank, got {text!r}")
+    return text
+
+
+def _positive(kind):
+    """An argparse type: a finite number of `kind` (int or float) > 0."""
+    def parse(text: str):
+        try:
+            x = kind(text)
+        except ValueError:
+            x = None
+        if x is None or not 0 < x < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a {'positive integer' if kind is int else 'number > 0'}, "
+                                             f"got {text!r}")
+        return x
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = -1.0
+    if not 0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return x
+
+
 def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -125,7 +166,9 @@ def cmd_serve(args) -> int:
 
     import glm_dsa
     from .serving import text
-    from .serving.server import chat_template, serve
+    from .serving.server import chat_template, listen_socket, serve
+    # the port first: one in use fails now, not after the model has loaded (only process 0 answers HTTP)
+    sock = listen_socket(args.host, args.port) if jax.process_index() == 0 else None
     tokenizer = text.load_tokenizer(args.checkpoint)
     engine_kw = {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens", "num_pages", "block_size")
                  if getattr(args, k) is not None}
@@ -138,12 +181,47 @@ def cmd_serve(args) -> int:
 
     def run(loop=None):
         serve(eng, model_name=name, host=args.host, port=args.port, api_key=args.api_key, tokenizer=tokenizer,
-              template=chat_template(args.checkpoint), loop=loop)
+              template=chat_template(args.checkpoint), loop=loop, max_request_bytes=args.max_request_bytes,
+              shutdown_timeout=args.shutdown_timeout, sock=sock)
     if jax.process_count() > 1:  # process 0 serves, the others follow its steps
         from .serving.lockstep import serve_in_lockstep
         return serve_in_lockstep(eng, run, timeout_s=args.distributed_timeout)
     run()
     return 0
+
+
+def _check_write_target(path: str, flag: str, ours, what: str, overwrite: bool) -> str | None:
+    """The rule of the commands that write a checkpoint directory: never destroy what they did not write.
+
+    `path` missing or an empty directory: written, None. `path` holding a checkpoint of ours (`ours(path)`, the
+    kind this command writes): replaced as the writer replaces it (atomically: interrupted, the old checkpoint
+    stays readable); returns the line saying so. Any other non-empty directory: an error naming it and what it
+    holds, unless `overwrite`, then written into (files of the names it writes are replaced, others kept). A
+    file at `path`: an error."""
+    if not os.path.exists(path):
+        return None
+    if not os.path.isdir(path):
+        raise ValueError(f"{path} is a file, not a checkpoint directory (give {flag} a directory)")
+    names = sorted(os.listdir(path))
+    if not names:
+        return None
+    if ours(path):
+        return f"replacing the {what} in {path} (atomically: until the new one is complete, the old one stays)"
+    if not overwrite:
+        shown = ", ".join(names[:5]) + (f", ... ({len(names)} entries)" if len(names) > 5 else "")
+        raise ValueError(f"{flag} {path} is a non-empty directory that is not a {what} written by glm-dsa (it "
+                         f"holds {shown}); writing there would replace its files of the same names. Give a new or "
+                         "empty directory, or pass --overwrite")
+    return f"writing into the non-empty directory {path} (--overwrite: its files of the names written are replaced)"
+
+
+def _remove_if_empty(path: str, existed: bool) -> None:
+    """After a failed write: the directory the command created is removed again if nothing is in it."""
+    if not existed:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
 
 
 def cmd_convert(args) -> int:
@@ -157,12 +235,21 @@ def cmd_convert(args) -> int:
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError(f"convert: --from and --to are the same directory ({src})")
     checkpoints.check_save_target(dst)  # before loading anything
+    note = _check_write_target(dst, "--to", checkpoints.is_orbax_checkpoint, "glm-dsa orbax checkpoint",
+                               args.overwrite)
+    if note:
+        print(note, flush=True)
+    existed = os.path.exists(dst)
     mtp = has_mtp_layer(src)  # a nextn layer travels with the model (in the compute dtype)
     cfg, _, flat = load_params(src, parallel=_parallel(args), dtype=args.dtype, progress=not args.no_progress,
                                quantization=args.quantization, mtp=mtp)
     extra = [os.path.join(src, f) for f in TEXT_FILES if os.path.isfile(os.path.join(src, f))]
-    version = checkpoints.save_orbax_params(flat, cfg, dst, extra_files=extra, source=os.path.abspath(src),
-                                            progress=not args.no_progress)
+    try:
+        version = checkpoints.save_orbax_params(flat, cfg, dst, extra_files=extra, source=os.path.abspath(src),
+                                                progress=not args.no_progress)
+    except BaseException:
+        _remove_if_empty(dst, existed)
+        raise
     fp8 = sum(1 for p in flat if checkpoints.scale_path(p) in flat)
     print(f"converted {src} -> {version}: {len(flat) - fp8} parameters in {args.dtype}"
           + (f" ({fp8} linear weights FP8 with their block scales)" if fp8 else "")
@@ -283,14 +370,22 @@ def cmd_info(args) -> int:
 
 
 def cmd_random_checkpoint(args) -> int:
-    from checkpoints.random import write_random_checkpoint
+    from checkpoints.random import is_random_checkpoint, write_random_checkpoint
     from .model import presets as configs
     cfg = configs.get(args.preset)
     if args.num_layers is not None:
         cfg = cfg.with_depth(args.num_layers)
-    write_random_checkpoint(cfg, args.out, seed=args.seed, dtype=args.dtype,
-                            max_shard_bytes=int(args.max_shard_mb * 2**20) if args.max_shard_mb else None,
-                            with_mtp=args.with_mtp)
+    note = _check_write_target(args.out, "--out", is_random_checkpoint, "random checkpoint", args.overwrite)
+    if note:
+        print(note, flush=True)
+    existed = os.path.exists(args.out)
+    try:
+        write_random_checkpoint(cfg, args.out, seed=args.seed, dtype=args.dtype,
+                                max_shard_bytes=int(args.max_shard_mb * 2**20) if args.max_shard_mb else None,
+                                with_mtp=args.with_mtp)
+    except BaseException:
+        _remove_if_empty(args.out, existed)
+        raise
     print(f"wrote a random {args.preset} checkpoint ({cfg.num_hidden_layers} layers) to {args.out}")
     return 0
 
@@ -373,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     _add_quantization_flag(i)
     i.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "fp8_ds_mla"])
-    i.add_argument("--device-memory", type=float, default=141.0, metavar="GiB",
+    i.add_argument("--device-memory", type=_positive(float), default=141.0, metavar="GiB",
                    help="memory of one device, for the KV cache room left after the weights (default 141: H200)")
     i.add_argument("--num-hosts", type=int, default=1,
                    help="hosts the -tp devices are spread over (one process each): devices and bytes per host, and "
@@ -389,19 +484,30 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--num-layers", type=int, default=None)
     r.add_argument("--max-shard-mb", type=float, default=None)
     r.add_argument("--with-mtp", action="store_true", help="add the MTP (nextn) layer model.layers.{L}.*")
+    r.add_argument("--overwrite", action="store_true",
+                   help="write into --out even when it is a non-empty directory that is not a random checkpoint "
+                        "(files of the names written are replaced); an existing random checkpoint is replaced "
+                        "(atomically) without it")
     r.set_defaults(fn=cmd_random_checkpoint)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the extra 'serve')")
     sv.add_argument("--checkpoint", required=True, help="HF safetensors or orbax (convert) directory")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests")
+    sv.add_argument("--port", type=_port, default=8000, help="1..65535 (default 8000); checked before the model loads")
+    sv.add_argument("--api-key", type=_non_empty, default=None,
+                    help="require 'Authorization: Bearer KEY' on /v1 requests (not empty)")
     sv.add_argument("--served-model-name", default=None, help="the model id (default: the checkpoint's directory name)")
     sv.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once (default 8)")
     sv.add_argument("--max-num-batched-tokens", type=int, default=None, help="rows per step (default 2048)")
     sv.add_argument("--num-pages", type=int, default=None,
                     help="KV cache pages per DCP rank (default: from the free device memory)")
     sv.add_argument("--block-size", type=int, default=None, help="tokens per KV cache page (default 16)")
+    sv.add_argument("--max-request-bytes", type=_positive(int), default=None, metavar="BYTES",
+                    help="the largest request body; larger ones get 413 before they are read (default: 16 bytes per "
+                         "token of --max-model-len, room for its longest prompt as token ids or text, plus 4 MiB)")
+    sv.add_argument("--shutdown-timeout", type=_non_negative_float, default=5.0, metavar="SECONDS",
+                    help="on SIGTERM / SIGINT: stop accepting, let requests in flight run this long, then abort them "
+                         "(streams end with finish_reason 'abort') and exit 0 (default 5)")
     _add_spec_flag(sv)
     _add_model_flags(sv)
     sv.set_defaults(fn=cmd_serve)
@@ -413,6 +519,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stored dtype (router, norms and indexer weights_proj stay float32)")
     _add_quantization_flag(c)
     c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--overwrite", action="store_true",
+                   help="write into --to even when it is a non-empty directory that is not a glm-dsa orbax "
+                        "checkpoint (config.json and tokenizer files there are replaced); an existing orbax "
+                        "checkpoint is replaced (a new version committed atomically) without it")
     _add_parallel_flags(c)  # the mesh the parameters are staged on while converting (memory per device)
     _add_distributed_flags(c)
     c.set_defaults(fn=cmd_convert)

@@ -19,6 +19,11 @@ import numpy as np
 #: temperature asks for is the argmax anyway.
 GREEDY_BELOW = 1e-5
 
+#: The smallest top_p that samples: float32's smallest normal number (2**-126). The sampler compares top_p in
+#: float32 on the device, which flushes subnormal values to 0, and a cut at 0 keeps no token at all (every
+#: logit -inf, so the draw is always token 0).
+TOP_P_MIN = float(np.finfo(np.float32).tiny)
+
 
 def _real(name: str, value) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
@@ -51,7 +56,7 @@ def check_token_ids(name: str, ids, vocab_size: int) -> list[int]:
 class SamplingParams:
     """How one request samples, checked on construction (TypeError / ValueError naming the argument).
 
-    temperature: >= 0 and finite; below GREEDY_BELOW (and at 0) the request is greedy. top_p: in (0, 1].
+    temperature: >= 0 and finite; below GREEDY_BELOW (and at 0) the request is greedy. top_p: in [TOP_P_MIN, 1].
     seed: any integer in [0, 2**64). max_tokens: new tokens, >= 0. stop_token_ids: None (the model's EOS ids)
     or a list of token ids; [] never stops early.
     """
@@ -69,6 +74,9 @@ class SamplingParams:
         p = _real("top_p", self.top_p)
         if not 0 < p <= 1:  # NaN fails this too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if np.float32(p) < TOP_P_MIN:
+            raise ValueError(f"top_p must be at least {TOP_P_MIN:.8g} (float32's smallest normal number: the "
+                             f"device flushes smaller values to 0, which keeps no token), got {self.top_p!r}")
         seed = _int("seed", self.seed)
         if not 0 <= seed < 2**64:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {seed}")

@@ -5,30 +5,55 @@ list of either; one choice per prompt), `POST /v1/chat/completions` (messages th
 template), `stream: true` as server-sent events ending in `data: [DONE]`, `return_token_ids: true` (vLLM's field:
 `token_ids` on each choice; always there when the checkpoint has no tokenizer, whose texts are then empty),
 `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text). Bad requests get 400 (404 for an unknown
-model, 401 without the `--api-key` bearer token) with an OpenAI-style body `{"error": {"message", "type",
-"param", "code"}}`. A client that disconnects mid-stream aborts its request (its pages are freed); a request
-that fails never stops the server.
+model, 401 without the `--api-key` bearer token, 413 for a body over the size limit, 503 while shutting down)
+with an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`; a request that fails never stops the
+server.
 
-Sampling follows OpenAI's defaults (temperature 1, top_p 1, max_tokens 16 for completions, up to max_model_len
-for chat); `seed` (default: a random one per request), `stop_token_ids` and `ignore_eos` are vLLM's extensions.
+Request fields are checked in one table, `glm_dsa.serving.request_fields` (its module doc has the rules). Beyond the
+fields: a body over `max_request_bytes` is refused while it is read (at once when its Content-Length says so);
+a prompt with max_tokens that cannot fit in max_model_len is refused with both numbers, as vLLM does. JSON
+decoding, tokenisation, the chat template and detokenisation run in worker threads, so the event loop (and
+`/health`) answers while a large prompt is handled.
+
+A client that goes away aborts its requests and frees their pages: a stream when its next chunk cannot be sent,
+a plain request when the server sees the connection closed (polled every DISCONNECT_POLL_S while it waits).
+Shutdown (SIGTERM / SIGINT, `serve`): the server stops accepting connections and new requests get 503, requests
+in flight get `shutdown_timeout` seconds to finish, then they are aborted (streams end with finish_reason
+"abort" and `data: [DONE]`); the engine loop stops and `serve` returns.
+
+Sampling follows OpenAI's defaults (temperature 1, top_p 1, max_tokens 16 for completions capped at the room
+the prompt leaves, that room for chat); `seed` (default: a random one per request), `stop_token_ids` and
+`ignore_eos` are vLLM's extensions.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations (fastapi.Request, imported
 # inside create_app so that this module imports without the extra) as objects
+import asyncio
 import contextlib
 import json
-import math
 import secrets
+import signal
+import threading
 import time
 import uuid
 
+from . import request_fields as rf
 from .sampling import SamplingParams
 from .streaming import BackgroundLoop
 
-#: the fields of the request bodies this server understands (others are refused with 400, not ignored)
-COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stream", "stop_token_ids",
-                     "ignore_eos", "return_token_ids", "n", "user", "stream_options", "stop", "logprobs", "echo"}
-CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "echo"}) | {"messages", "max_completion_tokens"}
+#: seconds between two checks, while a plain (non-streaming) request waits for its tokens, that its client is
+#: still connected
+DISCONNECT_POLL_S = 0.25
+#: body bytes allowed per token of max_model_len: token ids as JSON text take up to 8 bytes each ("151552, "),
+#: a text token a few bytes, or 6 per character where JSON escapes it (\uXXXX); 16 covers any of them
+REQUEST_BYTES_PER_TOKEN = 16
+#: room in the body beyond the prompt's: the other fields, chat messages' roles and template text
+REQUEST_BYTES_MARGIN = 4 << 20
+
+
+def default_max_request_bytes(max_model_len: int) -> int:
+    """The default body size limit: room for a prompt of max_model_len tokens in any form, plus a margin."""
+    return REQUEST_BYTES_PER_TOKEN * max_model_len + REQUEST_BYTES_MARGIN
 
 
 class APIError(Exception):
@@ -85,19 +110,41 @@ class _Detokenizer:
         return new
 
 
+class InFlight:
+    """The streams of the requests a server is answering, so that shutdown can abort them; and whether it is
+    shutting down (new requests are then refused)."""
+
+    def __init__(self):
+        self.streams: set = set()
+        self.closing = False
+
+    def abort_all(self) -> int:
+        """Abort every request in flight (each finishes with reason "abort"); returns how many."""
+        streams = [s for s in self.streams if not s.finished]
+        for s in streams:
+            s.abort()
+        return len(streams)
+
+
 def create_app(engine, *, model_name: str, tokenizer=None, template: str | None = None, api_key: str | None = None,
-               loop=None):
+               loop=None, max_request_bytes: int | None = None):
     """The FastAPI app serving `engine` as `model_name`. The engine runs on `loop` (anything with `start()` and
-    `stop()`; default a `BackgroundLoop`, across processes a `glm_dsa.serving.lockstep.LeaderLoop`), started with the
-    app and stopped with it. `tokenizer`: a `glm_dsa.serving.text.TextTokenizer` or None (token ids only); `template`: a
-    Jinja chat template (None: chat completions are refused with 400)."""
+    `stop()`; default a `BackgroundLoop`, across processes a `glm_dsa.serving.lockstep.LeaderLoop`), started with the app
+    and stopped with it. `tokenizer`: a `glm_dsa.serving.text.TextTokenizer` or None (token ids only); `template`: a
+    Jinja chat template (None: chat completions are refused with 400). `max_request_bytes`: the largest request
+    body (default `default_max_request_bytes(engine.max_model_len)`). `app.state.in_flight` is the `InFlight` of
+    the requests being answered (`serve` aborts them at shutdown)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     loop = BackgroundLoop(engine) if loop is None else loop
+    limit = default_max_request_bytes(engine.max_model_len) if max_request_bytes is None else max_request_bytes
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"max_request_bytes must be a positive integer, got {limit!r}")
     started = time.time()
+    in_flight = InFlight()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -108,6 +155,7 @@ def create_app(engine, *, model_name: str, tokenizer=None, template: str | None 
             loop.stop()
 
     app = FastAPI(title="glm-dsa", lifespan=lifespan)
+    app.state.in_flight = in_flight
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
@@ -126,13 +174,22 @@ def create_app(engine, *, model_name: str, tokenizer=None, template: str | None 
     async def internal_error(request, exc):
         return JSONResponse(APIError(500, f"{type(exc).__name__}: {exc}", "internal_error").body(), status_code=500)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+    class CheckKey:
+        """The bearer token on /v1 requests, as plain ASGI middleware: it leaves the endpoints the server's own
+        `receive`, so that a plain request sees its client disconnect (`Request.is_disconnected`)."""
+
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if (api_key is not None and scope["type"] == "http" and scope["path"].startswith("/v1")
+                    and dict(scope["headers"]).get(b"authorization", b"") != f"Bearer {api_key}".encode()):
                 err = APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+
+    app.add_middleware(CheckKey)
 
     @app.get("/health")
     async def health():
@@ -152,70 +209,101 @@ def create_app(engine, *, model_name: str, tokenizer=None, template: str | None 
             lines.append(f"glm_dsa:{k} {float(v):.6g}")
         return PlainTextResponse("\n".join(lines) + "\n")
 
-    async def body_of(request: Request, fields: set) -> dict:
+    def too_large(n: str) -> APIError:
+        return APIError(413, f"the request body is {n} bytes, over this server's limit of {limit} bytes "
+                             "(serve --max-request-bytes)", param=None, code="request_too_large")
+
+    async def read_body(request: Request) -> bytes:
+        """The body, refused (413) at once when its Content-Length is over the limit, else as soon as the bytes
+        read pass it (a chunked body has no Content-Length): never more than the limit held in memory."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large(declared)
+        chunks, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise too_large(f"more than {limit}")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def decode(raw: bytes):
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
+        except RecursionError:  # nested deeper than the interpreter's stack allows
+            raise _bad(f"the request body nests JSON deeper than {rf.MAX_JSON_DEPTH} levels")
         except (ValueError, UnicodeDecodeError) as e:
             raise _bad(f"the request body is not valid JSON ({e})")
-        if not isinstance(body, dict):
-            raise _bad("the request body must be a JSON object")
-        unknown = sorted(set(body) - fields)
-        if unknown:
-            raise _bad(f"unsupported field(s): {', '.join(unknown)}", unknown[0])
-        model = body.get("model")
+        if rf.json_depth(body) > rf.MAX_JSON_DEPTH:
+            raise _bad(f"the request body nests JSON deeper than {rf.MAX_JSON_DEPTH} levels")
+        return body
+
+    async def body_of(request: Request, endpoint: str) -> dict:
+        if in_flight.closing:
+            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+        raw = await read_body(request)
+        body = await asyncio.to_thread(decode, raw)
+        try:
+            fields = rf.parse_body(body, endpoint)
+        except rf.FieldError as e:
+            raise _bad(str(e), e.param)
+        model = fields["model"]
         if model is not None and model != model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
-        for name in ("logprobs", "echo"):
-            if body.get(name):
-                raise _bad(f"{name} is not supported", name)
-        if body.get("stop"):
-            raise _bad("stop strings are not supported; give stop_token_ids", "stop")
-        n = body.get("n", 1)
-        if n != 1:
-            raise _bad(f"n must be 1, got {n!r} (give several prompts instead)", "n")
-        return body
+        return fields
 
-    def params_of(body: dict, default_max: int) -> SamplingParams:
-        stop = body.get("stop_token_ids")
-        if body.get("ignore_eos"):
-            stop = list(stop or [])
-        elif stop is not None:
-            stop = list(stop) + list(engine.config.eos_token_id)
-        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-        seed = body.get("seed")
-        temperature = body.get("temperature", 1.0)
-        try:
-            if isinstance(temperature, float) and math.isnan(temperature):
-                raise ValueError("temperature must be a finite number >= 0, got nan")
-            return SamplingParams(temperature=1.0 if temperature is None else temperature,
-                                  top_p=1.0 if body.get("top_p") is None else body["top_p"],
-                                  seed=secrets.randbits(63) if seed is None else seed,
-                                  max_tokens=default_max if max_tokens is None else max_tokens,
-                                  stop_token_ids=stop)
-        except (TypeError, ValueError) as e:
-            raise _bad(str(e), str(e).split(" ", 1)[0])
-
-    def prompts_of(prompt) -> list[list[int]]:
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
-            prompt = [prompt]
-        if not isinstance(prompt, list) or not prompt:
-            raise _bad("prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
+    def encode_prompts(prompts: list) -> list[list[int]]:
+        """Text prompts through the tokenizer (in a worker thread: a long text takes a while)."""
         out = []
-        for i, p in enumerate(prompt):
+        for i, p in enumerate(prompts):
             if isinstance(p, str):
                 if tokenizer is None:
                     raise _bad("this checkpoint has no tokenizer.json: give prompts as token ids", "prompt")
-                if not p:
-                    raise _bad(f"prompt {i} is empty", "prompt")
                 try:
                     p = tokenizer.encode(p)
                 except ValueError as e:
                     raise _bad(str(e), "prompt")
-            elif not isinstance(p, list):
-                raise _bad(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}", "prompt")
             out.append(p)
         return out
+
+    def max_tokens_of(f: dict, prompts, chat: bool) -> int:
+        """The new-token budget (the same for every prompt). An explicit one that cannot fit with the longest
+        prompt in max_model_len is refused as vLLM refuses it; the default is capped at the room the longest
+        prompt leaves."""
+        name = "max_completion_tokens" if chat and f.get("max_completion_tokens") is not None else "max_tokens"
+        asked = f.get(name)
+        n_max = engine.max_model_len
+        where = "messages" if chat else "prompt"
+        i, longest = max(enumerate(map(len, prompts)), key=lambda x: x[1])
+        which = "" if len(prompts) == 1 else f" (prompt {i})"
+        if longest > n_max:  # the engine's own message, naming the prompt
+            return 0
+        if asked is None:
+            if longest >= n_max:
+                raise _bad(f"This model's maximum context length is {n_max} tokens. However, you requested "
+                           f"{longest} tokens in the {where}{which}, which leaves no room for the completion. "
+                           f"Please reduce the length of the {where}.", where)
+            return (n_max - longest) if chat else min(16, n_max - longest)
+        if longest + asked > n_max:
+            raise _bad(f"This model's maximum context length is {n_max} tokens. However, you requested "
+                       f"{longest + asked} tokens ({longest} in the {where}{which}, {asked} in the completion). "
+                       f"Please reduce the length of the {where} or completion.", name)
+        return asked
+
+    def params_of(f: dict, max_tokens: int) -> SamplingParams:
+        stop = f["stop_token_ids"]
+        if f["ignore_eos"]:
+            stop = list(stop or [])
+        elif stop is not None:
+            stop = list(stop) + list(engine.config.eos_token_id)
+        seed = f["seed"]
+        try:
+            return SamplingParams(temperature=f["temperature"], top_p=f["top_p"],
+                                  seed=secrets.randbits(63) if seed is None else seed, max_tokens=max_tokens,
+                                  stop_token_ids=stop)
+        except (TypeError, ValueError) as e:  # the table checks these first; kept as the last word
+            raise _bad(str(e), str(e).split(" ", 1)[0])
 
     def submit_all(prompts, params) -> list:
         streams = []
@@ -228,33 +316,71 @@ def create_app(engine, *, model_name: str, tokenizer=None, template: str | None 
             raise _bad(str(e).replace("prompt 0", f"prompt {len(streams)}"), "prompt")
         return streams
 
+    class EventStream(StreamingResponse):
+        """Server-sent events that abort their requests however the response ends: also when the client went
+        away before the first event, where the events' generator never started (so its own cleanup never ran)."""
+
+        def __init__(self, events, streams):
+            super().__init__(events, media_type="text/event-stream")
+            self.streams = streams
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                in_flight.streams.difference_update(self.streams)
+                for s in self.streams:
+                    if not s.finished:
+                        s.abort()
+
     def finish_reason(s) -> str:
         if s.finish_reason == "error":
             raise APIError(500, f"the request failed: {s.error}", "internal_error")
         return s.finish_reason
 
-    async def respond(request: Request, body: dict, prompts, chat: bool):
-        default_max = 16 if not chat else engine.max_model_len - max(len(p) for p in prompts)
-        params = params_of(body, max(default_max, 0))
-        streams = submit_all(prompts, params)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created = int(time.time())
-        want_ids = bool(body.get("return_token_ids")) or tokenizer is None
-        usage = {"prompt_tokens": sum(map(len, prompts))}
-        if body.get("stream"):
-            return StreamingResponse(sse(rid, created, streams, chat, want_ids, usage, body),
-                                     media_type="text/event-stream")
-        try:
+    def detokenize(ids) -> str:
+        return tokenizer.decode(ids) if tokenizer is not None else ""
+
+    async def wait_or_abort(request: Request, streams) -> bool:
+        """Wait until every stream finishes (True), or abort them all when the client goes away (False)."""
+        async def drain():
             for s in streams:
                 async for _ in s:
                     pass
+        task = asyncio.ensure_future(drain())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    task.result()
+                    return True
+                if await request.is_disconnected():
+                    return False
         finally:
+            task.cancel()
             for s in streams:
                 if not s.finished:
                     s.abort()
+
+    async def respond(request: Request, f: dict, prompts, chat: bool):
+        max_tokens = max_tokens_of(f, prompts, chat)
+        params = params_of(f, max_tokens)
+        streams = await asyncio.to_thread(submit_all, prompts, params)  # checks every id of a long prompt
+        in_flight.streams.update(streams)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        want_ids = f["return_token_ids"] or tokenizer is None
+        usage = {"prompt_tokens": sum(map(len, prompts))}
+        if f["stream"]:
+            return EventStream(sse(rid, created, streams, chat, want_ids, usage, f), streams)
+        try:
+            if not await wait_or_abort(request, streams):
+                return Response(status_code=499)  # nobody reads it: the client is gone
+        finally:
+            in_flight.streams.difference_update(streams)
         choices = []
         for i, s in enumerate(streams):
-            text = tokenizer.decode(s.output) if tokenizer is not None else ""
+            text = await asyncio.to_thread(detokenize, s.output)
             c = {"index": i, "finish_reason": finish_reason(s), "logprobs": None}
             if chat:
                 c["message"] = {"role": "assistant", "content": text}
@@ -269,7 +395,7 @@ def create_app(engine, *, model_name: str, tokenizer=None, template: str | None 
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": model_name, "choices": choices, "usage": usage}
 
-    async def sse(rid, created, streams, chat, want_ids, usage, body):
+    async def sse(rid, created, streams, chat, want_ids, usage, f):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(i, text, ids, reason, role=False):
@@ -287,15 +413,16 @@ def create_app(engine, *, model_name: str, tokenizer=None, template: str | None 
                 detok = _Detokenizer(tokenizer)
                 first = True
                 async for tok in s:
-                    yield chunk(i, detok.add([tok]), [tok], None, role=first)
+                    text = await asyncio.to_thread(detok.add, [tok])  # decodes the whole output so far
+                    yield chunk(i, text, [tok], None, role=first)
                     first = False
                 try:
                     reason = finish_reason(s)
                 except APIError as e:
                     yield "data: " + json.dumps(e.body()) + "\n\n"
                     return
-                yield chunk(i, detok.add([], final=True), [], reason, role=first)
-            if (body.get("stream_options") or {}).get("include_usage"):
+                yield chunk(i, await asyncio.to_thread(detok.add, [], True), [], reason, role=first)
+            if (f["stream_options"] or {}).get("include_usage"):
                 n = sum(len(s.output) for s in streams)
                 yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name,
                                               "choices": [], "usage": {**usage, "completion_tokens": n,
@@ -303,32 +430,30 @@ def create_app(engine, *, model_name: str, tokenizer=None, template: str | None 
                     + "\n\n"
             yield "data: [DONE]\n\n"
         finally:  # a client gone mid-stream cancels this generator: its requests are aborted, their pages freed
+            in_flight.streams.difference_update(streams)
             for s in streams:
                 if not s.finished:
                     s.abort()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await body_of(request, COMPLETION_FIELDS)
-        if "prompt" not in body:
-            raise _bad("prompt is required", "prompt")
-        return await respond(request, body, prompts_of(body["prompt"]), chat=False)
+        f = await body_of(request, rf.COMPLETIONS)
+        prompts = await asyncio.to_thread(encode_prompts, f["prompt"])
+        return await respond(request, f, prompts, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await body_of(request, CHAT_FIELDS)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            raise _bad("messages must be a non-empty list of {role, content} objects", "messages")
+        f = await body_of(request, rf.CHAT)
         if tokenizer is None or template is None:
             raise _bad("this checkpoint has no tokenizer chat template: use /v1/completions", "messages")
-        text = render_chat(template, messages)
-        try:
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        except ValueError as e:
-            raise _bad(str(e), "messages")
-        return await respond(request, body, [ids], chat=True)
+
+        def encode_chat():
+            text = render_chat(template, f["messages"])
+            try:
+                return tokenizer.encode(text, add_special_tokens=False)
+            except ValueError as e:
+                raise _bad(str(e), "messages")
+        return await respond(request, f, [await asyncio.to_thread(encode_chat)], chat=True)
 
     return app
 
@@ -352,17 +477,66 @@ def render_chat(template: str, messages: list[dict]) -> str:
 #: the instant the server closed it, and get "Server disconnected without sending a response" (seen in a clean-clone
 #: run of the test suite)
 KEEP_ALIVE_S = 75
+#: seconds, after the in-flight requests are aborted at shutdown, that their responses get to end before their
+#: connections are cut
+ABORT_GRACE_S = 5.0
+
+
+def listen_socket(host: str, port: int):
+    """A socket bound to `host`:`port` (not yet listening), or OSError naming the address and the flag.
+
+    `serve` binds before the model loads, so that a port in use fails at once instead of after the load, and
+    keeps the socket, so that no other process can take the port in between."""
+    import socket
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+    return sock
 
 
 def serve(engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          tokenizer=None, template: str | None = None, log=print, loop=None) -> None:
-    """Run the server until interrupted (uvicorn on `host`:`port`, idle connections kept KEEP_ALIVE_S seconds);
-    `loop`: see `create_app`."""
+          tokenizer=None, template: str | None = None, log=print, loop=None, max_request_bytes: int | None = None,
+          shutdown_timeout: float = 5.0, sock=None) -> None:
+    """Run the server until SIGTERM / SIGINT (uvicorn on `host`:`port`, or on the bound socket `sock` from
+    `listen_socket`; idle connections kept KEEP_ALIVE_S seconds), then shut down and return: stop accepting,
+    give the requests in flight `shutdown_timeout` seconds, abort those still running (streams end with
+    finish_reason "abort"), stop the engine loop. A second SIGINT cuts the wait short. `loop`,
+    `max_request_bytes`: see `create_app`."""
     try:
         import uvicorn
     except ImportError:
         raise ImportError("serve needs FastAPI and uvicorn: pip install 'glm-dsa[serve]'") from None
     app = create_app(engine, model_name=model_name, tokenizer=tokenizer, template=template, api_key=api_key,
-                     loop=loop)
+                     loop=loop, max_request_bytes=max_request_bytes)
+    in_flight = app.state.in_flight
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            in_flight.closing = True
+            aborter = asyncio.get_running_loop().call_later(shutdown_timeout, in_flight.abort_all)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                aborter.cancel()
+
+    # uvicorn cancels what is still running at timeout_graceful_shutdown: later than the abort, so that aborted
+    # streams end with their last chunk and [DONE] rather than being cut
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S,
+                            timeout_graceful_shutdown=shutdown_timeout + ABORT_GRACE_S)
+    server = Server(config)
     log(f"serving {model_name} on http://{host}:{port} (OpenAI API at /v1)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
+    # uvicorn raises the signal that stopped it again once it is done, under the handlers it found: ignore it
+    # here, so that a shutdown by signal returns (exit status 0) instead of dying of the signal afterwards
+    main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+    caught = {s: signal.signal(s, lambda sig, frame: None) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        server.run(sockets=None if sock is None else [sock])
+    finally:
+        for s, handler in caught.items():
+            signal.signal(s, handler)
+    log(f"stopped serving {model_name}", flush=True)

@@ -37,20 +37,24 @@ class TextTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (with the tokenizer's own special tokens unless `add_special_tokens=False`)."""
-        ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch, not encode: the batch form lets go of the GIL while it runs, so a server tokenising a long
+        # prompt in a worker thread keeps answering on its event loop
+        ids = list(self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+        shown = repr(text) if len(text) <= 200 else f"{text[:200]!r}... ({len(text)} characters)"
         if not ids:
-            raise ValueError(f"prompt {text!r} encodes to no tokens with {self.path}")
+            raise ValueError(f"prompt {shown} encodes to no tokens with {self.path}")
         if self.vocab_size is not None:
             for i in ids:
                 if i >= self.vocab_size:
-                    raise ValueError(f"{self.path}: prompt {text!r} encodes to token {i} "
+                    raise ValueError(f"{self.path}: prompt {shown} encodes to token {i} "
                                      f"({self.tokenizer.id_to_token(i)!r}), outside the model's vocabulary "
                                      f"[0, {self.vocab_size})")
         return ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Text of token ids (special tokens dropped unless `skip_special_tokens=False`)."""
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        # decode_batch for the same reason as encode_batch in `encode`
+        return self.tokenizer.decode_batch([[int(i) for i in ids]], skip_special_tokens=skip_special_tokens)[0]
 
 
 def load_tokenizer(checkpoint: str | os.PathLike, *, vocab_size: int | None = None,
