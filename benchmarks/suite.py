@@ -50,6 +50,7 @@ class Area:
     run: Callable[[bool, str], tuple[list[dict], dict]]
     min_devices: int = 1
     gpu_only: bool = False  # no smoke run (its benchmarks time GPU kernels: Triton / Mosaic GPU, profiler traces)
+    spawns: bool = False  # its benchmark runs in processes of its own, which need the devices' memory
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -67,11 +68,23 @@ def _bench_record(main: Callable, argv: list[str], work: str, name: str, flag: s
         return json.load(f)
 
 
+def _on_cpu() -> bool:
+    import jax
+    return jax.devices()[0].platform == "cpu"
+
+
+#: the attention area's smoke run: three ops at one small size each (the Mosaic sparse MLA probe is the full run's)
+ATTENTION_SMOKE = ["--ops", "sparse_mla,indexer,fused_norm_rope", "--timeout_s", "300",
+                   "--extra", "sparse_mla=--batches 1 --formats bf16 --reps 3 --iters 2 --budget_s 0",
+                   "--extra", "indexer=--batches 1 --reps 3 --iters 2",
+                   "--extra", "fused_norm_rope=--tokens 64 --caches bfloat16 --default-only --iters 2"]
+
+
 def run_attention(smoke: bool, work: str) -> tuple[list[dict], dict]:
     """Sparse MLA (xla, Triton, Mosaic GPU), the indexer and the fused norm/RoPE/cache write, each beside its xla
     reference in the same run (`benchmarks/bench_attention.py`, which runs each op's benchmark as a process)."""
     from benchmarks import bench_attention
-    rec = _bench_record(bench_attention.main, [], work, "attention")
+    rec = _bench_record(bench_attention.main, ATTENTION_SMOKE if smoke else [], work, "attention")
     return rec["rows"], {k: rec[k] for k in ("commands", "failed") if k in rec}
 
 
@@ -121,7 +134,7 @@ def run_moe(smoke: bool, work: str) -> tuple[list[dict], dict]:
     """Routed experts (bf16 and FP8 grouped GEMMs) and the FP8 block-scaled linear layers against bf16 and their xla
     forms (`benchmarks/bench_fp8_gemm.py`), at GLM-5.2 widths."""
     from benchmarks import bench_fp8_gemm
-    impl = "triton_interpret" if smoke else "triton"
+    impl = "triton_interpret" if smoke and _on_cpu() else "triton"
     argv = (["--impl", impl, "--batches", "1,16", "--linear", "256x384", "--moe_dims", "256,128,8", "--iters", "1",
              "--budget_s", "0"] if smoke else [])
     rec = _bench_record(bench_fp8_gemm.main, argv, work, "fp8_gemm")
@@ -158,42 +171,46 @@ def run_e2e(smoke: bool, work: str) -> tuple[list[dict], dict]:
     return rows, {"runs": runs}
 
 
-def _args_run(module: str, smoke_argv: list[str], argv: list[str], flag: str = "--out"):
+def _args_run(module: str, smoke_argv: list[str], argv: list[str], flag: str = "--out", cpu_flag: bool = False):
+    """An area runner of `benchmarks/MODULE.py`'s `main`: `argv` for the figures, `smoke_argv` for a smoke run
+    (with `--cpu` in front on a CPU where the benchmark has that flag: it then sets up CPU devices itself)."""
     def run(smoke: bool, work: str) -> tuple[list[dict], dict]:
         mod = __import__(f"benchmarks.{module}", fromlist=["main"])
-        rec = _bench_record(mod.main, smoke_argv if smoke else argv, work, module, flag)
+        args = (["--cpu"] if cpu_flag and _on_cpu() else []) + smoke_argv if smoke else argv
+        rec = _bench_record(mod.main, args, work, module, flag)
         return rec["rows"], {k: v for k, v in rec.items() if k not in SCHEMA_KEYS} | {"source_command": rec["command"]}
     run.__doc__ = f"`benchmarks/{module}.py`'s rows (`main` with {' '.join(argv) or 'its defaults'})."
     return run
 
 
 run_serving = _args_run(
-    "bench_serving", ["--cpu", "--preset", "tiny", "--num-requests", "4", "--input-len", "16", "--output-len", "4",
+    "bench_serving", ["--preset", "tiny", "--num-requests", "4", "--input-len", "16", "--output-len", "4",
                       "--max-num-seqs", "2", "--warm-passes", "1"],
-    ["--host-overhead-batches", "1,32,128"])
+    ["--host-overhead-batches", "1,32,128"], cpu_flag=True)
 run_dcp = _args_run(
-    "bench_dcp", ["--cpu", "--preset", "tiny", "--tp", "2", "--dcp", "2", "--variants", "qrep:a2a", "--input-len", "16",
+    "bench_dcp", ["--preset", "tiny", "--tp", "2", "--dcp", "2", "--variants", "qrep:a2a", "--input-len", "16",
                   "--output-len", "2", "--batch", "1", "--identity-steps", "2", "--identity-prompt-len", "16",
                   "--identity-batch", "1"],
-    ["--tp", "2", "--dcp", "2"])
+    ["--tp", "2", "--dcp", "2"], cpu_flag=True)
 run_mtp = _args_run(
     "bench_mtp", ["--preset", "tiny", "--num-speculative-tokens", "1", "--decode-batches", "1", "--decode-context", "32",
                   "--input-len", "8", "--output-len", "4"],
     [], flag="--json-out")
 run_multihost = _args_run(
-    "bench_multihost", ["--cpu", "--preset", "tiny", "--tp", "2", "--input-len", "16", "--output-len", "4"],
-    ["--preset", "heads", "--num-layers", "2", "--tp", "2"])
+    "bench_multihost", ["--preset", "tiny", "--tp", "2", "--input-len", "16", "--output-len", "4"],
+    ["--preset", "heads", "--num-layers", "2", "--tp", "2"], cpu_flag=True)
 
 AREAS = {a.name: a for a in (
     Area("attention", "sparse MLA, indexer, fused norm/RoPE/cache write kernels beside xla", 1800, run_attention,
-         gpu_only=True),
+         gpu_only=True, spawns=True),
     Area("moe", "routed experts and FP8 GEMMs (bf16 vs FP8 weights)", 900, run_moe),
     Area("e2e", "engine prefill and decode, bench preset, bf16 and FP8 weights", 1200, run_e2e),
     Area("serving", "continuous batching against static groups; host overhead per decode step", 900, run_serving),
     Area("mtp", "MTP draft + verify against plain decode", 900, run_mtp),
     Area("dcp", "decode context parallelism: identity with DCP = 1 and the cost of each variant", 1200, run_dcp,
          min_devices=2),
-    Area("multihost", "N processes of one GPU against one process of N GPUs", 1200, run_multihost, min_devices=2),
+    Area("multihost", "N processes of one GPU against one process of N GPUs", 1200, run_multihost, min_devices=2,
+         spawns=True),
 )}
 
 
@@ -203,15 +220,20 @@ AREAS = {a.name: a for a in (
 
 def run_area(name: str, smoke: bool, results: str) -> int:
     """Run one area in this process and write `results/NAME.json`; `SKIPPED` where the machine has too few
-    devices (or no GPU for a GPU-only area), 0 when written."""
+    devices (or no GPU for a GPU-only area), 0 when written, 1 when written but a part of the area failed."""
     area = AREAS[name]
     if smoke and os.environ.get("JAX_PLATFORMS", "") == "cpu" and area.min_devices > 1:
         # the smoke runs of several-device areas use simulated CPU devices; set before jax starts a backend
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env = dict(os.environ)
+    if area.spawns:  # this process only counts the devices: JAX's default would take 75% of each one's memory
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     import jax
 
     from benchmarks.harness import record, write_json
     devices = jax.devices()
+    os.environ.clear()
+    os.environ.update(env)  # the benchmark's own processes start as this one was started
     if area.gpu_only and devices[0].platform != "gpu":
         print(f"{name}: skipped: needs a GPU (found {devices[0].platform})", flush=True)
         return SKIPPED
@@ -223,6 +245,9 @@ def run_area(name: str, smoke: bool, results: str) -> int:
     command = f"python -m benchmarks suite --only {name}" + (" --smoke" if smoke else "")
     os.makedirs(results, exist_ok=True)
     write_json(os.path.join(results, f"{name}.json"), record(rows, command=command, **extra))
+    if extra.get("failed"):  # the rows of what ran are written; the area still fails
+        print(f"{name}: failed: {', '.join(extra['failed'])} (their output is above)", flush=True)
+        return 1
     return 0
 
 
