@@ -192,6 +192,8 @@ def render_table(name: str, results: str = RESULTS) -> str:
     rows = [r for r in rec["rows"] if t.keep(r)]
     if t.reduce:
         rows = t.reduce(rows)
+    if not rows:
+        return f"No rows of this table in benchmarks/results/{t.file}.json (`{rec['command']}`).\n"
     sources = rec.get("sources")
     lines = []
     if sources:  # those this table's rows came from

@@ -203,3 +203,6 @@ def test_render_names_an_unknown_table_and_a_missing_file(tmp_path):
         render.render_text("<!-- table:nope -->\nold\n<!-- /table -->\n")
     text = render.render_text("<!-- table:multihost -->\nold\n<!-- /table -->\n", results=str(tmp_path))
     assert "No figures yet: `python -m benchmarks suite --only multihost`" in text and "old" not in text
+    (tmp_path / "serving.json").write_text(json.dumps({"command": "c", "rows": [{"check": "serving"}]}))
+    text = render.render_text("<!-- table:serving_host -->\n<!-- /table -->\n", results=str(tmp_path))
+    assert "No rows of this table in benchmarks/results/serving.json (`c`)" in text
