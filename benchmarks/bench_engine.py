@@ -15,6 +15,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# re-exported: the suite, the tests and the diagnostics reach the benchmark's parts through this module
 from glm_dsa.benchmark import (NOT_MEASURED, BenchConfig, add_arguments, command_line,  # noqa: E402,F401
                                config_from_args, decode_attention_bytes, decode_batch, decode_engine,
                                decode_ms_per_step, flops_per_token, format_results, result_rows, run_bench,

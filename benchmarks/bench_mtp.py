@@ -17,6 +17,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# re-exported: the suite, the tests and the diagnostics reach the benchmark's parts through this module
 from glm_dsa.benchmark import (PROJECTED_LENGTHS, command_line, pages_needed, plain_step_ms,  # noqa: E402,F401
                                projections, run_mtp, run_mtp_from_args, spec_inputs, step_times, use_drafts)
 
