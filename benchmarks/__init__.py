@@ -1,8 +1,10 @@
-"""GPU benchmark scripts (not tests) and the one harness they share (`benchmarks.harness`: timer, device peaks,
-budgeted sweeps, JSON records). Every script runs only under `main(argv)`; importing one starts no work.
+"""GPU benchmarks (not tests): one suite of per-area benchmarks and the harness they share.
 
-    PYTHONPATH=. python3 benchmarks/bench_sparse_mla.py --help      # or: python -m benchmarks.bench_sparse_mla
+    python -m benchmarks suite [--only AREA,...] [--out DIR]   # every area; writes benchmarks/results/AREA.json
+    python -m benchmarks render                                 # BENCHMARKS.md's tables from those files
+    PYTHONPATH=. python3 benchmarks/bench_sparse_mla.py --help  # one benchmark (or python -m benchmarks.bench_...)
 
-The engine's end-to-end benchmark (`benchmarks.bench_engine`) is `python -m glm_dsa bench`. Figures go to
-BENCHMARKS.md with their date, commit, device and command.
+`benchmarks.suite` runs the areas, `benchmarks.render` the tables, `benchmarks.harness` is the timer, device peaks,
+budgeted sweeps and JSON record every benchmark uses. Every script runs only under `main(argv)`; importing one
+starts no work. The end-to-end benchmark is the package's (`glm_dsa.serving.benchmark`, `python -m glm_dsa bench`).
 """

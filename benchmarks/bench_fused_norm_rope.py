@@ -293,7 +293,7 @@ def main(argv=None):
                 print(f"  q part alone {cfg.label():40s} {t * 1e6:9.1f} us {qbytes / t / 1e12:.2f} TB/s "
                       f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
         del data, ref
-    write_json(args.out, record(rows, command=command_line(argv, script=__file__), device=dev, jax=jax.__version__,
+    write_json(args.out, record(rows, command=command_line(argv, script=__file__), device=dev,
                                 roofline=peaks.name, failed=failed, seconds=time.perf_counter() - t_start))
     print(f"\n| T | cache | xla us | triton us | TB/s | % of {peaks.hbm_bytes_per_s / 1e12:g} TB/s | speed-up "
           "| config |")

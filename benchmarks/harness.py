@@ -4,25 +4,23 @@ Timing (DESIGN.md, Benchmarks): warm up, then the median of many `jax.block_unti
 take the device time of one op as the difference of two executables that run it n_hi and n_lo times
 (`per_op_time`; `device_time` builds them as `fori_loop`s), so the fixed cost of dispatching an executable cancels.
 Where the two executables differ in the arrays they take or return (one per op, `per_rep`), a host clock also counts
-the host's work per array (on the GPU machine here about 25 us each, BENCHMARKS.md session 13); the device times of a
-profiler trace (`per_op_traced_times`: kernel time and the device's span) do not.
-Records: `{"date", "commit", "device", "command", "rows": [...]}` plus any keys a script adds.
+the host's work per array (BENCHMARKS.md, attention kernels); the device times of a profiler trace
+(`per_op_traced_times`: kernel time and the device's span) do not.
+Records: `{"date", "commit", "device", "jax", "command", "rows": [...]}` plus any keys a script adds.
+
+The timer, the device peaks and the record are the package's (`glm_dsa.serving.benchmark`, which `python -m glm_dsa bench`
+runs); they are re-exported here so that every benchmark takes them from one place.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import datetime
 import functools
 import glob
-import json
 import math
 import os
-import shlex
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,104 +30,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# device peaks
-
-
-@dataclasses.dataclass(frozen=True)
-class DevicePeaks:
-    """Roofline figures of a device kind: HBM bytes/s and dense bf16 FLOP/s (datasheet values).
-
-    `known` is False when the device is not in `PEAKS`: the figures are then the reference device's, and `name`
-    says so, so that a percentage computed from them is read as "of the H200's roofline", not of this device's."""
-
-    name: str
-    hbm_bytes_per_s: float
-    bf16_flops_per_s: float
-    known: bool = True
-
-
-#: datasheet peaks by `jax.Device.device_kind`
-PEAKS = {"NVIDIA H200": DevicePeaks("NVIDIA H200", hbm_bytes_per_s=4.8e12, bf16_flops_per_s=989e12)}
-#: the device whose roofline stands in for an unknown one (DESIGN.md reports percentages of the H200 roofline)
-REFERENCE_DEVICE = "NVIDIA H200"
-
-
-def device_kind(device=None) -> str:
-    """The kind of `device` (a `jax.Device`, a kind string, or None for the first device), e.g. 'NVIDIA H200'."""
-    if isinstance(device, str):
-        return device
-    device = jax.devices()[0] if device is None else device
-    return getattr(device, "device_kind", str(device))
-
-
-def device_peaks(device=None) -> DevicePeaks:
-    """The peaks of `device` (see `device_kind`); an unknown kind gets the reference device's figures with
-    `known=False` and a name that says 'unknown device'."""
-    kind = device_kind(device)
-    if kind in PEAKS:
-        return PEAKS[kind]
-    return dataclasses.replace(PEAKS[REFERENCE_DEVICE], known=False,
-                               name=f"unknown device {kind!r}: the {REFERENCE_DEVICE} roofline as a reference")
-
-
-def peak_bytes(device) -> int | None:
-    """The device allocator's peak bytes in use so far (None where the backend does not say: CPU)."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    return (stats or {}).get("peak_bytes_in_use")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the timer
-
-
-def _check_count(name: str, value: int, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-
-
-def median_seconds(call: Callable[[], Any], *, warmup: int = 2, reps: int = 10, calls_per_rep: int = 1) -> float:
-    """Median wall seconds of `call()` after `warmup` calls, each blocked until its result is ready.
-
-    A sample is `calls_per_rep` consecutive calls blocked once at the end, divided by `calls_per_rep`: calls that
-    depend on each other (a decode loop threading donated caches) then overlap dispatch with execution as they do
-    in a real loop. `call` may close over state it updates (donated buffers)."""
-    _check_count("warmup", warmup, 0)
-    _check_count("reps", reps, 1)
-    _check_count("calls_per_rep", calls_per_rep, 1)
-    for _ in range(warmup):
-        jax.block_until_ready(call())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls_per_rep):
-            out = call()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / calls_per_rep)
-    return statistics.median(times)
-
-
-def timeit(fn, *args, warmup: int = 2, reps: int = 10) -> float:
-    """Median seconds of `fn(*args)` (blocked until ready) after warm-up calls."""
-    return median_seconds(lambda: fn(*args), warmup=warmup, reps=reps)
-
-
-def per_op_time(make: Callable[[int], Callable], args: tuple, reps: int, iters: int, lo: int = 1,
-                warmup: int = 1) -> tuple[float, float]:
-    """Device seconds of one op and the amortised seconds per op of the `reps`-op executable.
-
-    `make(n)` builds an executable that runs the op n times; the first figure is (T(reps) - T(lo)) / (reps - lo),
-    in which the fixed cost of dispatching and synchronising an executable cancels (floored at 1 ns: a quotient
-    by it stays finite), the second T(reps) / reps. Each T is `timeit` over `iters` runs."""
-    _check_count("iters", iters, 1)
-    if reps <= lo:
-        raise ValueError(f"reps ({reps}) must exceed lo ({lo}): the difference of the two executables is the time")
-    t_hi = timeit(make(reps), *args, warmup=warmup, reps=iters)
-    t_lo = timeit(make(lo), *args, warmup=warmup, reps=iters)
-    return max(t_hi - t_lo, 1e-9) / (reps - lo), t_hi / reps
+from glm_dsa.serving.benchmark import (PEAKS, REFERENCE_DEVICE, DevicePeaks, check_count, command_line,  # noqa: F401
+                               device_kind, device_peaks, device_time, git_commit, median_seconds, nudge, peak_bytes,
+                               per_op_time, record, timeit, write_json)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -217,7 +120,7 @@ def traced_times(call: Callable[[], Any], runs: int = 5, before: Callable[[], An
     to (for `benchmarks/diag_launch_gap.py --summarise`).
     Unlike a host clock, neither figure counts the host's work before the device starts. RuntimeError where the
     trace holds no GPU plane."""
-    _check_count("runs", runs, 1)
+    check_count("runs", runs, 1)
     before = before or _run_marker()
     jax.block_until_ready(before())
     jax.block_until_ready(call())
@@ -285,22 +188,9 @@ def per_rep(x) -> tuple:
     return out
 
 
-def nudge(x, y):
-    """x plus a tiny multiple of y: a data dependency between loop iterations that XLA cannot remove."""
-    return x + (jnp.sum(y.astype(jnp.float32)) * 1e-9).astype(x.dtype)
-
-
 def op_device_time(fn, x, *consts, reps: int = 10, iters: int = 5) -> float:
     """Device seconds of one `fn(x, *consts)` call (any output), looped in one executable (`device_time`)."""
     return device_time(lambda c, *k: nudge(c, fn(c, *k)), x, *consts, reps=reps, iters=iters)
-
-
-def device_time(body, carry, *consts, reps: int = 10, iters: int = 5) -> float:
-    """Device seconds of one `body(carry, *consts) -> carry`, from executables that loop it in a fori_loop:
-    (T(1 + reps) - T(1)) / reps (`per_op_time`)."""
-    def looped(n):
-        return jax.jit(lambda c, *k: jax.lax.fori_loop(0, n, lambda i, c: body(c, *k), c))
-    return per_op_time(looped, (carry, *consts), 1 + reps, iters, lo=1, warmup=2)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -351,7 +241,7 @@ def budgeted_sweep(configs: Iterable, measure: Callable[[Any], float], budget: B
     left when the budget ran out are listed as skipped, and a line says how many (on `log`, default stderr)."""
     if not isinstance(budget, Budget):
         budget = Budget(budget)
-    _check_count("min_measured", min_measured, 0)
+    check_count("min_measured", min_measured, 0)
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     prefix = f"  {label} " if label else "  "
     res = SweepResult()
@@ -371,65 +261,14 @@ def budgeted_sweep(configs: Iterable, measure: Callable[[Any], float], budget: B
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# JSON records
-
-
-def git_commit(repo: str = _REPO) -> str | None:
-    """The short commit of `repo` ('+dirty' when tracked files differ from it), or None outside a git checkout."""
-    try:
-        head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10)
-        if head.returncode:
-            return None
-        dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
-
-
-def command_line(argv: list[str] | None = None, script: str | None = None) -> str:
-    """The command that ran: `python PATH` for a `script` file (its path from the repository root), else how this
-    process was started (`python -m PACKAGE` or `python PATH`), then `argv` (default: the process's arguments)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if script is not None:
-        prog = f"python {os.path.relpath(os.path.abspath(script), _REPO)}"
-    else:
-        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-        prog = (f"python -m {spec.name.removesuffix('.__main__')}" if spec is not None and spec.name
-                else f"python {sys.argv[0]}")
-    return f"{prog} {shlex.join(argv)}".strip()
-
-
-def record(rows: Iterable[dict], /, *, command: str | None = None, device=None, **extra) -> dict:
-    """The JSON record of a run: date (UTC), commit, device kind, command and rows, then `extra` keys."""
-    head = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": git_commit(), "device": device_kind(device),
-            "command": command if command is not None else command_line()}
-    clash = sorted(set(extra) & (set(head) | {"rows"}))
-    if clash:
-        raise ValueError(f"record: extra keys {clash} would overwrite the record's own fields")
-    return {**head, "rows": list(rows), **extra}
-
-
-def _jsonable(x):
-    if hasattr(x, "tolist"):  # numpy / jax scalars and arrays
-        return x.tolist()
-    return str(x)
-
-
-def write_json(path: str, rec: dict) -> None:
-    """Write a record (see `record`) as indented JSON."""
-    with open(path, "w") as f:
-        json.dump(rec, f, indent=1, default=_jsonable)
-        f.write("\n")
+# Nsight Compute
 
 
 def cu_profiler(start: bool) -> None:
     """Start or stop Nsight Compute's capture (`ncu --profile-from-start off`) through the CUDA driver API.
 
     The driver library is the one the process already runs on; loading a runtime `libcudart` beside jax's own
-    CUDA libraries crashed the process on the H200 image (session 11)."""
+    CUDA libraries crashed the process on the H200 image (2026-12-01)."""
     lib = ctypes.CDLL("libcuda.so.1")
     rc = lib.cuProfilerStart() if start else lib.cuProfilerStop()
     if rc:

@@ -408,11 +408,10 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    if args.num_speculative_tokens:  # MTP: draft + verify against plain decode (benchmarks/bench_mtp.py)
-        from benchmarks import bench_mtp
-        return bench_mtp.run_from_args(args)
-    from benchmarks.bench_engine import run_from_args
-    return run_from_args(args)
+    from glm_dsa.serving import benchmark
+    if args.num_speculative_tokens:  # MTP: draft + verify against plain decode
+        return benchmark.run_mtp_from_args(args)
+    return benchmark.run_from_args(args)
 
 
 def _add_spec_flag(p: argparse.ArgumentParser) -> None:
@@ -528,11 +527,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_convert)
 
     b = sub.add_parser("bench", help="prefill/decode speed of a reduced-depth model with random weights")
-    from benchmarks.bench_engine import add_arguments as add_bench_arguments  # the flags live with the benchmark
+    from glm_dsa.serving.benchmark import add_arguments as add_bench_arguments  # the flags live with the benchmark
     add_bench_arguments(b)
     b.add_argument("--num-speculative-tokens", default="", metavar="K[,K...]",
                    help="benchmark MTP instead: draft + verify step cost against plain decode for these draft "
-                        "counts at --decode-batches, and B=1 tokens/s (benchmarks/bench_mtp.py)")
+                        "counts at --decode-batches, and B=1 tokens/s (glm_dsa/serving/benchmark.py)")
     b.set_defaults(fn=cmd_bench)
 
     t = sub.add_parser("trace", help="dump per-layer activations of one prompt to a .safetensors file")

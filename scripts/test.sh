@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the whole test suite on CPU: sets up both environments, then pytest on 8 simulated devices, in
 # GLM_DSA_TEST_WORKERS pytest-xdist worker processes (default 2, CI's cores: 51 against 67 minutes in one process,
-# session 13; 0 runs in this process), listing the 25 slowest tests at the end.
+# measured 2026-12-02; 0 runs in this process), listing the 25 slowest tests at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

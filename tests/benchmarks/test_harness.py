@@ -234,9 +234,9 @@ def test_peak_bytes_on_cpu_is_unknown():
 
 def test_record_and_json(tmp_path):
     rec = harness.record([{"B": 1, "us": np.float32(2.5)}], command="python x.py --b 1", roofline="NVIDIA H200")
-    assert list(rec) == ["date", "commit", "device", "command", "rows", "roofline"]
+    assert list(rec) == ["date", "commit", "device", "jax", "command", "rows", "roofline"]
     assert datetime.datetime.fromisoformat(rec["date"]).tzinfo is not None
-    assert rec["device"] == "cpu" and rec["command"] == "python x.py --b 1"
+    assert rec["device"] == "cpu" and rec["command"] == "python x.py --b 1" and rec["jax"] == jax.__version__
     head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     if head.returncode == 0:
         assert rec["commit"].split("+")[0] == head.stdout.strip()

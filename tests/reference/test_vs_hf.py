@@ -1,7 +1,7 @@
 """glm-dsa against Hugging Face transformers' `GlmMoeDsaForCausalLM` and `DeepseekV32ForCausalLM` (docs/math.md §2,
 §10, §13, §14).
 
-A session fixture makes sure every case of `cases.py` has its reference in the cache (running
+A fixture shared by the whole run makes sure every case of `cases.py` has its reference in the cache (running
 `hf_reference.py` under the Python 3.11 reference interpreter for the missing ones), then each case's
 checkpoint is loaded with `glm_dsa.load` in float32 and compared:
 - prefill logits of each prompt: max |JAX - HF| <= 1e-4;
@@ -98,7 +98,7 @@ def load_reference(path: Path) -> tuple[dict, list[np.ndarray]]:
 
 @pytest.fixture(scope="session")
 def engines(reference_dirs):
-    """Lazily loaded glm_dsa engines, one per case directory, shared by the tests of a session."""
+    """Lazily loaded glm_dsa engines, one per case directory, shared by every test of the run."""
     loaded: dict[Path, object] = {}
 
     def get(path: Path):
