@@ -38,7 +38,7 @@ from glm_dsa.model import StepBatch
 from glm_dsa.paged_cache import KV_CACHE_DTYPES
 from glm_dsa.step import step
 from kernels import fused_norm_rope, indexer, sparse_mla
-from kernels.fp8_formats import quantize_index_rows, quantize_mla_rows
+from kernels.common.fp8_formats import quantize_index_rows, quantize_mla_rows
 
 #: stages of a decode step that `stage_times` does not time, and why (reported so, never as a number)
 NOT_MEASURED = {"collectives": "not measured (the step's all-gathers and psums are not timed apart)"}

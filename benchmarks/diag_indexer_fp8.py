@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from kernels import fp8_formats, indexer, indexer_triton
+from kernels import fp8_formats, indexer
+from kernels.indexer import triton as indexer_triton
 
 
 def main(argv=None):

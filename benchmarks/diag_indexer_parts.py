@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from benchmarks import bench_indexer
 from benchmarks.harness import command_line, per_op_traced_times, record, stream_events, trace_micros, write_json
-from kernels import topk_triton
+from kernels.indexer import topk_triton
 
 DEFAULT_SCORES = '[{}, {"num_stages": 3}, {"num_stages": 4}, {"num_warps": 8}, {"num_warps": 8, "num_stages": 3}, ' \
                  '{"block_s": 64, "num_stages": 3}, {"block_s": 256, "num_warps": 8, "num_stages": 2}, {"block_n": 2048}, ' \

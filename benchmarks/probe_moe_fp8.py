@@ -54,7 +54,7 @@ def runner(name: str, opts: dict, impl: str):
     the stacks' `tokamax_moe.column_scales` in the place of `scales`."""
     opts = dict(opts)
     if opts.pop("impl", None) == "tokamax":  # the MoE impl "tokamax" (kernels/moe_tokamax.py), config fields as opts
-        from kernels import moe_tokamax
+        from kernels.moe import tokamax as moe_tokamax
 
         cfg = moe_tokamax.TokamaxMoEConfig(**opts)
         return lambda x, experts, w, stacks, scales, bf16: moe.routed_experts(

@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness  # noqa: E402
 from kernels import fp8_formats, sparse_mla  # noqa: E402
-from kernels import sparse_mla_mosaic as mosaic  # noqa: E402
+from kernels.sparse_mla import mosaic  # noqa: E402
 
 H, R, DR, K, CTX = 64, 512, 64, 2048, 32768
 SCALE = (192 + 64) ** -0.5

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import fp8_linear
-from kernels.fp8_formats import dequantize_weight_blocks
+from kernels.common.fp8_formats import dequantize_weight_blocks
 
 BLOCK = 128
 DEQUANT_ROWS = 64  # from this many rows an FP8 linear dequantises its weight and runs XLA's GEMM (see above)

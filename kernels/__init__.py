@@ -11,8 +11,9 @@ block-scaled weights), `fp8_linear` (a linear layer over FP8 block-scaled weight
 indexer's scores -> top-k composition both its kernel impls share.
 """
 
-from . import (chunking, fp8_formats, fp8_linear, fused_norm_rope, indexer, lse_merge, moe, norms, registry, rope,
-               sparse_mla)
+from . import registry
+from .common import chunking, fp8_formats, norms, rope
+from . import fp8_linear, fused_norm_rope, indexer, lse_merge, moe, sparse_mla
 
 IMPLS = ("xla", "triton", "triton_interpret", "auto")  # every op's impls ("mosaic": sparse_mla and indexer)
 

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import fp8_formats, moe_triton
+from kernels import fp8_formats
+from kernels.moe import triton as moe_triton
 
 
 def case(n_exp, d, i, k, t, seed=0, **opts):

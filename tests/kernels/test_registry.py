@@ -128,20 +128,34 @@ def test_xla_dispatch_imports_no_triton_module():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(KERNELS_DIR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def _intra_imports():
-    """{module: [(imported module, names)]} over kernels/*.py, every `from .x import ...` / `from . import x`
-    at any depth (function-level imports too)."""
-    mods = {p.stem: ast.parse(p.read_text()) for p in KERNELS_DIR.glob("*.py")}
-    edges = {m: [] for m in mods}
-    for m, tree in mods.items():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                if node.module:
-                    edges[m].append((node.module, [a.name for a in node.names]))
+    """{module: [(imported module, names)]} over every module under kernels/ (dotted names), every relative or
+    `kernels.` import at any depth (function-level imports too); `from pkg import sub` counts as importing the
+    module pkg.sub."""
+    files = {_module_name(p): p for p in KERNELS_DIR.rglob("*.py")}
+    edges = {m: [] for m in files}
+    for m, path in files.items():
+        package = m if path.name == "__init__.py" else m.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            elif (node.module or "").startswith("kernels"):
+                mod = node.module
+            else:
+                continue
+            for a in node.names:
+                if f"{mod}.{a.name}" in files:
+                    edges[m].append((f"{mod}.{a.name}", []))
                 else:
-                    edges[m] += [(a.name, []) for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kernels."):
-                edges[m].append((node.module.split(".")[1], [a.name for a in node.names]))
+                    edges[m].append((mod, [a.name]))
     return edges
 
 
@@ -149,7 +163,7 @@ def test_no_private_imports_and_no_cycles():
     edges = _intra_imports()
     private = [(m, t, n) for m, es in edges.items() for t, names in es for n in names if n.startswith("_")]
     assert not private, private
-    graph = {m: {t for t, _ in es if t in edges} for m, es in edges.items() if m != "__init__"}
+    graph = {m: {t for t, _ in es if t in edges} for m, es in edges.items() if m != "kernels"}
     state = {}
 
     def visit(m, path):
@@ -163,13 +177,15 @@ def test_no_private_imports_and_no_cycles():
 
     for m in graph:
         visit(m, [])
-    for m in ("indexer_triton", "moe_triton", "fused_norm_rope_triton", "sparse_mla_triton"):
-        assert not ({t for t in graph[m] if t.endswith("_triton")}), (m, graph[m])  # helpers: triton_common
-    assert "moe_triton" not in graph["moe"]
+    kernel_modules = [m for m in graph if m.endswith(".triton")]
+    assert len(kernel_modules) == 6, kernel_modules
+    for m in kernel_modules:  # a kernel module imports no other op's kernel module (shared helpers: kernels.common)
+        assert not {t for t in graph[m] if t.endswith("triton") and t != m}, (m, graph[m])
+    assert "kernels.moe.triton" not in graph["kernels.moe"]  # the op imports its kernel on first use only
 
 
 def test_no_settings_in_module_globals():
     """The old top-k switch (a module global read at call time) is gone; the radix select with it."""
     assert not hasattr(indexer, "TOPK_IMPL")
-    from kernels import indexer_triton
+    from kernels.indexer import triton as indexer_triton
     assert not hasattr(indexer_triton, "topk_triton")

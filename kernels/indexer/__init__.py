@@ -1,0 +1,162 @@
+"""Lightning indexer scores and top-k (docs/math.md §2): which cached tokens each query row attends to.
+
+score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) over the keys of the row's own request, read from the
+paged indexer cache through the block table. Row t sees the first `kv_lens[t]` cached positions of its
+request (pos(t) + 1 on one device; under DCP, the rank's local tokens at or before pos(t)), so the op
+knows nothing of how positions are spread over ranks. The softmax scale 128^-0.5 and 32^-0.5 are folded
+into `w` by the caller (both positive, so they commute with relu).
+Top-k keeps min(topk, kv_lens[t]) positions: higher score first, then smaller position; the rest are -1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import registry
+from ..common import fp8_formats
+from ..common.chunking import map_row_chunks
+
+ROW_CHUNK = 16  # query rows per chunk: bounds the [chunk, S, Di] key gather and [chunk, H, S] logits
+ROW_BLOCK_MIN_T = 64  # rows from which indexer_scores_triton takes the row-block form
+ROW_BLOCK = 16  # its query rows per program: block_t unrolled [H, Di] x [Di, block_s] dots
+SELECT_MAX_S = 65536  # widest row the select kernel (kernels/indexer/topk_triton.py) holds in registers: 64 keys a thread
+
+
+def request_slots(block_tables, block_size: int):
+    """Physical slot of every position of every request: [R, P * block_size] (clamped to >= 0)."""
+    pages = jnp.maximum(block_tables, 0).astype(jnp.int32)
+    offs = jnp.arange(block_size, dtype=jnp.int32)
+    return (pages[:, :, None] * block_size + offs).reshape(block_tables.shape[0], -1)
+
+
+def prepare_queries(q, weights, k_cache):
+    """Queries in the cache's arithmetic: bf16-style caches take q in the cache dtype; an FP8 cache (uint8
+    [slots, Di + 4]) takes e4m3 queries quantised per (t, h) (UE8M0 scale s_q folded into the weights)."""
+    if k_cache.dtype == jnp.uint8:
+        q8, s_q = fp8_formats.quantize_index_queries(q)
+        return q8, weights.astype(jnp.float32) * s_q
+    return q.astype(k_cache.dtype), weights
+
+
+def indexer_scores_xla(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int):
+    """Scores [T, S] (float32, -inf where s >= kv_lens[t]); S = block-table width * block_size.
+    For an FP8 cache, q are e4m3 queries and weights carry s_q (`prepare_queries`)."""
+    slots = request_slots(block_tables, block_size)
+    rows = k_cache[slots[token_req]]  # [T, S, Di] (or [T, S, Di + 4] uint8)
+    if k_cache.dtype == jnp.uint8:
+        keys, s_k = fp8_formats.split_index_rows(rows, q.shape[-1])
+        # e4m3 -> f32 by table, not by convert: a convert + dot becomes an FP8 cuBLAS GEMM on the GPU
+        logits = jnp.einsum("thd,tsd->ths", fp8_formats.e4m3_to_f32(q), fp8_formats.e4m3_to_f32(keys))
+        scores = jnp.einsum("th,ths->ts", weights.astype(jnp.float32), jax.nn.relu(logits),
+                            precision=jax.lax.Precision.HIGHEST) * s_k
+    else:
+        logits = jnp.einsum("thd,tsd->ths", q, rows, preferred_element_type=jnp.float32)
+        scores = jnp.einsum("th,ths->ts", weights.astype(jnp.float32), jax.nn.relu(logits))
+    visible = jnp.arange(slots.shape[1])[None, :] < kv_lens[:, None]
+    return jnp.where(visible, scores, -jnp.inf)
+
+
+def topk_positions(scores, kv_lens, topk: int, width: int | None = None):
+    """Top-k (positions, scores) of `scores` [T, S] with the tie rule; entries past kv_lens[t] are (-1, -inf).
+    `width`: the logical S when `scores` is padded on the right with -inf (k = min(topk, width))."""
+    k = min(topk, scores.shape[-1] if width is None else width)
+    # -0.0 -> +0.0 so relu's signed zeros tie exactly (a select: XLA folds `scores + 0.0` away, and top_k then
+    # ranked -0.0 below +0.0)
+    scores = jnp.where(scores == 0.0, 0.0, scores)
+    val, idx = jax.lax.top_k(scores, k)  # stable: equal scores keep ascending position order
+    keep = jnp.arange(k)[None, :] < jnp.minimum(kv_lens, k)[:, None]
+    return jnp.where(keep, idx, -1).astype(jnp.int32), jnp.where(keep, val, -jnp.inf)
+
+
+def indexer_topk_xla(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int, topk: int,
+                     return_scores: bool = False, ordered: bool = True, row_chunk: int = ROW_CHUNK):
+    """Reference: scores then top-k, `row_chunk` query rows at a time (never a [T, S] matrix for all T); always in
+    `lax.top_k`'s order (`ordered` is the op's permission to return another, unused here)."""
+    del ordered
+    q, weights = prepare_queries(q, weights, k_cache)
+
+    def rows(q_, w_, r_, n_):
+        s = indexer_scores_xla(q_, w_, k_cache, r_, n_, block_tables, block_size=block_size)
+        return topk_positions(s, n_, topk)
+
+    pos, val = map_row_chunks(rows, (q, weights, token_req, kv_lens), row_chunk)
+    return (pos, val) if return_scores else pos
+
+
+def select_topk(scores, kv_lens, topk: int, width: int | None = None, *, impl: str = "xla", **kernel_options):
+    """`topk_positions` as an op of its own (`kernels.registry` op "topk"): impl "xla" is `topk_positions`
+    (`lax.top_k`), "triton" / "triton_interpret" the select kernel (`kernels.indexer.topk_triton.topk_select`, its
+    `kernel_options`: config, num_warps, sort), which returns the same positions and scores, "auto" the select
+    kernel on a GPU for rows of at most SELECT_MAX_S scores, else `topk_positions`."""
+    return registry.dispatch("topk", impl, scores, kv_lens, topk, width, **kernel_options)
+
+
+def select_width_supported(s: int) -> str | None:
+    """Why the select kernel cannot take rows of `s` scores (None: it can)."""
+    return None if s <= SELECT_MAX_S else f"top-k rows of {s} scores exceed SELECT_MAX_S {SELECT_MAX_S}"
+
+
+def select_supports(scores, kv_lens, topk: int, width: int | None = None, **_) -> str | None:
+    """The select kernel's `supports` check: rows of at most SELECT_MAX_S scores (the first `width` columns)."""
+    return select_width_supported(scores.shape[-1] if width is None else min(width, scores.shape[-1]))
+
+
+def indexer_topk(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int, topk: int,
+                 return_scores: bool = False, ordered: bool = True, impl: str = "xla", **kernel_options):
+    """Top-k positions [T, min(topk, S)] (int32, -1 padded) for indexer queries `q` [T, H, Di] (roped),
+    head weights `weights` [T, H] (scales folded in), the paged key cache `k_cache` [slots, Di], each row's
+    request `token_req` [T], its number of visible keys `kv_lens` [T] and `block_tables` [R, pages].
+    With `return_scores`, also their float32 scores (-inf where -1): the DCP global top-k merges these.
+    `ordered` (default): each row's entries by score descending, then position ascending; False: the same entries
+    in whatever order the impl makes cheapest (the select kernel's position order), still followed by the -1s —
+    for callers that use them as a set (sparse attention, the DCP global top-k, which sorts them anyway).
+    `k_cache` is bf16 [slots, Di] or FP8 uint8 [slots, Di + 4] (queries are then quantised per (t, h)).
+    impl (`kernels.registry`): "xla" (oracle, CPU default), "triton" (Pallas Triton scores, then the select
+    top-k kernel or `topk_positions` per shape, row chunks), "triton_interpret" (the same kernels under the Pallas
+    interpreter, for CPU tests), "mosaic" (the Mosaic GPU scores kernel, `kernels.indexer.mosaic`: FP8 caches with
+    pages of a multiple of 64 keys, GPU only; then the same top-k), "auto" (`_choose_indexer`: "mosaic" for decode
+    rows on a GPU where it takes them, "triton" for the rest on a GPU, "xla" elsewhere); `kernel_options` go
+    to `indexer_triton.indexer_topk_triton` (config, block_s, block_t, num_warps, num_stages, block_n, fp8_dot,
+    row_chunk, topk_impl, topk_config) or `indexer_mosaic.indexer_topk_mosaic` (config, row_chunk, topk_impl,
+    topk_config); the xla form takes `row_chunk`."""
+    return registry.dispatch("indexer", impl, q, weights, k_cache, token_req, kv_lens, block_tables,
+                             block_size=block_size, topk=topk, return_scores=return_scores, ordered=ordered,
+                             **kernel_options)
+
+
+def takes_row_blocks(t: int, requests: int) -> bool:
+    """Whether `indexer_triton.indexer_scores_triton` (block_t None) scores T rows of `requests` requests with the
+    row-block kernel: from ROW_BLOCK_MIN_T rows, when they leave runs of ROW_BLOCK rows of one request on average
+    (prefill chunks); decode rows (one a request) take the per-row kernel."""
+    return t >= ROW_BLOCK_MIN_T and (requests - 1) * ROW_BLOCK <= t
+
+
+def _choose_indexer(q, weights, k_cache, token_req, kv_lens, block_tables, **kwargs) -> str:
+    """The "auto" rule: off a GPU "xla"; on one, "mosaic" for decode rows (the per-row scores, where the Mosaic
+    kernel's asynchronous copies beat the Triton kernel's gathers: 71 against 101 us at B = 32, BENCHMARKS.md
+    session 19) when it takes the inputs and no Triton launch options were given, else "triton" (prefill rows take
+    its row-block kernel, which reads each key tile once for 16 rows)."""
+    if not registry.on_gpu():
+        return "xla"
+    triton_options = set(kwargs) - {"block_size", "topk", "return_scores", "ordered", "row_chunk", "topk_impl",
+                                     "topk_config"}
+    if not triton_options and not takes_row_blocks(q.shape[0], block_tables.shape[0]):
+        try:
+            registry.check("indexer", "mosaic", q, weights, k_cache, token_req, kv_lens, block_tables, **kwargs)
+            return "mosaic"
+        except ValueError:
+            pass
+    return "triton"
+
+
+registry.register("indexer", "xla", indexer_topk_xla)
+registry.register_triton("indexer", "kernels.indexer.triton:indexer_topk_triton",
+                         supports="kernels.indexer.triton:supports")
+registry.register_auto("indexer", _choose_indexer)
+registry.register_mosaic("indexer", "kernels.indexer.mosaic:indexer_topk_mosaic",
+                         supports="kernels.indexer.mosaic:supports")
+registry.register("topk", "xla", topk_positions)
+registry.register_triton("topk", "kernels.indexer.topk_triton:topk_select", supports=select_supports)
+registry.register_auto("topk", lambda *args, **kwargs: "triton" if registry.on_gpu() and not select_supports(
+    *args, **kwargs) else "xla")

@@ -1,0 +1,102 @@
+"""Sparse MLA attention (docs/math.md §5): absorbed query rows against selected rows of the paged MLA cache.
+
+q [T, H, R + Dr] attends cache rows [kv (R) | k_pe (Dr)] at `indices` [T, K] (physical slots, -1 = none);
+the value of a row is its kv latent. Returns o [T, H, R] float32 and lse [T, H] (natural log), with
+(0, -inf) for a row that has no valid index: the identity of `merge_partials`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .. import registry
+from ..common import fp8_formats
+from ..common.chunking import map_row_chunks
+
+ROW_CHUNK = 64  # query rows per chunk in the xla form: bounds the gathered [chunk, K, R + Dr] workspace
+
+
+def _gather_rows(cache, slots, kv_lora_rank, rope_dim):
+    """Cache rows at `slots` as [..., R + Dr]: bf16 rows as stored, fp8_ds_mla rows dequantised to float32."""
+    rows = cache[slots]
+    if cache.dtype != jnp.uint8:
+        return rows
+    kv, k_pe = fp8_formats.dequantize_mla_rows(rows, kv_lora_rank, rope_dim)
+    return jnp.concatenate([kv, k_pe.astype(jnp.float32)], axis=-1)
+
+
+def _sparse_mla_rows(q, cache, indices, scale, kv_lora_rank):
+    valid = indices >= 0
+    rows = _gather_rows(cache, jnp.where(valid, indices, 0), kv_lora_rank, q.shape[-1] - kv_lora_rank)
+    s = jnp.einsum("thd,tkd->thk", q, rows, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(valid[:, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    denom = jnp.sum(p, axis=-1)
+    o = jnp.einsum("thk,tkr->thr", p, rows[..., :kv_lora_rank].astype(jnp.float32))
+    has = denom > 0
+    o = o / jnp.where(has, denom, 1.0)[..., None]
+    lse = jnp.where(has, m[..., 0] + jnp.log(jnp.where(has, denom, 1.0)), -jnp.inf)
+    return o, lse
+
+
+def sparse_mla_xla(q, cache, indices, *, scale: float, kv_lora_rank: int, row_chunk: int = ROW_CHUNK):
+    """Reference: gather the selected rows and attend, `row_chunk` query rows at a time."""
+    if cache.dtype == jnp.uint8:  # fp8_ds_mla
+        want = fp8_formats.mla_row_bytes(kv_lora_rank, q.shape[-1] - kv_lora_rank)
+        if cache.shape[-1] != want:
+            raise ValueError(f"sparse_mla: fp8_ds_mla row of {cache.shape[-1]} bytes != {want}")
+        q = q.astype(jnp.float32)
+    elif q.shape[-1] != cache.shape[-1]:
+        raise ValueError(f"sparse_mla: query row width {q.shape[-1]} != cache row width {cache.shape[-1]}")
+    else:
+        q = q.astype(cache.dtype)
+    if indices.shape[0] != q.shape[0]:
+        raise ValueError(f"sparse_mla: indices rows {indices.shape[0]} != query rows {q.shape[0]}")
+    return map_row_chunks(lambda q_, i_: _sparse_mla_rows(q_, cache, i_, scale, kv_lora_rank), (q, indices), row_chunk)
+
+
+def sparse_mla(q, cache, indices, *, scale: float, kv_lora_rank: int, impl: str = "xla", **kernel_options):
+    """o [T, H, R] float32, lse [T, H] for query rows `q` [T, H, R + Dr] against `cache` (bf16 [slots, R + Dr]
+    or fp8_ds_mla uint8 [slots, mla_row_bytes]) at `indices` [T, K] (physical slots, -1 = none).
+
+    impl (`kernels.registry`): "xla" (the oracle, CPU default), "triton" (Pallas Triton), "mosaic" (the
+    warp-specialised Pallas Mosaic GPU kernel: H <= 64, bf16 or fp8_ds_mla), "triton_interpret" /
+    "mosaic_interpret" (those kernels run by the Pallas interpreter: CPU tests), "auto" (the GPU default:
+    `choose_impl`). `kernel_options` go to the kernel (`sparse_mla_triton.sparse_mla_triton`: config, block_h,
+    block_k, n_split, num_warps, num_stages, return_partials; `sparse_mla_mosaic.sparse_mla_mosaic`: config and
+    its fields, return_partials); the xla form takes `row_chunk`.
+    """
+    return registry.dispatch("sparse_mla", impl, q, cache, indices, scale=scale, kv_lora_rank=kv_lora_rank,
+                             **kernel_options)
+
+
+# Query rows from which the Mosaic kernel beats the Triton one, per cache format. Session 13 measured the device
+# time of each op (BENCHMARKS.md, "Session 13"): at 1 row Mosaic 9.7 vs Triton 15.2 us bf16, 11.5 vs 19.0 fp8; at
+# 32 rows 38.4 vs 59.3 and 51.5 vs 101.6; at 128 rows 107.2 vs 178.6 and 146.8 vs 348.4 (session 9's contrary
+# figures at 1 row were host clock differences, which count the host's work per input array).
+MOSAIC_MIN_ROWS = {"bf16": 1, "fp8_ds_mla": 1}
+
+
+def choose_impl(q, cache, indices, *, scale: float, kv_lora_rank: int, **kernel_options) -> str:
+    """The "auto" rule: the kernel measured fastest for these shapes on the H200 (the xla oracle off the GPU).
+    Kernel options name the Triton kernel's launch, so with any given the Triton kernel runs."""
+    if not registry.on_gpu():
+        return "xla"
+    fmt = "fp8_ds_mla" if cache.dtype == jnp.uint8 else "bf16"
+    if not kernel_options and q.shape[0] >= MOSAIC_MIN_ROWS.get(fmt, 1 << 30):
+        try:
+            registry.check("sparse_mla", "mosaic", q, cache, indices, kv_lora_rank=kv_lora_rank)
+            return "mosaic"
+        except ValueError:
+            pass
+    return "triton"
+
+
+registry.register("sparse_mla", "xla", sparse_mla_xla)
+registry.register_triton("sparse_mla", "kernels.sparse_mla.triton:sparse_mla_triton",
+                         supports="kernels.sparse_mla.triton:supports")
+registry.register_auto("sparse_mla", choose_impl)
+registry.register_mosaic("sparse_mla", "kernels.sparse_mla.mosaic:sparse_mla_mosaic",
+                         supports="kernels.sparse_mla.mosaic:supports")
