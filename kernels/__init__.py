@@ -21,7 +21,18 @@ IMPLS = ("xla", "triton", "triton_interpret", "auto")  # every op's impls ("mosa
 def default_impl() -> str:
     """"auto" on NVIDIA GPUs (each op picks its fastest kernel per shape, `registry.register_auto`), the
     plain-XLA references elsewhere."""
-    return "auto" if registry.on_gpu() else "xla"
+    return "auto" if registry.platform() == "gpu" else "xla"
+
+
+def _cache_offsets(platform: str, impl: str) -> str:
+    """"int32" where a Triton kernel may read the caches (impl "triton", or "auto" on a GPU), else "int64".
+
+    The Pallas Triton kernels address a cache with 32-bit offsets, so under "int32" a layer's cache must stay
+    under 2 GiB (the engine caps its pages)."""
+    return "int32" if impl == "triton" or (impl == "auto" and platform == "gpu") else "int64"
+
+
+registry.register_rule("cache_offsets", "cache", _cache_offsets, ("int32", "int64"))
 
 
 __all__ = ["IMPLS", "default_impl", "chunking", "fp8_formats", "fp8_linear", "fused_norm_rope", "indexer",

@@ -34,6 +34,9 @@ from ..common.fp8_formats import (FP8, WEIGHT_BLOCK, block_count, block_index, d
                           quantize_activation_blocks)
 
 FORMS = ("w8a16", "w8a8")
+# rows from which a model's FP8 linear dequantises its weight and runs XLA's GEMM (the Pallas Triton MMA path
+# reached about half of cuBLAS's bf16 FLOP rate at prefill sizes, W8A8 included; BENCHMARKS.md, FP8 weights)
+DEQUANT_ROWS = 64
 
 
 def _is_static(offset) -> bool:
@@ -141,4 +144,14 @@ def _triton_supports(x, w_q, w_scale, *, form="w8a16", **_):
 
 registry.register("fp8_linear", "xla", fp8_linear_xla)
 registry.register_triton("fp8_linear", "kernels.fp8_linear.triton:fp8_matmul", supports=_triton_supports)
+def _model_form(platform: str, x, *, impl: str) -> str:
+    """A model's FP8 linear layer: "dequant" from DEQUANT_ROWS rows under a kernel impl, else "fp8_linear".
+
+    "dequant": the weight dequantised to x's dtype, then XLA's GEMM; "fp8_linear": this op (W8A16 reads the e4m3
+    bytes, the weight bytes being the cost at decode sizes), and always under impl "xla" (the float32 reference)."""
+    del platform  # by rows and impl, as the model asked for them
+    return "dequant" if impl != "xla" and x.shape[0] >= DEQUANT_ROWS else "fp8_linear"
+
+
 registry.register_auto("fp8_linear")
+registry.register_rule("fp8_linear.model_form", "fp8_linear", _model_form, ("dequant", "fp8_linear"))

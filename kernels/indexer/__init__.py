@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from .. import registry
 from ..common import fp8_formats
 from ..common.chunking import map_row_chunks
+from .config import SELECT_MIN_ROWS, TopkConfig
 
 ROW_CHUNK = 16  # query rows per chunk: bounds the [chunk, S, Di] key gather and [chunk, H, S] logits
 ROW_BLOCK_MIN_T = 64  # rows from which indexer_scores_triton takes the row-block form
@@ -87,8 +88,8 @@ def indexer_topk_xla(q, weights, k_cache, token_req, kv_lens, block_tables, *, b
 def select_topk(scores, kv_lens, topk: int, width: int | None = None, *, impl: str = "xla", **kernel_options):
     """`topk_positions` as an op of its own (`kernels.registry` op "topk"): impl "xla" is `topk_positions`
     (`lax.top_k`), "triton" / "triton_interpret" the select kernel (`kernels.indexer.topk_triton.topk_select`, its
-    `kernel_options`: config, num_warps, sort), which returns the same positions and scores, "auto" the select
-    kernel on a GPU for rows of at most SELECT_MAX_S scores, else `topk_positions`."""
+    `kernel_options`: config, num_warps, sort), which returns the same positions and scores, "auto" the rule
+    "topk.auto" (`_choose_topk`)."""
     return registry.dispatch("topk", impl, scores, kv_lens, topk, width, **kernel_options)
 
 
@@ -132,12 +133,37 @@ def takes_row_blocks(t: int, requests: int) -> bool:
     return t >= ROW_BLOCK_MIN_T and (requests - 1) * ROW_BLOCK <= t
 
 
-def _choose_indexer(q, weights, k_cache, token_req, kv_lens, block_tables, **kwargs) -> str:
-    """The "auto" rule: off a GPU "xla"; on one, "mosaic" for decode rows (the per-row scores, where the Mosaic
-    kernel's asynchronous copies beat the Triton kernel's gathers: 71 against 101 us at B = 32, BENCHMARKS.md
-    session 19) when it takes the inputs and no Triton launch options were given, else "triton" (prefill rows take
-    its row-block kernel, which reads each key tile once for 16 rows)."""
-    if not registry.on_gpu():
+def _scores_form(platform: str, t: int, requests: int, float32_cache: bool) -> str:
+    """The Triton scores kernel: "row_block" for prefill chunks, "per_row" for decode rows and float32 caches.
+
+    `takes_row_blocks` says which rows are prefill chunks (runs of ROW_BLOCK rows of one request on average)."""
+    del platform  # a form of the Triton kernel, which runs where it was asked for
+    return "row_block" if not float32_cache and takes_row_blocks(t, requests) else "per_row"
+
+
+def _choose_topk(platform: str, scores, kv_lens, topk: int, width: int | None = None, *, config=None, **_) -> str:
+    """The select kernel on a GPU from SELECT_MIN_ROWS rows, or from one row in two passes; else lax.top_k.
+
+    The select kernel takes rows of at most SELECT_MAX_S scores; it runs in two passes where a row splits into the
+    config's chunks of at least k scores. `lax.top_k` ("xla") runs otherwise and off the GPU; both give the same
+    positions and scores bit for bit."""
+    del kv_lens
+    if platform != "gpu":
+        return "xla"
+    s = scores.shape[-1] if width is None else min(width, scores.shape[-1])
+    if select_width_supported(s):
+        return "xla"
+    two_pass = (config or TopkConfig()).two_pass(s, topk)
+    return "triton" if two_pass or scores.shape[0] >= SELECT_MIN_ROWS else "xla"
+
+
+def _choose_indexer(platform: str, q, weights, k_cache, token_req, kv_lens, block_tables, **kwargs) -> str:
+    """Mosaic for decode rows it takes (no Triton launch options given), else Triton; xla off the GPU.
+
+    For decode rows (the per-row scores) the Mosaic kernel's asynchronous copies beat the Triton kernel's
+    gathers (BENCHMARKS.md, indexer); prefill rows take Triton's row-block kernel, which reads each key tile once
+    for 16 rows."""
+    if platform != "gpu":
         return "xla"
     triton_options = set(kwargs) - {"block_size", "topk", "return_scores", "ordered", "row_chunk", "topk_impl",
                                      "topk_config"}
@@ -158,5 +184,5 @@ registry.register_mosaic("indexer", "kernels.indexer.mosaic:indexer_topk_mosaic"
                          supports="kernels.indexer.mosaic:supports")
 registry.register("topk", "xla", topk_positions)
 registry.register_triton("topk", "kernels.indexer.topk_triton:topk_select", supports=select_supports)
-registry.register_auto("topk", lambda *args, **kwargs: "triton" if registry.on_gpu() and not select_supports(
-    *args, **kwargs) else "xla")
+registry.register_auto("topk", _choose_topk)
+registry.register_rule("indexer.scores_form", "indexer", _scores_form, ("row_block", "per_row"))

@@ -7,35 +7,35 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax
+import jax.numpy as jnp
+
+from .. import registry
 from ..common.chunking import map_row_chunks
-from . import prepare_queries, select_topk, select_width_supported
-from .config import TopkConfig
+from . import prepare_queries, select_topk
+from .config import SELECT_MIN_ROWS, TopkConfig
 
 SCORE_BUDGET = 1 << 25  # float32 scores held at once by the top-k stage (128 MiB)
-# rows from which the one-pass select top-k beats lax.top_k on the H200 (session 11, 32K scores: 1 row 113 / 136 us
-# against 77 / 74; 4 rows 100 against 115; 8 rows 105 against 108; 16 rows 115 against 152); rows that split into
-# the two-pass select's chunks take it from one row (session 15)
-SELECT_MIN_ROWS = 4
 
 
 def topk_select_impl(s: int, topk: int, topk_impl: str | None, interpret: bool, rows: int | None = None,
                      config: TopkConfig | None = None) -> str:
     """The "topk" impl (`kernels.indexer.select_topk`) the indexer's kernel impls run over `rows` rows (None: many)
     of `s` scores: the select kernel ("triton", or "triton_interpret" when `interpret`) for `topk_impl` "select";
-    "xla" (`lax.top_k`) for "lax". None: the select kernel on a GPU where it takes the rows (S <= SELECT_MAX_S: faster
-    than `lax.top_k` with the same result bit for bit) and either they take the two-pass select of the select's
-    `config` (`TopkConfig.two_pass`; None: a config of one pass) or there are at least SELECT_MIN_ROWS of
-    them; else `lax.top_k` (one program per row leaves the GPU idle below that: BENCHMARKS.md, sessions 11 and 15);
-    under the interpreter None keeps `lax.top_k` (the same positions and scores; the interpreted kernel is only
-    slower, and the CPU tests check it on its own).
+    "xla" (`lax.top_k`) for "lax". None: the registry's rule "topk.auto" for `rows` rows (None: many) of `s` scores
+    with the select's `config` (None: a config of one pass); under the interpreter None keeps `lax.top_k` (the same
+    positions and scores; the interpreted kernel is only slower, and the CPU tests check it on its own).
     "select" on shapes it does not take is the registry's ValueError naming the constraint."""
     if topk_impl not in (None, "select", "lax"):
         raise ValueError(f"indexer: topk_impl {topk_impl!r} must be 'select', 'lax' or None")
     kernel = "triton_interpret" if interpret else "triton"
     if topk_impl is None:
-        two_pass = config is not None and config.two_pass(s, topk)
-        few = rows is not None and rows < SELECT_MIN_ROWS and not two_pass
-        return "xla" if interpret or few or select_width_supported(s) else kernel
+        if interpret:
+            return "xla"
+        # decided for a GPU: the caller's scores kernel runs natively (not interpreted), so on one
+        scores = jax.ShapeDtypeStruct((SELECT_MIN_ROWS if rows is None else rows, s), jnp.float32)
+        return kernel if registry.decide("topk.auto", scores, None, topk, s, platform="gpu",
+                                         config=config or TopkConfig(chunks=1)) == "triton" else "xla"
     return kernel if topk_impl == "select" else "xla"
 
 
@@ -58,7 +58,7 @@ def scores_then_topk(scores: Callable, q, weights, k_cache, token_req, kv_lens, 
         raise ValueError(f"indexer {name}: row_chunk {row_chunk!r} must be an int >= 1")
     topk_config = topk_config or TopkConfig()
     select = topk_select_impl(s, topk, topk_impl, interpret, rows=min(q.shape[0], row_chunk), config=topk_config)
-    if not ordered:  # the selection's sort is a fifth of the op at B = 32 (session 15)
+    if not ordered:  # the selection's sort is a large share of the op at decode batch sizes
         topk_config = dataclasses.replace(topk_config, sort="none")
     topk_options = {} if select == "xla" else {"config": topk_config}
 

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .. import registry
 from ..common import fp8_formats
 from . import ROW_BLOCK, ROW_BLOCK_MIN_T, takes_row_blocks  # noqa: F401
 from .stages import SCORE_BUDGET, SELECT_MIN_ROWS, scores_then_topk, topk_select_impl  # noqa: F401
@@ -325,15 +326,13 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
         return out if t_pad == rows else out[:rows]
 
     args = (token_req, kv_lens, q, weights)
-    if block_t == 1 or (block_t is None and (t < ROW_BLOCK_MIN_T or f32)):
+    if block_t == 1:
         return per_row(*args)
     if block_t is not None:
         return row_block(*args, block_t)
-    # Decided from static shapes, not by a `lax.cond` on the rows: a conditional's predicate is read back by the
-    # host on a GPU, which stalls the dispatch of every step behind the previous one. With R requests the rows
-    # change request at most R - 1 times, so (R - 1) * ROW_BLOCK <= T guarantees runs of ROW_BLOCK rows on average
-    # (prefill chunks); otherwise (decode: one row per request) the per-row kernel.
-    if takes_row_blocks(t, block_tables.shape[0]):
+    # Decided from static shapes (the rule "indexer.scores_form"), not by a `lax.cond` on the rows: a conditional's
+    # predicate is read back by the host on a GPU, which stalls the dispatch of every step behind the previous one.
+    if registry.decide("indexer.scores_form", t, block_tables.shape[0], f32) == "row_block":
         return row_block(*args, ROW_BLOCK)
     return per_row(*args)
 

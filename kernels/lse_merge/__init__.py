@@ -38,10 +38,9 @@ def _merge_splits_xla(o, lse):
     return merge_partials(o, lse, axis=0)
 
 
-def choose_impl(o, lse, **kernel_options) -> str:
-    """The "auto" rule: the Triton kernel on a GPU wherever it takes the partials (one launch against XLA's five
-    passes: BENCHMARKS.md, session 11), else the xla merge."""
-    if not registry.on_gpu():
+def choose_impl(platform: str, o, lse, **kernel_options) -> str:
+    """The Triton merge on a GPU where it takes the partials (one launch against XLA's five passes), else xla."""
+    if platform != "gpu":
         return "xla"
     try:
         registry.check("lse_merge", "triton", o, lse)

@@ -35,7 +35,13 @@ DENSE_MAX_TOKENS = 256
 
 
 def pick_mode(t: int, k: int, n_exp: int) -> str:
-    """The xla form for T rows of k experts each among n_exp (static shapes)."""
+    """The xla form for T rows of k experts each among n_exp (static shapes): the rule "moe.xla_form"."""
+    return registry.decide("moe.xla_form", t, k, n_exp)
+
+
+def _xla_form(platform: str, t: int, k: int, n_exp: int) -> str:
+    """"gather" for a few (token, expert) pairs, "dense" up to DENSE_MAX_TOKENS rows, "tiles" beyond."""
+    del platform  # the xla forms are chosen by shape alone
     if t * k <= n_exp // 4:
         return "gather"
     return "dense" if t <= DENSE_MAX_TOKENS else "tiles"
@@ -217,12 +223,19 @@ FP8_FORMS = ("w8a8", "w8a16", "dequant")
 
 
 def fp8_form(t: int, k: int, n_exp: int, d: int, i: int, i_offset) -> str:
-    """How the grouped-GEMM kernels compute FP8 experts at T rows of k experts each (BENCHMARKS.md, FP8 weights,
-    session 7, on the H200): decode-sized tiles (under 64 rows) of whole 128-blocks on a block boundary take
-    "w8a8" (rows quantised per 128-block, e4m3 x e4m3 on the fp8 tensor cores: 1.1-1.35x the bf16 kernel at
-    T = 32-128, where W8A16's in-register conversion makes it slower than bf16); prefill-sized tiles take
-    "dequant" (the experts dequantised in x's dtype, then the bf16 kernels: both FP8 kernels run at a third to a
-    half of the bf16 kernel's rate there); ragged widths or a shard starting mid-block take "w8a16"."""
+    """How the grouped-GEMM kernels compute FP8 experts at T rows of k experts each: the rule "moe.fp8_form"."""
+    return registry.decide("moe.fp8_form", t, k, n_exp, d, i, i_offset)
+
+
+def _fp8_form(platform: str, t: int, k: int, n_exp: int, d: int, i: int, i_offset) -> str:
+    """"w8a8" for decode-sized tiles, "dequant" for prefill-sized ones, "w8a16" for ragged or mid-block shards.
+
+    Decode-sized tiles (under 64 rows) of whole 128-blocks on a block boundary take "w8a8" (rows quantised per
+    128-block, e4m3 x e4m3 on the fp8 tensor cores: faster than the bf16 kernel there, where W8A16's in-register
+    conversion is slower than bf16); prefill-sized tiles take "dequant" (the experts dequantised in x's dtype,
+    then the bf16 kernels: both FP8 kernels run well under the bf16 kernel's rate there); ragged widths or a shard
+    starting mid-block take "w8a16" (BENCHMARKS.md, FP8 weights)."""
+    del platform  # called on the kernel path only
     aligned = isinstance(i_offset, int) and i_offset == 0 and d % 128 == 0 and i % 128 == 0
     if not aligned:
         return "w8a16"
@@ -266,17 +279,18 @@ def _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset, nk: bool =
     return dict(wg_scale=wg_scale, wu_scale=wu_scale, wd_scale=wd_scale, i_offset=i_offset)
 
 
-def _choose(x, experts, weights, wg, wu, wd, *, w_layout: str = "kn", **fp8) -> str:
-    """The "auto" rule: off the GPU the xla reference, on it the Triton kernel. Not tokamax, though the op alone
-    was measured 1.13-1.23x faster there for TP = 1 FP8 stacks at 8-128 rows (session 16): with "auto" taking it,
-    the engine's FP8 prefill of 8 x 32K tokens took 25.5 s, and 72.7 s with it kept to batches of 8-128 rows,
-    against 4.66 s without tokamax (BENCHMARKS.md, session 18; the cause is not found). impl="tokamax" by name
-    still runs it."""
-    del experts, weights, wg, wu, wd, w_layout, fp8
-    return "triton" if registry.on_gpu() else "xla"
+def _choose(platform: str, x, experts, weights, wg, wu, wd, *, w_layout: str = "kn", **fp8) -> str:
+    """The Triton grouped GEMM on a GPU, xla elsewhere; never tokamax (by name only).
+
+    Not tokamax, though the op alone was measured faster for TP = 1 FP8 stacks at 8-128 rows: with "auto" taking
+    it the engine's FP8 prefill was several times slower (BENCHMARKS.md, tokamax; the cause is not found)."""
+    del x, experts, weights, wg, wu, wd, w_layout, fp8
+    return "triton" if platform == "gpu" else "xla"
 
 
 registry.register("moe", "xla", experts_xla)
 registry.register_triton("moe", "kernels.moe.triton:grouped_swiglu")
 registry.register_auto("moe", _choose)
+registry.register_rule("moe.xla_form", "moe", _xla_form, MODES)
+registry.register_rule("moe.fp8_form", "moe", _fp8_form, ("w8a8", "w8a16", "dequant"))
 registry.register("moe", "tokamax", "kernels.moe.tokamax:routed_experts", supports="kernels.moe.tokamax:supports")

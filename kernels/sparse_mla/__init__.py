@@ -72,20 +72,14 @@ def sparse_mla(q, cache, indices, *, scale: float, kv_lora_rank: int, impl: str 
                              **kernel_options)
 
 
-# Query rows from which the Mosaic kernel beats the Triton one, per cache format. Session 13 measured the device
-# time of each op (BENCHMARKS.md, "Session 13"): at 1 row Mosaic 9.7 vs Triton 15.2 us bf16, 11.5 vs 19.0 fp8; at
-# 32 rows 38.4 vs 59.3 and 51.5 vs 101.6; at 128 rows 107.2 vs 178.6 and 146.8 vs 348.4 (session 9's contrary
-# figures at 1 row were host clock differences, which count the host's work per input array).
-MOSAIC_MIN_ROWS = {"bf16": 1, "fp8_ds_mla": 1}
+def choose_impl(platform: str, q, cache, indices, *, scale: float, kv_lora_rank: int, **kernel_options) -> str:
+    """Mosaic where it takes the inputs, else Triton (also when Triton launch options are given); xla off the GPU.
 
-
-def choose_impl(q, cache, indices, *, scale: float, kv_lora_rank: int, **kernel_options) -> str:
-    """The "auto" rule: the kernel measured fastest for these shapes on the H200 (the xla oracle off the GPU).
-    Kernel options name the Triton kernel's launch, so with any given the Triton kernel runs."""
-    if not registry.on_gpu():
+    The Mosaic kernel was measured faster than the Triton one for both cache formats from one query row
+    (BENCHMARKS.md, sparse MLA)."""
+    if platform != "gpu":
         return "xla"
-    fmt = "fp8_ds_mla" if cache.dtype == jnp.uint8 else "bf16"
-    if not kernel_options and q.shape[0] >= MOSAIC_MIN_ROWS.get(fmt, 1 << 30):
+    if not kernel_options and q.shape[0] >= 1:
         try:
             registry.check("sparse_mla", "mosaic", q, cache, indices, kv_lora_rank=kv_lora_rank)
             return "mosaic"

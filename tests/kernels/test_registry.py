@@ -72,12 +72,47 @@ def test_auto_is_the_xla_oracle_off_the_gpu(op):
 def test_auto_rule_must_name_a_registered_impl(monkeypatch):
     monkeypatch.setitem(registry._OPS, "toy", {})
     registry.register("toy", "xla", lambda x: x)
-    monkeypatch.setitem(registry._CHOOSERS, "toy", lambda x: "fast")
+    monkeypatch.setitem(registry._RULES, "toy.auto", registry.Rule("toy.auto", "toy", lambda platform, x: "fast"))
     registry.register("toy", "auto", registry._auto_placeholder)
-    with pytest.raises(AssertionError, match="toy: the auto rule chose 'fast'"):
+    with pytest.raises(AssertionError, match="toy: the rule 'toy.auto' chose 'fast', which is not one of 'xla'"):
         registry.dispatch("toy", "auto", 1)
-    monkeypatch.setitem(registry._CHOOSERS, "toy", lambda x: "xla")
+    monkeypatch.setitem(registry._RULES, "toy.auto", registry.Rule("toy.auto", "toy", lambda platform, x: "xla"))
     assert registry.dispatch("toy", "auto", 3) == 3
+
+
+def test_rules_take_the_platform_and_are_recorded():
+    """A rule decides for the platform `deciding_for` names (not the backend it runs on), and `record` keeps every
+    decision with the shapes it was asked about."""
+    sds = jax.ShapeDtypeStruct  # rules read shapes and dtypes only
+    q, cache, idx = sds((4, 64, 576), jnp.bfloat16), sds((64, 576), jnp.bfloat16), sds((4, 2048), jnp.int32)
+    with registry.record() as log:
+        assert registry.resolve("sparse_mla", "auto", q, cache, idx, scale=0.1, kv_lora_rank=512) == "xla"
+        with registry.deciding_for("gpu"):
+            assert kernels.default_impl() == "auto"
+            assert registry.resolve("sparse_mla", "auto", q, cache, idx, scale=0.1, kv_lora_rank=512) == "mosaic"
+            assert registry.resolve("sparse_mla", "auto", q, cache, idx, scale=0.1, kv_lora_rank=512,
+                                    block_k=32) == "triton"  # Triton launch options name the Triton kernel
+    assert [(d.rule, d.choice, d.platform) for d in log] == [
+        ("sparse_mla.auto", "xla", "cpu"), ("sparse_mla.auto", "mosaic", "gpu"), ("sparse_mla.auto", "triton", "gpu")]
+    assert log[0].shapes == (((4, 64, 576), "bfloat16"), ((64, 576), "bfloat16"), ((4, 2048), "int32"))
+    with pytest.raises(ValueError, match="platform 'tpu' must be 'gpu' or 'cpu'"):
+        with registry.deciding_for("tpu"):
+            pass
+    with pytest.raises(ValueError, match="unknown rule 'nope'"):
+        registry.decide("nope")
+
+
+def test_every_choice_is_a_registered_rule():
+    """The rules the package registers, one per choice (a new choice made elsewhere is a new rule here)."""
+    assert {r.name for r in registry.rules()} == {
+        "cache_offsets", "fp8_linear.auto", "fp8_linear.model_form", "fused_norm_rope.auto", "indexer.auto",
+        "indexer.scores_form", "lse_merge.auto", "moe.auto", "moe.fp8_form", "moe.xla_form", "sparse_mla.auto",
+        "topk.auto"}
+    assert all(r.summary for r in registry.rules())  # each says what it picks (info --kernels prints it)
+    with registry.deciding_for("gpu"):
+        assert registry.decide("cache_offsets", impl="auto") == "int32"
+    assert registry.decide("cache_offsets", impl="auto") == "int64"  # "auto" is xla off the GPU
+    assert registry.decide("cache_offsets", impl="triton") == "int32"
 
 
 def test_unknown_impl_raises_even_when_moe_mode_forces_xla():
@@ -189,3 +224,4 @@ def test_no_settings_in_module_globals():
     assert not hasattr(indexer, "TOPK_IMPL")
     from kernels.indexer import triton as indexer_triton
     assert not hasattr(indexer_triton, "topk_triton")
+    assert not hasattr(sparse_mla, "MOSAIC_MIN_ROWS")  # a threshold of one row: the rule says "from one row"

@@ -194,6 +194,22 @@ def test_dispatch_takes_the_kernel_where_it_fits():
     assert registry.resolve("topk", "auto", jnp.zeros((1, wide)), jnp.ones((1,), jnp.int32), 8) == "xla"
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 16])
+@pytest.mark.parametrize("s,chunks", [(32768, 1), (32768, 4), (4096, 4), (wide := 65536 * 2, 4)])
+def test_topk_auto_is_the_indexers_choice(rows, s, chunks):
+    """The op's "auto" and the indexer's top-k (`topk_select_impl`) are one rule: on a GPU the select kernel from
+    SELECT_MIN_ROWS rows of one pass, or from one row where the rows split into the two-pass select's chunks;
+    lax.top_k for fewer rows and for rows over SELECT_MAX_S."""
+    from kernels.indexer.config import SELECT_MIN_ROWS, TopkConfig
+    config = TopkConfig(chunks=chunks)
+    with registry.deciding_for("gpu"):
+        op = registry.resolve("topk", "auto", jax.ShapeDtypeStruct((rows, s), jnp.float32), None, 2048, s,
+                              config=config)
+        in_indexer = indexer_triton.topk_select_impl(s, 2048, None, False, rows=rows, config=config)
+    want = "xla" if s > indexer.SELECT_MAX_S or (rows < SELECT_MIN_ROWS and not config.two_pass(s, 2048)) else "triton"
+    assert op == in_indexer == want
+
+
 def test_topk_config_is_validated():
     for bad, what in ((dict(num_warps=3), "num_warps 3"), (dict(num_warps=64), "num_warps 64"),
                       (dict(sort="gpu"), "sort 'gpu'"), (dict(sort="rank"), "sort 'rank'"), (dict(chunks=0), "chunks 0"),

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import lse_merge
+from kernels import lse_merge, registry
 from kernels.lse_merge import triton as lse_merge_triton
 from kernels.common.triton_common import lower_for_gpu, triton_calls
 
@@ -60,10 +60,14 @@ def test_bad_inputs_are_value_errors_naming_them():
                                                block_x=4)
 
 
-def test_auto_is_xla_off_the_gpu():
-    o, lse = _partials(2, 1, 4, 8, seed=1)
-    if jax.default_backend() != "gpu":
-        assert lse_merge.choose_impl(jnp.asarray(o), jnp.asarray(lse)) == "xla"
+def test_auto_is_the_kernel_on_a_gpu_where_it_takes_the_partials():
+    o, lse = (jnp.asarray(a) for a in _partials(2, 1, 4, 8, seed=1))
+    wide = jnp.zeros((65, 1, 4, 8)), jnp.zeros((65, 1, 4))  # more splits than the kernel takes
+    with registry.deciding_for("cpu"):
+        assert registry.resolve("lse_merge", "auto", o, lse) == "xla"
+    with registry.deciding_for("gpu"):
+        assert registry.resolve("lse_merge", "auto", o, lse) == "triton"
+        assert registry.resolve("lse_merge", "auto", *wide) == "xla"
 
 
 @pytest.mark.parametrize("t,grid", [(1, (1, 16, 4)), (32, (32, 4, 4))])
