@@ -581,18 +581,17 @@ class FusedNormRopeConfig:
 
 
 # Cache rows per block an FP8 (MLA or indexer) cache needs: every 1-row launch with FP8 caches (split, fused,
-# two_launch; T = 1 to 65536) killed the process with a segfault on the H200 (jax 0.11.2, session 11), while the
-# same layouts with 2-row cache blocks ran and matched the xla op. The crash is not isolated further.
+# two_launch; T = 1 to 65536) killed the process with a segfault on the H200 (jax 0.11.2), while the same layouts
+# with 2-row cache blocks ran and matched the xla op. The crash is not isolated further.
 FP8_MIN_CACHE_ROWS = 2
 
 
 def default_config(T: int, fp8: bool = False) -> FusedNormRopeConfig:
-    """The launch config for T token rows (`fp8`: an FP8 MLA or indexer cache), from the H200 runs in
-    BENCHMARKS.md (runs differ by about 15%): below 256 rows one row per program, each program doing both
-    parts ("fused", v1's layout: 14.8 / 24.7 us at T = 1 / 64 against split's 17.8 / 30.6); up to 16K rows
-    split 2-row blocks, 4 warps (v2: the fastest at T = 4096); above, "fused" with 1-row blocks and 4 warps
-    for bf16 (session 9's sweep at T = 65536: 275 us, the best of 13 layouts) and 2-row blocks for fp8 (338
-    us; that sweep did not reach the others). benchmarks/bench_fused_norm_rope.py times the other layouts."""
+    """The launch config for T token rows (`fp8`: an FP8 MLA or indexer cache), the fastest layouts measured on
+    the GPU (BENCHMARKS.md, fused norm/RoPE): below 256 rows one row per program, each program doing both parts
+    ("fused", faster than "split" there); up to 16K rows split 2-row blocks, 4 warps; above, "fused" with 1-row
+    blocks and 4 warps for bf16 (the best of a sweep of 13 layouts at T = 65536) and 2-row blocks for fp8 (that
+    sweep did not reach the others). benchmarks/bench_fused_norm_rope.py times the other layouts."""
     if T < 256:  # an FP8 cache takes 2-row cache blocks: its 1-row launches crash Triton (FP8_MIN_CACHE_ROWS)
         return FusedNormRopeConfig(q_rows=1, cache_rows=FP8_MIN_CACHE_ROWS if fp8 else 1, num_warps=4,
                                    layout="fused")
@@ -725,7 +724,7 @@ def fused_norm_rope_cache_triton(q_c, kv_c, positions, slot_mapping, q_norm_w, k
     if (mla_fp8 or idx_fp8) and cfg.cache_rows < FP8_MIN_CACHE_ROWS:
         raise ValueError(f"fused_norm_rope triton: cache_rows {cfg.cache_rows} with an FP8 cache; it needs "
                          f"cache_rows >= {FP8_MIN_CACHE_ROWS} (1-row FP8 launches segfault in Triton's compiler on "
-                         "the H200: BENCHMARKS.md, session 11)")
+                         "the H200)")
     if T == 0:
         topk_out = jnp.full_like(topk_buf, -1) if has_topk else topk_buf
         return q_c, mla_cache, index_cache, topk_out

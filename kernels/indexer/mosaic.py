@@ -1,9 +1,9 @@
 """Pallas Mosaic GPU indexer scores (docs/math.md §2) over an FP8 indexer cache, for decode on the H200:
 score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) * s_k[s], -inf at s >= kv_lens[t].
 
-Why a kernel of its own: the Triton scores kernel (`kernels.indexer.triton`) is latency-bound at 1.9 TB/s. Its
-key gathers are synchronous loads into registers, 3 CTAs of 4 warps an SM, half the cycles stalled on memory
-(BENCHMARKS.md, session 14). Here a producer warpgroup keeps several tiles of keys in flight with asynchronous
+Why a kernel of its own: the Triton scores kernel (`kernels.indexer.triton`) is latency-bound, well under the
+memory bandwidth: its key gathers are synchronous loads into registers, 3 CTAs of 4 warps an SM, about half the
+cycles stalled on memory (BENCHMARKS.md, indexer). Here a producer warpgroup keeps several tiles of keys in flight with asynchronous
 copies, so the bytes in flight no longer depend on registers.
 
 One CTA per (query row t, split): the split's share of the row's 64-key tiles, in warpgroups
@@ -58,7 +58,7 @@ class MosaicIndexerConfig:
     the producer's copies go: "tma" (the default): one bulk (TMA) copy a tile into a staging buffer, which the
     producer then rearranges into the swizzled key tile and the scales with shared-memory loads and stores; "rows":
     4-byte cp.async copies straight into place, a warp a row's keys, 64 threads the scales, `in_flight` tiles of
-    them outstanding a thread (<= stages; 5-8% slower in the op, BENCHMARKS.md session 19)."""
+    them outstanding a thread (<= stages; slower in the op, BENCHMARKS.md, indexer)."""
     stages: int = 2
     in_flight: int = 4
     consumers: int = 1

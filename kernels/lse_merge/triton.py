@@ -1,8 +1,8 @@
 """Pallas Triton merge of split-K partial attention results by their log-sum-exp (docs/math.md §6): the function
 `kernels.lse_merge.merge_partials(o, lse, axis=0)` computes, over partials o [N, T, H, R] / lse [N, T, H], in one
 launch. XLA runs that merge as five passes over the partials (max, exp and sum, log, weights, weighted sum), each
-a kernel of 2-4 us: at B = 1 they took 14 of the 27 us of the Triton sparse MLA op on the H200 (ncu, BENCHMARKS.md
-session 11), more than the attention kernel's 13 us.
+a kernel launch of its own: at one query row they took longer than the attention kernel itself (ncu,
+BENCHMARKS.md, sparse MLA).
 
 Grid (T, H / block_h, R / block_r): program (t, j, c) reads the N lse of its block_h heads (one [block_h] load per
 split), forms the weights as merge_partials does (NaN and +inf lse count as empty, an all-empty set gives (0,

@@ -1,11 +1,11 @@
 """Routed FP8 experts through tokamax's ragged dot: the MoE impl "tokamax" (docs/math.md §2 and §11).
 
 tokamax (a library of Pallas kernels, `pip install 'glm-dsa[tokamax]'`) has a Mosaic GPU grouped GEMM for Hopper
-that reads quantised weights through TMA in a warp-specialised pipeline. On the H200 it reads GLM-5.2's TP = 1
-expert stacks (256 x 6144 x 2048 e4m3, 2**31+ elements each) 1.13-1.23x faster than our Pallas Triton kernel from
-8 rows to 128, and is slower at a TP = 8 shard (256 x 6144 x 256) and at one row (BENCHMARKS.md, session 16). The
-MoE's "auto" rule does not take it: with it taken the engine's FP8 prefill ran 5.5-15x slower (session 18, cause
-not found), so it runs when named (`moe.routed_experts(impl="tokamax")`).
+that reads quantised weights through TMA in a warp-specialised pipeline. It reads GLM-5.2's TP = 1 expert stacks
+(256 x 6144 x 2048 e4m3, 2**31+ elements each) faster than our Pallas Triton kernel from 8 rows to 128, and is
+slower at a TP = 8 shard (256 x 6144 x 256) and at one row (BENCHMARKS.md, tokamax). The MoE's "auto" rule does
+not take it: with it taken the engine's FP8 prefill ran several times slower (cause not found), so it runs when
+named (`moe.routed_experts(impl="tokamax")`).
 
 Arithmetic: W8A16 in float16, since that kernel dequantises each weight tile in registers and, with jax 0.11.2's
 ptxas, Mosaic GPU converts e4m3 only to float16, not bf16. Per projection a [M, K] @ W^T with W[n, k] = w[n, k] *
@@ -37,7 +37,7 @@ RS = -5  # the largest column scale becomes 2**-5 at most: |w16| <= 14, |a16| <=
 class TokamaxMoEConfig:
     """Launch config of tokamax's Mosaic GPU ragged dot (its `Config` fields; the output tile is 64 columns, as
     the kernel requires for a 16-bit output, and K steps are one scale block). The default is the best of the
-    configs tried on the H200 at both stack sizes (BENCHMARKS.md, session 16): 16-row tiles, 4 stages."""
+    configs tried on the GPU at both stack sizes (BENCHMARKS.md, tokamax): 16-row tiles, 4 stages."""
     block_m: int = 16
     num_stages: int = 4
     persistent: bool = True

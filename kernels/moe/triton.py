@@ -438,11 +438,11 @@ def default_config(t: int, k: int, n_exp: int, d: int, i: int, itemsize: int = 2
     tiles of 128 rows feed the tensor cores. float32 weights (`itemsize` 4: the reference models) take 64 x 32
     blocks in 2 stages, since the bf16 blocks would ask for more shared memory than a CTA has. `form` "w8a8"
     (FP8 experts, whole blocks) at decode: 128-wide column blocks, the bytes per K step of the bf16 blocks, from
-    the launch-config sweeps on the H200 (BENCHMARKS.md, FP8 weights, session 7: 64-wide K steps in 3 stages
-    from T = 16, 128-wide steps in 3 stages over 8 warps, split-K 4, below); over K-major stacks (`w_layout` "nk")
-    from T = 16, 128 x 128 blocks over 4 warps: h quantised in the up kernel (`quant_h`) with swapped dots
-    (`swap_ab`) in 3 stages (session 10 variants at the TP = 8 shard), and 4 stages without either for stacks of
-    2**31+ elements, read as uint16 words (session 8 sweeps at TP = 1; `grouped_swiglu`'s `packed` rule).
+    the launch-config sweeps on the GPU (BENCHMARKS.md, FP8 weights: 64-wide K steps in 3 stages from T = 16,
+    128-wide steps in 3 stages over 8 warps, split-K 4, below); over K-major stacks (`w_layout` "nk") from T = 16,
+    128 x 128 blocks over 4 warps: h quantised in the up kernel (`quant_h`) with swapped dots (`swap_ab`) in 3
+    stages (the best variant at the TP = 8 shard), and 4 stages without either for stacks of 2**31+ elements, read
+    as uint16 words (sweeps at TP = 1; `grouped_swiglu`'s `packed` rule).
     Split-K needs an even count of 128-wide hidden steps (else 1)."""
     tile = tile_rows(t, k, n_exp)
     if form == "w8a8" and itemsize < 4 and tile < 64 and i % 128 == 0 and d % 128 == 0:

@@ -69,7 +69,7 @@ class MosaicSparseMLAConfig:
     memory (None: consumer_registers), so that registers can go to the fp8 producer's loads. merge (n_split >
     1): "launch" merges the partials in one Pallas Triton launch (`kernels.lse_merge.triton`), "xla" with
     `lse_merge.merge_partials` (five XLA passes). share_p: one QK^T per tile, shared through shared memory (the
-    default: 107 against 164 us of kernel time at B = 128, BENCHMARKS.md session 12); False: both consumers
+    default: measured faster, BENCHMARKS.md, sparse MLA); False: both consumers
     compute it. l2_prefetch: how many tiles ahead the producer asks L2 for the cache rows of (one bulk prefetch
     per row, issued before it waits for a free buffer; 0: none; the bf16 cp.async producer only). slot_source:
     where the TMA and fp8 producers read the slot ids from: "gmem" (the index array, each thread its rows' ids)
@@ -143,11 +143,11 @@ def default_config(t: int, k: int, fp8: bool = False, share_p: bool = True) -> M
     """Split the row's tiles over more CTAs when there are fewer rows than SMs (132 on the H200); the fp8
     producer holds a tile's loads and their conversions in registers, so it takes registers from the consumers:
     128, with consumer 1 (which reads P from shared memory) at the launch's 168 and consumer 0 at 208 (the
-    fastest split measured: BENCHMARKS.md, session 18). A bf16 cache read by
-    one CTA a row asks L2 for the next tile's rows (measured faster there only: BENCHMARKS.md, session 17).
+    fastest split measured: BENCHMARKS.md, sparse MLA). A bf16 cache read by one CTA a row asks L2 for the next
+    tile's rows (measured faster there only).
     share_p False (both consumers compute S): for fp8 the two consumers share what the producer leaves, 184 each
     (not measured for speed; the default schedule is share_p). The fp8 producer takes its slot ids from shared
-    memory, fetched a tile ahead (slot_source "smem": 1-2% faster, BENCHMARKS.md, session 20)."""
+    memory, fetched a tile ahead (slot_source "smem": measured slightly faster)."""
     tiles = max(1, -(-k // BLOCK_K))
     n_split = 1
     while t * n_split * 2 <= 132 and tiles // (n_split * 2) >= 1:
@@ -168,7 +168,7 @@ SMEM_LIMIT = 232448
 _REDUCTION_SCRATCH = 2048
 # Bytes beyond the scratch buffers and the reduction scratch that `shared_memory_bytes` counts (barriers,
 # alignment), calibrated on the one measurement there is: share_p at R + Dr = 576, with the slot tiles and the
-# default reduction scratch, asked for 233544 bytes (session 11)
+# default reduction scratch, asked Mosaic for 233544 bytes
 _SMEM_OVERHEAD = 3144 - _REDUCTION_SCRATCH
 
 

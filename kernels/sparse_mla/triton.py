@@ -243,11 +243,9 @@ def default_config(t: int, h: int, k: int, fp8: bool, itemsize: int = 2) -> Spar
 
 def one_launch_config(t: int, h: int, k: int, fp8: bool) -> SparseMLAConfig:
     """A one-launch (`merge="kernel"`) config for few rows: 16-head blocks, 32 keys a step, 4 warps, 2 stages, and
-    splits (a power of two, at most 16) until ~128 programs. From one H200 run (bench_sparse_mla.py, bf16, H=64,
-    cold L2; runs there vary by up to 1.5x): B = 8 81 us and B = 16 75 us against the two-launch default's 113
-    and 151 us; B = 1, 2, 4: 53, 50, 58 us against 47, 35, 51 us (not faster). fp8_ds_mla was slower than
-    the two-launch default at every B but 2. Not wired into `default_config`: the dispatch per shape is the
-    caller's, from measurements. Fewer heads per block mean the merging program reads
+    splits (a power of two, at most 16) until ~128 programs. Measured faster than the two-launch default for a
+    bf16 cache at B = 8 and 16 only, not at B = 1-4, and slower for fp8_ds_mla (BENCHMARKS.md, sparse MLA). Not
+    wired into `default_config`: the dispatch per shape is the caller's, from measurements. Fewer heads per block mean the merging program reads
     n_split x 16 heads x R partial floats (<= 512 KB at R = 512)."""
     n_hb = max(1, -(-h // 16))
     n_split = 1

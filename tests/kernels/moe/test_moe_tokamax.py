@@ -131,8 +131,8 @@ def test_refusals_name_the_constraint(monkeypatch):
 
 def test_auto_never_takes_tokamax(monkeypatch):
     """On a GPU with tokamax installed, "auto" runs the Triton kernel for the TP = 1 GLM-5.2 stacks at decode and
-    prefill batches alike: with tokamax taken the engine's FP8 prefill was 5.5-15x slower (BENCHMARKS.md, session
-    18). Named, the impl still resolves to tokamax."""
+    prefill batches alike: with tokamax taken the engine's FP8 prefill was several times slower (BENCHMARKS.md,
+    tokamax). Named, the impl still resolves to tokamax."""
     s = jax.ShapeDtypeStruct
     monkeypatch.setattr(registry, "on_gpu", lambda: True)
     monkeypatch.setattr(moe_tokamax, "missing", lambda: None)

@@ -111,7 +111,7 @@ def test_config_is_validated():
         with pytest.raises(ValueError, match=f"{name} must be a multiple of 8 in \\[24, 256\\], got {bad}"):
             sparse_mla_mosaic.MosaicSparseMLAConfig(**{name: bad})
     # setmaxnreg only raises a consumer's count from the launch's 168 and only lowers the producer's (a follower
-    # at 160 was an illegal instruction on the H200, session 18)
+    # at 160 was an illegal instruction on the H200)
     assert sparse_mla_mosaic.LAUNCH_REGISTERS == 168
     with pytest.raises(ValueError, match="follower_registers must be >= 168 .* got 160"):
         sparse_mla_mosaic.MosaicSparseMLAConfig(follower_registers=160, producer_registers=128)
@@ -128,15 +128,15 @@ def test_config_is_validated():
     assert sparse_mla_mosaic.MosaicSparseMLAConfig().second_consumer_registers == 232
     assert sparse_mla_mosaic.default_config(1, 2048).n_split == 32  # B = 1: the row's 32 tiles over 32 CTAs
     assert sparse_mla_mosaic.default_config(128, 2048).n_split == 1
-    # the L2 prefetch where it was measured faster: a bf16 cache at one CTA a row (BENCHMARKS.md, session 17)
+    # the L2 prefetch where it was measured faster: a bf16 cache at one CTA a row
     assert sparse_mla_mosaic.default_config(128, 2048).l2_prefetch == 1
     assert sparse_mla_mosaic.default_config(32, 2048).l2_prefetch == 0
     assert sparse_mla_mosaic.default_config(128, 2048, fp8=True).l2_prefetch == 0
-    # fp8_ds_mla: registers moved to the producer's loads and conversions (BENCHMARKS.md, session 18)
+    # fp8_ds_mla: registers moved to the producer's loads and conversions
     fp8_cfg = sparse_mla_mosaic.default_config(32, 2048, fp8=True)
     assert (fp8_cfg.consumer_registers, fp8_cfg.second_consumer_registers, fp8_cfg.producer_registers) == (208, 168,
                                                                                                             128)
-    # the fp8 producer's slot ids come a tile ahead through shared memory, in both schedules (session 20)
+    # the fp8 producer's slot ids come a tile ahead through shared memory, in both schedules
     assert fp8_cfg.slot_source == "smem"
     assert sparse_mla_mosaic.default_config(128, 2048, fp8=True, share_p=False).slot_source == "smem"
     assert sparse_mla_mosaic.default_config(128, 2048).slot_source == "gmem"
@@ -152,7 +152,8 @@ def test_config_is_validated():
 def test_plain_schedule_on_an_fp8_cache_takes_its_own_default():
     """share_p=False on the default config of an fp8_ds_mla cache is the plain schedule's default (both consumers
     at 184, the producer at 128), not the share_p split with its follower (which the plain schedule refuses): it
-    builds and lowers for CUDA on CPU (session 18's default raised "follower_registers needs share_p")."""
+    builds and lowers for CUDA on CPU (a default that gave it the follower raised "follower_registers needs
+    share_p")."""
     plain = sparse_mla_mosaic.default_config(32, 2048, fp8=True, share_p=False)
     assert (plain.share_p, plain.consumer_registers, plain.second_consumer_registers, plain.producer_registers) == (
         False, 184, 184, 128)
@@ -336,11 +337,11 @@ def test_gpu_register_splits_change_no_value(fp8, consumer, follower, producer):
 def test_shared_memory_estimate_and_refusal():
     """The native kernel's shared memory, by hand: at GLM-5's 576 columns q is 73728 bytes and the two K tiles
     147456; share_p adds P (8192) and its statistics (512) and drops Mosaic's 2048-byte reduction scratch; the slot
-    tiles (512) come only with slot_source "smem"; 1096 bytes of barriers and alignment. Session 11 measured 233544
+    tiles (512) come only with slot_source "smem"; 1096 bytes of barriers and alignment. Mosaic asked for 233544
     bytes for share_p with the slot tiles and the reduction scratch (= 231496 + 2048), over the H200's 232448; the
     layout now fits. A config over the limit is refused by name before any lowering (here 640-column rows)."""
     mk = sparse_mla_mosaic.MosaicSparseMLAConfig
-    assert mk().share_p  # the default schedule (BENCHMARKS.md, session 12)
+    assert mk().share_p  # the default schedule (BENCHMARKS.md, sparse MLA)
     assert sparse_mla_mosaic.shared_memory_bytes(576, mk(share_p=False)) == 73728 + 147456 + 2048 + 1096
     assert sparse_mla_mosaic.shared_memory_bytes(576, mk(share_p=True)) == 73728 + 147456 + 8192 + 512 + 1096
     assert sparse_mla_mosaic.shared_memory_bytes(576, mk(share_p=True, slot_source="smem")) == 233544 - 2048
