@@ -389,8 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     i.add_argument("--json", action="store_true")
     i.add_argument("--kernels", action="store_true",
-                   help="print which kernel impl='auto' runs on a GPU for each op of this model's step (decode B=1/32/128, "
-                        "a prefill chunk of 2048): the kernels registry's rules, traced on this machine")
+                   help="print which kernel impl='auto' runs on a GPU for each op of this model's step (decode "
+                        "B=1/32/128, a prefill chunk of 2048): the kernels registry's rules, traced on this machine")
     _add_quantization_flag(i)
     i.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "fp8_ds_mla"])
     i.add_argument("--device-memory", type=float, default=141.0, metavar="GiB",

@@ -21,7 +21,7 @@ from .config import SELECT_MIN_ROWS, TopkConfig
 ROW_CHUNK = 16  # query rows per chunk: bounds the [chunk, S, Di] key gather and [chunk, H, S] logits
 ROW_BLOCK_MIN_T = 64  # rows from which indexer_scores_triton takes the row-block form
 ROW_BLOCK = 16  # its query rows per program: block_t unrolled [H, Di] x [Di, block_s] dots
-SELECT_MAX_S = 65536  # widest row the select kernel (kernels/indexer/topk_triton.py) holds in registers: 64 keys a thread
+SELECT_MAX_S = 65536  # widest row the select kernel (indexer/topk_triton.py) holds in registers: 64 keys a thread
 
 
 def request_slots(block_tables, block_size: int):

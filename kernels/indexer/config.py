@@ -26,7 +26,8 @@ class TopkConfig:
     chunks: int = 4
 
     def __post_init__(self):
-        if self.num_warps is not None and not (self.num_warps >= 1 and self.num_warps & (self.num_warps - 1) == 0 and self.num_warps <= 32):
+        warps = self.num_warps
+        if warps is not None and not (isinstance(warps, int) and 1 <= warps <= 32 and warps & (warps - 1) == 0):
             raise ValueError(f"TopkConfig: num_warps {self.num_warps!r} must be a power of two <= 32 (or None)")
         if self.sort not in ("kernel", "xla", "none"):
             raise ValueError(f"TopkConfig: sort {self.sort!r} must be 'kernel', 'xla' or 'none'")

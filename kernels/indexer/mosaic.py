@@ -3,8 +3,8 @@ score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) * s_k[s], -inf at s >= kv_len
 
 Why a kernel of its own: the Triton scores kernel (`kernels.indexer.triton`) is latency-bound, well under the
 memory bandwidth: its key gathers are synchronous loads into registers, 3 CTAs of 4 warps an SM, about half the
-cycles stalled on memory (BENCHMARKS.md, indexer). Here a producer warpgroup keeps several tiles of keys in flight with asynchronous
-copies, so the bytes in flight no longer depend on registers.
+cycles stalled on memory (BENCHMARKS.md, indexer). Here a producer warpgroup keeps several tiles of keys in flight
+with asynchronous copies, so the bytes in flight no longer depend on registers.
 
 One CTA per (query row t, split): the split's share of the row's 64-key tiles, in warpgroups
 - the producer (the last warpgroup): a tile of 64 positions lies in one page (pages are multiples of 64 keys), so

@@ -1,6 +1,7 @@
 """The indexer op's composition, shared by its kernel impls (`kernels.indexer.triton`, `kernels.indexer.mosaic`):
-queries in the cache's arithmetic, a scores kernel, then the top-k (the select kernel of `kernels.indexer.topk_triton` or
-`lax.top_k`), over query rows in chunks so that a long prefill never holds [T, S] float32 scores."""
+queries in the cache's arithmetic, a scores kernel, then the top-k (the select kernel of
+`kernels.indexer.topk_triton` or `lax.top_k`), over query rows in chunks so that a long prefill never holds [T, S]
+float32 scores."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Pallas Triton indexer scores (docs/math.md §2): score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) over the paged
-indexer cache, then the top-k with the tie rule of docs/math.md §2: the select kernel (kernels/indexer/topk_triton.py, op
+indexer cache, then the top-k with the tie rule of docs/math.md §2: the select kernel (indexer/topk_triton.py, op
 "topk") where it takes the row width, else `kernels.indexer.topk_positions` (`indexer_topk_triton`, the op's
 "triton" impl; `topk_select_impl` is the rule). Both give the same positions and scores.
 

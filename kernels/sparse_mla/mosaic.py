@@ -19,7 +19,8 @@ views, so there the same copies go to the tiled view at a traced row, which it a
 does not: the one place the two paths differ. A bf16 cache goes by 16-byte cp.async copies by default
 ("cp_async"); an fp8_ds_mla cache always takes its own Lane-code producer, which loads the e4m3 rows into
 registers and stores them dequantised to bf16, the next tile's slot ids coming into shared memory by one TMA
-meanwhile (the GPU runs it; the interpreter refuses Lane code). `DIAGNOSTICS` names the timing-only forms.
+meanwhile (the GPU runs it; the interpreter refuses Lane code). `Hooks` leaves parts of the work out, for
+timing the others (benchmarks/diagnostics only; the results are then wrong by design).
 """
 
 from __future__ import annotations
@@ -46,18 +47,26 @@ LOG2E = math.log2(math.e)
 LAUNCH_REGISTERS = 65536 // (3 * 128) // 8 * 8
 
 
-# Timing-only forms of the kernel (`MosaicSparseMLAConfig.diagnostic`; their results are wrong by design): which
-# part of the work costs what (BENCHMARKS.md, sessions 16 and 20). "no_mask": the consumers neither read the slot
-# ids nor mask -1 slots. "gather_only": the consumers only hand each tile back (the producer alone). The rest are
-# the fp8_ds_mla producer's: "no_convert" stores the loaded e4m3 words without converting them (and so loads no
-# scales: nothing reads them), "no_load" converts and stores words it did not load (it reads the slot ids, no cache
-# bytes), "compute_only" only hands tiles to the consumers (the consumers alone, on whatever the tiles hold);
-# "gather_only_no_convert" / "gather_only_no_load" both at once. Each form -> what it asks of the fp8 producer:
-# "full" (load, convert, store), "no_convert", "no_load" or "idle".
-FP8_PRODUCER_MODE = {"none": "full", "no_mask": "full", "gather_only": "full", "no_convert": "no_convert",
-                     "no_load": "no_load", "compute_only": "idle", "gather_only_no_convert": "no_convert",
-                     "gather_only_no_load": "no_load"}
-DIAGNOSTICS = tuple(FP8_PRODUCER_MODE)
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+    """Parts of the kernel's work to leave out so that the rest can be timed alone (the extension point of
+    benchmarks/diagnostics; not a product setting: with any part left out the results are wrong by design). The
+    default leaves out nothing.
+
+    consumers: "full"; "no_mask" (the plain schedule's consumers neither read the slot ids nor mask -1 slots);
+    "idle" (the plain schedule's consumers only hand each tile back: the producer alone; needs share_p=False).
+    fp8_producer (an fp8_ds_mla cache only): "full" (load, convert, store); "no_convert" (stores the loaded e4m3
+    words without converting them, and so loads no scales: nothing reads them); "no_load" (converts and stores
+    words it did not load: it reads the slot ids, no cache bytes); "idle" (only hands tiles to the consumers)."""
+    consumers: str = "full"
+    fp8_producer: str = "full"
+
+    def __post_init__(self):
+        if self.consumers not in ("full", "no_mask", "idle"):
+            raise ValueError(f"Hooks.consumers must be 'full', 'no_mask' or 'idle', got {self.consumers!r}")
+        if self.fp8_producer not in ("full", "no_convert", "no_load", "idle"):
+            raise ValueError(f"Hooks.fp8_producer must be 'full', 'no_convert', 'no_load' or 'idle', got "
+                             f"{self.fp8_producer!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,15 +84,13 @@ class MosaicSparseMLAConfig:
     where the TMA and fp8 producers read the slot ids from: "gmem" (the index array, each thread its rows' ids)
     or "smem" (one TMA copy of the next tile's 64 ids into shared memory while the current tile is gathered; the
     bf16 cp.async producer reads gmem either way). producer: "cp_async" or "tma", the bf16 cache's gatherer (an
-    fp8_ds_mla cache always takes its own). diagnostic: a timing-only form (`DIAGNOSTICS`), "none" for the
-    kernel."""
+    fp8_ds_mla cache always takes its own)."""
     n_split: int = 1
     consumer_registers: int = 232
     producer_registers: int = 40
     slot_source: str = "gmem"
     producer: str = "cp_async"
     share_p: bool = True
-    diagnostic: str = "none"
     merge: str = "launch"
     l2_prefetch: int = 0
     follower_registers: int | None = None
@@ -91,12 +98,6 @@ class MosaicSparseMLAConfig:
     def __post_init__(self):
         if self.merge not in ("launch", "xla"):
             raise ValueError(f"MosaicSparseMLAConfig.merge must be 'launch' or 'xla', got {self.merge!r}")
-        if self.diagnostic not in DIAGNOSTICS:
-            raise ValueError(f"MosaicSparseMLAConfig.diagnostic must be one of {', '.join(map(repr, DIAGNOSTICS))}, "
-                             f"got {self.diagnostic!r}")
-        if self.diagnostic.startswith("gather_only") and self.share_p:
-            raise ValueError(f"MosaicSparseMLAConfig.diagnostic {self.diagnostic!r} needs share_p=False (the idle "
-                             "consumers are the plain schedule's)")
         if self.producer not in ("cp_async", "tma"):
             raise ValueError(f"MosaicSparseMLAConfig.producer must be 'cp_async' or 'tma', got {self.producer!r}")
         if self.slot_source not in ("gmem", "smem"):
@@ -246,7 +247,7 @@ def _scores_softmax(q_smem, k_tile, slots, m_i, scale):
 
 def _kernel(q_ref, cache_ref, idx_ref, o_ref, lse_ref, q_smem, k_view, q_bar, k_ready, k_free, idx_smem, idx_bar,
             share, p_smem=None, *, scale,
-            r, width, tiles_per_split, config, interpret):
+            r, width, tiles_per_split, config, interpret, hooks):
     t = lax.axis_index("t")
     split = lax.axis_index("s")
     wg = lax.axis_index("wg")
@@ -278,10 +279,10 @@ def _kernel(q_ref, cache_ref, idx_ref, o_ref, lse_ref, q_smem, k_view, q_bar, k_
                 acc, m_i, l_i, slots = carry
                 b = lax.rem(i, 2)
                 plgpu.barrier_wait(k_ready.at[b])
-                if config.diagnostic.startswith("gather_only"):
+                if hooks.consumers == "idle":
                     plgpu.barrier_arrive(k_free.at[b])
                     return carry
-                slots_next = load_slots(i + 1) if config.diagnostic != "no_mask" else slots
+                slots_next = load_slots(i + 1) if hooks.consumers != "no_mask" else slots
 
                 p, alpha, m_new = _scores_softmax(q_smem, k_tiled.at[b], slots, m_i, scale)
                 l_i = l_i * alpha + p.sum(axis=1)
@@ -303,7 +304,7 @@ def _kernel(q_ref, cache_ref, idx_ref, o_ref, lse_ref, q_smem, k_view, q_bar, k_
                 plgpu.barrier_arrive(k_free.at[b])
                 return acc, m_new, l_i, slots_next
 
-            if config.diagnostic != "no_mask":
+            if hooks.consumers != "no_mask":
                 slots0 = load_slots(0)
             else:
                 slots0 = plgpu.layout_cast(jnp.zeros((BLOCK_K,), jnp.int32), plgpu.Layout.WGMMA.reduce(0))
@@ -323,7 +324,7 @@ def _kernel(q_ref, cache_ref, idx_ref, o_ref, lse_ref, q_smem, k_view, q_bar, k_
         plgpu.set_max_registers(config.producer_registers, action="decrease")
         if cache_ref.dtype == jnp.uint8:
             _fp8_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, idx_smem, idx_bar, t, tile0, tiles_per_split,
-                          r, width, config)
+                          r, width, config, hooks.fp8_producer)
         elif config.producer == "cp_async" and not interpret:
             _cp_async_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, tiles_per_split, width,
                                config)
@@ -542,14 +543,13 @@ def _cp_async_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, t
 
 
 def _fp8_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, idx_smem, idx_bar, t, tile0, tiles_per_split, r,
-                  width, config):
+                  width, config, mode: str = "full"):
     """fp8_ds_mla rows dequantised into the bf16 tile: each thread loads 16-byte pieces of e4m3 (4 rows x
     R / 128 pieces), converts them exactly (e4m3 -> f16 -> f32, x the piece's f32 tile scale, one rounding to
     bf16) and stores them at their swizzled place; the bf16 rope part goes by cp.async. One tile at a time: the
     loads are synchronous, so the next tile's loads wait for this tile's conversion. With slot_source "smem" the
     next tile's slot ids come by one TMA copy issued before this tile's gather, so no thread waits on a global
-    load of its ids before its row loads."""
-    mode = FP8_PRODUCER_MODE[config.diagnostic]
+    load of its ids before its row loads. `mode`: `Hooks.fp8_producer`."""
     from_smem = config.slot_source == "smem"
     slot_types = (plgpu.RefType(),) if from_smem else ()
     gather = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(),
@@ -620,9 +620,9 @@ def _issue_fp8_rows(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, slots_smem=Non
     (their ids read from `slots_smem`[b] where it is given). Thread (row0 = tid // 8, lane8 = tid % 8) takes
     rows row0 + 16 k and the 16-value pieces lane8 + 8 j of the latent (R / 128 per row: piece j lies in scale
     tile j, so a row's scales are one vector load) plus rope piece lane8. Slot -1: zeros (its words and scales
-    selected to 0 before the conversion, the rope by a 0-byte cp.async source). mode: "full", or a timing-only
-    form (`DIAGNOSTICS`): "no_convert" stores the loaded words as they are, "no_load" converts words it did not
-    load (no cache bytes read)."""
+    selected to 0 before the conversion, the rope by a 0-byte cp.async source). mode: "full", or a part left
+    out (`Hooks.fp8_producer`): "no_convert" stores the loaded words as they are, "no_load" converts words it did
+    not load (no cache bytes read)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, memref
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -766,8 +766,9 @@ def _issue_row_copies(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, *, width):
     mgpu_utils.inline_ptx("cp.async.commit_group;", has_side_effects=True)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "config", "interpret", "return_partials"))
-def _run(q, cache, indices, *, scale, kv_lora_rank, config, interpret, return_partials):
+@functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "config", "interpret", "return_partials",
+                                             "hooks"))
+def _run(q, cache, indices, *, scale, kv_lora_rank, config, interpret, return_partials, hooks):
     t_rows, h, width = q.shape
     k = indices.shape[1]
     n_split = config.n_split
@@ -787,7 +788,7 @@ def _run(q, cache, indices, *, scale, kv_lora_rank, config, interpret, return_pa
     lane_producer = cp_async or cache.dtype == jnp.uint8  # fp8_ds_mla always takes its own (Lane code) producer
     kernel = plgpu.kernel(
         functools.partial(_kernel, scale=scale, r=r, width=width, tiles_per_split=tiles_per_split, config=config,
-                          interpret=interpret),
+                          interpret=interpret, hooks=hooks),
         out_type=(jax.ShapeDtypeStruct((n_split, t_rows, HEADS, r), jnp.float32),
                   jax.ShapeDtypeStruct((n_split, t_rows, HEADS), jnp.float32)),
         scratch_types=(
@@ -824,14 +825,15 @@ def _run(q, cache, indices, *, scale, kv_lora_rank, config, interpret, return_pa
 
 def sparse_mla_mosaic(q, cache, indices, *, scale: float, kv_lora_rank: int,
                       config: MosaicSparseMLAConfig | None = None, interpret: bool = False,
-                      return_partials: bool = False, **overrides):
+                      return_partials: bool = False, hooks: Hooks | None = None, **overrides):
     """o [T, H, R] float32, lse [T, H] (natural log) of `q` [T, H, R + Dr] against the bf16 `cache`
     [slots, R + Dr] at `indices` [T, K] (-1 = none), by the warp-specialised Mosaic GPU kernel.
 
     config: a `MosaicSparseMLAConfig` (default: `default_config(T, K, fp8, share_p)`, share_p as the overrides ask);
     `overrides` replace its fields.
     interpret: run the same kernel in Pallas' GPU interpreter (CPU). return_partials: the per-split
-    (o [n_split, T, H, R], lse [n_split, T, H]) instead of their merge."""
+    (o [n_split, T, H, R], lse [n_split, T, H]) instead of their merge. hooks: parts of the work left out for
+    timing the rest (`Hooks`; benchmarks/diagnostics only), None for the kernel."""
     why = supports(q, cache, indices, kv_lora_rank=kv_lora_rank, interpret=interpret)
     if why:
         raise ValueError(f"sparse_mla_mosaic: {why}")
@@ -842,13 +844,17 @@ def sparse_mla_mosaic(q, cache, indices, *, scale: float, kv_lora_rank: int,
                                       share_p=overrides.get("share_p", True) is not False)
     if overrides:
         config = dataclasses.replace(config, **overrides)
-    if FP8_PRODUCER_MODE[config.diagnostic] != "full" and cache.dtype != jnp.uint8:
-        raise ValueError(f"sparse_mla_mosaic: diagnostic {config.diagnostic!r} is a form of the fp8_ds_mla producer; "
-                         f"this cache is {cache.dtype}")
+    hooks = hooks or Hooks()
+    if hooks.fp8_producer != "full" and cache.dtype != jnp.uint8:
+        raise ValueError(f"sparse_mla_mosaic: hooks fp8_producer {hooks.fp8_producer!r} leaves out part of the "
+                         f"fp8_ds_mla producer; this cache is {cache.dtype}")
+    if hooks.consumers == "idle" and config.share_p:
+        raise ValueError("sparse_mla_mosaic: hooks consumers 'idle' needs share_p=False (the idle consumers are the "
+                         "plain schedule's)")
     need = shared_memory_bytes(q.shape[-1], config)
     if not interpret and need > SMEM_LIMIT:  # refused before a compile that would fail with the same numbers
         raise ValueError(f"sparse_mla_mosaic: this config needs {need} bytes of shared memory per CTA (share_p="
                          f"{config.share_p}, slot_source={config.slot_source!r}, rows of {q.shape[-1]} columns), "
                          f"over the H200's {SMEM_LIMIT}")
     return _run(q, cache, indices, scale=float(scale), kv_lora_rank=int(kv_lora_rank), config=config,
-                interpret=bool(interpret), return_partials=bool(return_partials))
+                interpret=bool(interpret), return_partials=bool(return_partials), hooks=hooks)

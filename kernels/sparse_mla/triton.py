@@ -245,8 +245,8 @@ def one_launch_config(t: int, h: int, k: int, fp8: bool) -> SparseMLAConfig:
     """A one-launch (`merge="kernel"`) config for few rows: 16-head blocks, 32 keys a step, 4 warps, 2 stages, and
     splits (a power of two, at most 16) until ~128 programs. Measured faster than the two-launch default for a
     bf16 cache at B = 8 and 16 only, not at B = 1-4, and slower for fp8_ds_mla (BENCHMARKS.md, sparse MLA). Not
-    wired into `default_config`: the dispatch per shape is the caller's, from measurements. Fewer heads per block mean the merging program reads
-    n_split x 16 heads x R partial floats (<= 512 KB at R = 512)."""
+    wired into `default_config`: the dispatch per shape is the caller's, from measurements. Fewer heads per block
+    mean the merging program reads n_split x 16 heads x R partial floats (<= 512 KB at R = 512)."""
     n_hb = max(1, -(-h // 16))
     n_split = 1
     while t * n_hb * n_split < 128 and n_split < 16 and n_split * 2 * 32 <= k:

@@ -1,4 +1,5 @@
-"""Shared Triton helpers (kernels/common/triton_common.py): byte reassembly, the 2-4 GiB check, the lowered-text reader."""
+"""Shared Triton helpers (kernels/common/triton_common.py): byte reassembly, the 2-4 GiB check, the lowered-text
+reader."""
 
 import jax
 import jax.numpy as jnp

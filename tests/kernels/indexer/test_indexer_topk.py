@@ -1,5 +1,5 @@
-"""The indexer's top-k as an op ("topk": `kernels.indexer.select_topk`): the select kernel (kernels/indexer/topk_triton.py)
-returns exactly `lax.top_k`'s positions and scores (`topk_positions`, the xla impl) — ties by smaller position,
+"""The indexer's top-k as an op ("topk": `kernels.indexer.select_topk`): the select kernel
+(kernels/indexer/topk_triton.py) returns exactly `lax.top_k`'s positions and scores (`topk_positions`, the xla impl) — ties by smaller position,
 -0.0 as +0.0, -1 / -inf past kv_lens, rows shorter than k, k = 2048 of 32K, every output order — interpreted on CPU,
 native on the GPU; the triton indexer's per-shape choice of top-k; both kernels' lowering at GLM-5 dims."""
 

@@ -8,7 +8,8 @@ products, so only the summation order differs), equal -inf masks; also on rows o
 32767 visible keys. Rows: {"part": "check" | "scores" | "op", "B", "impl", "config", "device_us", "kernel_us",
 "tb_s"}; no assertion (the GPU tests assert), figures only.
 
-    PYTHONPATH=. python3 benchmarks/probe_indexer_mosaic.py --batches 1,32,128 --out $OUT/probe_indexer_mosaic.json
+    PYTHONPATH=. python3 benchmarks/diagnostics/probe_indexer_mosaic.py --batches 1,32,128 \
+        --out $OUT/probe_indexer_mosaic.json
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 
 from benchmarks import bench_indexer
 from benchmarks.bench_indexer import CTX, PAGE
-from benchmarks.diag_indexer_parts import kernel_breakdown
+from benchmarks.diagnostics.diag_indexer_parts import kernel_breakdown
 from benchmarks.harness import command_line, per_op_traced_times, record, trace_micros, write_json
 from kernels import indexer
 

@@ -2,7 +2,7 @@
 
     ncu --clock-control none --kernel-name regex:'sparse_mla|mosaic|indexer|moe|topk|sort' --launch-count 12 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-        python3 benchmarks/profile_kernels.py
+        python3 benchmarks/diagnostics/profile_kernels.py
 
 `--ops mla --mla-impls mosaic` runs only the Mosaic GPU sparse MLA kernel (its launch is named
 `anonymous_mosaic_gpu_kernel`); `--ops indexer --indexer-impls mosaic` only the Mosaic GPU indexer scores kernel

@@ -1,4 +1,4 @@
-"""Where the indexer's decode time goes on the GPU, by device time (issue 17's B = 32 line).
+"""Where the indexer's decode time goes on the GPU, by device time (B = 32 first).
 
 For each cache format and B (the shapes of `benchmarks/bench_indexer.py`: 32 indexer heads of 128, 32K context,
 top-k 2048), from `jax.profiler` traces (`benchmarks.harness.per_op_traced_times`: the device span and kernel time
@@ -15,7 +15,7 @@ of one op as a difference of two executables):
 One row per measurement: {"part": "op" | "kernel" | "scores" | "topk", "cache", "B", "config", "device_us",
 "kernel_us"} ("kernel" rows: "name", "us"); no assertion, figures only.
 
-    PYTHONPATH=. python3 benchmarks/diag_indexer_parts.py --batches 32 --out $OUT/indexer_parts.json
+    PYTHONPATH=. python3 benchmarks/diagnostics/diag_indexer_parts.py --batches 32 --out $OUT/indexer_parts.json
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
-"""Where the device idles between the custom calls of one executable (BENCHMARKS.md, session 13).
+"""Where the device idles between the custom calls of one executable (BENCHMARKS.md, end to end).
 
-Session 12 found wall time per op 28-41 us above GPU kernel time for every custom-call op (Triton and Mosaic
-sparse MLA at any B), 10 us for the xla op. This diagnostic times chains of ops in one executable (op i on its own
+Wall time per op stood well above GPU kernel time for every custom-call op (Triton and Mosaic sparse MLA at any
+B), much less so for the xla op. This diagnostic times chains of ops in one executable (op i on its own
 inputs, as the benches do) by wall clock and by kernel time, with XLA's command buffers (CUDA graphs) as the
 process has them (XLA_FLAGS) and, per executable, switched off through `compiler_options`, and keeps one profiler
 trace of each long chain (the host's thunk launches beside the GPU's kernels) under --trace_dir:
 
-    PYTHONPATH=. python3 benchmarks/diag_launch_gap.py --trace_dir $OUT/traces --out $OUT/gap.json
+    PYTHONPATH=. python3 benchmarks/diagnostics/diag_launch_gap.py --trace_dir $OUT/traces --out $OUT/gap.json
 
 Cases: sparse MLA bf16 (B = 1 and 128; impls mosaic, triton, xla), a tiny Pallas Triton kernel and a tiny XLA
-fusion (1 MiB each: launch cost, no work). (Session 13's run also had a one-program Mosaic GPU kernel with 32 or
-128 KiB of shared memory; it failed to lower on the GPU, an AssertionError, and was dropped.) Rows: {"case",
+fusion (1 MiB each: launch cost, no work). (A one-program Mosaic GPU kernel with 32 or 128 KiB of shared memory
+was tried as a case too; it failed to lower on the GPU, an AssertionError, and was dropped.) Rows: {"case",
 "cmdbuf", "us", "kernel_us", "device_us", "gap_us", "t_hi_us", "t_lo_us", "trace"} (device_us: the device's span
 per op, first kernel to last, `harness.span_seconds`).
 """

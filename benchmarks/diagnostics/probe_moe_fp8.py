@@ -1,12 +1,12 @@
-"""Probe of the FP8 routed-expert kernels at decode (issue 16): correctness of each launch variant against the float32
+"""Probe of the FP8 routed-expert kernels at decode: correctness of each launch variant against the float32
 reference, device time per variant, and (under Nsight Compute) each kernel's own time and DRAM traffic.
 
 The experts are K-major FP8 stacks (the model's stored form: gate/up [E, I, D], down [E, D, I], each expert the
 release's [out, in]) with random e4m3 bytes and block scales; the bf16 kernel runs over the same experts
 dequantised, as the baseline. `--variants` is a JSON object {name: kernel overrides} (MoEConfig fields, `form`,
 `swap_ab`); "bf16" is the bf16 kernel and "default" the FP8 default; a name starting "tokamax" runs the same
-experts through tokamax's `ragged_dot` (`benchmarks/tokamax_moe.py`; overrides: `implementation` and the fields
-of its Mosaic GPU config); overrides {"impl": "tokamax", ...} run the MoE impl "tokamax" (`kernels/moe_tokamax.py`:
+experts through tokamax's `ragged_dot` (`tokamax_moe.py` here; overrides: `implementation` and the fields
+of its Mosaic GPU config); overrides {"impl": "tokamax", ...} run the MoE impl "tokamax" (`kernels/moe/tokamax.py`:
 the same library kernel with the scale layout and range steering inside the op) with `TokamaxMoEConfig` fields.
 
     PYTHONPATH=. python3 benchmarks/probe_moe_fp8.py --dims 6144,256,256 --batches 1,32,128      # times + checks
@@ -53,14 +53,14 @@ def runner(name: str, opts: dict, impl: str):
     constants, a 2.4 GB stack is embedded in the program and its compile takes minutes). A tokamax variant takes
     the stacks' `tokamax_moe.column_scales` in the place of `scales`."""
     opts = dict(opts)
-    if opts.pop("impl", None) == "tokamax":  # the MoE impl "tokamax" (kernels/moe_tokamax.py), config fields as opts
+    if opts.pop("impl", None) == "tokamax":  # the MoE impl "tokamax" (kernels/moe/tokamax.py), config fields as opts
         from kernels.moe import tokamax as moe_tokamax
 
         cfg = moe_tokamax.TokamaxMoEConfig(**opts)
         return lambda x, experts, w, stacks, scales, bf16: moe.routed_experts(
             x, experts, w, *stacks, impl="tokamax", w_layout="nk", **scales, config=cfg)
     if name.startswith("tokamax"):
-        from benchmarks import tokamax_moe
+        from benchmarks.diagnostics import tokamax_moe
 
         dot = tokamax_moe.ragged_op(**opts)
         return lambda x, experts, w, stacks, col_scales, bf16: tokamax_moe.routed_experts(x, experts, w, stacks,
@@ -124,7 +124,7 @@ def main(argv=None):
                 f = runner(name, opts, args.impl)
                 args_ = case
                 if name.startswith("tokamax"):
-                    from benchmarks import tokamax_moe
+                    from benchmarks.diagnostics import tokamax_moe
 
                     dt = opts.get("dtype", "bfloat16")
                     if dt not in tk_cases:

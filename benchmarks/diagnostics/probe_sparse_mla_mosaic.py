@@ -1,7 +1,9 @@
-"""GPU probe of the Mosaic sparse MLA kernel (issue 17): does each variant lower, is it right, how fast.
+"""GPU probe of the Mosaic sparse MLA kernel: does each variant lower, is it right, how fast.
 
 Each step is independent and prints `PROBE <name> PASS|FAIL <detail>`; timings beside xla and triton in the same
-run. Writes JSON rows to --out. Usage: PYTHONPATH=. python3 benchmarks/probe_sparse_mla_mosaic.py --out x.json
+run. Writes JSON rows to --out. Variants named "diag_*" are timing-only forms (`sparse_mla_forms`).
+
+    PYTHONPATH=. python3 benchmarks/diagnostics/probe_sparse_mla_mosaic.py --out x.json
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks import harness  # noqa: E402
+from benchmarks.diagnostics.sparse_mla_forms import form, fp8_only as form_is_fp8_only  # noqa: E402
 from kernels import fp8_formats, sparse_mla  # noqa: E402
 from kernels.sparse_mla import mosaic  # noqa: E402
 
@@ -32,32 +35,32 @@ VARIANTS = {"cp_async": dict(producer="cp_async"), "cp_async_xla_merge": dict(pr
             "pf0": dict(l2_prefetch=0), "pf1": dict(l2_prefetch=1), "pf2": dict(l2_prefetch=2),
             "pf4": dict(l2_prefetch=4),
             # registers moved from consumer 1 (which reads P from shared memory) to the producer, whose fp8 form
-            # holds a tile's loads and their conversions in registers (BENCHMARKS.md, session 18)
+            # holds a tile's loads and their conversions in registers (BENCHMARKS.md, sparse MLA)
             "fr168": dict(consumer_registers=216, follower_registers=168, producer_registers=120),
             "fr184": dict(consumer_registers=216, follower_registers=184, producer_registers=104),
             "lr208": dict(consumer_registers=208, follower_registers=168, producer_registers=128),
             "lr200": dict(consumer_registers=200, follower_registers=168, producer_registers=136),
             "cr208": dict(consumer_registers=208, producer_registers=88),
-            "diag_no_mask": dict(diagnostic="no_mask"),
-            # timing-only forms (kernels/sparse_mla_mosaic.DIAGNOSTICS): the producer alone (the idle consumers are
-            # the plain schedule's), and the fp8 producer's parts (BENCHMARKS.md, session 20)
-            "diag_gather_only": dict(diagnostic="gather_only", share_p=False),
-            "diag_no_convert": dict(diagnostic="no_convert"), "diag_no_load": dict(diagnostic="no_load"),
-            "diag_gather_only_no_convert": dict(diagnostic="gather_only_no_convert", share_p=False),
-            "diag_gather_only_no_load": dict(diagnostic="gather_only_no_load", share_p=False),
-            "diag_compute_only": dict(diagnostic="compute_only"),
-            "diag_compute_only_plain": dict(diagnostic="compute_only", share_p=False),
+            "diag_no_mask": dict(hooks=form("no_mask")),
+            # timing-only forms (sparse_mla_forms): the producer alone (the idle consumers are the plain
+            # schedule's), and the fp8 producer's parts
+            "diag_gather_only": dict(hooks=form("gather_only"), share_p=False),
+            "diag_no_convert": dict(hooks=form("no_convert")), "diag_no_load": dict(hooks=form("no_load")),
+            "diag_gather_only_no_convert": dict(hooks=form("gather_only_no_convert"), share_p=False),
+            "diag_gather_only_no_load": dict(hooks=form("gather_only_no_load"), share_p=False),
+            "diag_compute_only": dict(hooks=form("compute_only")),
+            "diag_compute_only_plain": dict(hooks=form("compute_only"), share_p=False),
             # the consumers alone with the bf16 kernel's registers (232 each; the producer's 40 are enough to idle)
-            "diag_compute_only_r232": dict(diagnostic="compute_only", consumer_registers=232,
+            "diag_compute_only_r232": dict(hooks=form("compute_only"), consumer_registers=232,
                                            follower_registers=None, producer_registers=40),
             # where the fp8 producer reads its slot ids (the default: smem, fetched a tile ahead)
             "slots_gmem": dict(slot_source="gmem"), "slots_smem": dict(slot_source="smem"),
-            "diag_gather_only_slots_gmem": dict(diagnostic="gather_only", share_p=False, slot_source="gmem")}
+            "diag_gather_only_slots_gmem": dict(hooks=form("gather_only"), share_p=False, slot_source="gmem")}
 
 
 def fp8_only(variant):
     """Whether the variant is a timing-only form of the fp8_ds_mla producer (a bf16 cache refuses it)."""
-    return mosaic.FP8_PRODUCER_MODE[VARIANTS[variant].get("diagnostic", "none")] != "full"
+    return form_is_fp8_only(VARIANTS[variant].get("hooks", form("none")))
 
 
 def case(b, reps, fp8=False, seed=0):
@@ -95,8 +98,8 @@ def main(argv=None):
     ap.add_argument("--splits", choices=("both", "default"), default="both",
                     help="time each variant at n_split 1 and the default's, or at the default's only")
     ap.add_argument("--before", default="",
-                    help="a file holding another version of kernels/sparse_mla_mosaic.py (e.g. `git show "
-                         "HEAD~1:kernels/sparse_mla_mosaic.py > before.py`): its default config is timed in the "
+                    help="a file holding another version of kernels/sparse_mla/mosaic.py (e.g. `git show "
+                         "HEAD~1:kernels/sparse_mla/mosaic.py > before.py`): its default config is timed in the "
                          "same run as impl mosaic_before")
     ap.add_argument("--kernel_time", type=int, default=1,
                     help="1: beside each wall-clock time, the op's GPU kernel time from a profiler trace")
@@ -196,7 +199,8 @@ def main(argv=None):
 def _module_from(path):
     """The module in file `path` (another version of the kernel module, imported beside the current one)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("kernels.sparse_mla_mosaic_before", path)  # its relative imports: kernels
+    # named inside kernels.sparse_mla, so that its relative imports resolve as the current module's do
+    spec = importlib.util.spec_from_file_location("kernels.sparse_mla.mosaic_before", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)

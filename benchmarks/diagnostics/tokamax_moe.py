@@ -1,5 +1,5 @@
-"""The routed FP8 experts through tokamax's `ragged_dot` (issue 16 asks for the library to be weighed against our
-grouped-GEMM kernel before ours is kept): the same function as `kernels.moe.routed_experts` over K-major FP8 stacks,
+"""The routed FP8 experts through tokamax's `ragged_dot` (the library weighed against our grouped-GEMM kernel):
+the same function as `kernels.moe.routed_experts` over K-major FP8 stacks,
 built from tokamax calls, for `probe_moe_fp8.py --variants '{"tokamax": {...}}'`.
 
 tokamax (0.0.17) takes quantised weights as a `qwix.QArray`. On Hopper its Mosaic GPU kernel
