@@ -22,9 +22,12 @@ Pallas kernels call these same helpers (``to_e4m3``, ``e4m3_bits``, ``decode_e4m
 ``ue8m0_scale_and_inverse``, ``mla_tile_scale``). Values are read as float32 before quantising; kernels that
 normalise in bf16 must round to bf16 first, as the xla oracle does. Byte order is little-endian (bitcasts).
 
-Block-scaled weights (docs/math.md §11, the FP8 releases): e4m3 [rows, cols] with float32 scales per 128 x 128 block
-(``quantize_weight_blocks``, ``dequantize_weight_blocks``; a TP shard's slice may start mid-block: ``block_index``,
-``block_count``), and W8A8's per-token 1 x 128 activation scales (``quantize_activation_blocks``).
+Block-scaled weights (docs/math.md §11, the FP8 releases): e4m3 [rows, cols] with float32 scales per 128 x 128 block,
+``scale = amax / 448`` (1.0 for an all-zero block), ``q = e4m3(w / scale)``: the one codec of the repository, on the
+device (``quantize_weight_blocks``, ``dequantize_weight_blocks``; a TP shard's slice may start mid-block:
+``block_index``, ``block_count``) and on the host in numpy (``quantize_blocks_np``, ``dequantize_blocks_np``, the
+checkpoint writers' and the tests' reference; the same bits). Also W8A8's per-token 1 x 128 activation scales
+(``quantize_activation_blocks``).
 """
 
 from __future__ import annotations
@@ -230,7 +233,7 @@ def quantize_weight_blocks(w, block: int = WEIGHT_BLOCK):
     """w [..., rows, cols] (any float) -> (e4m3 [..., rows, cols], float32 scales [..., ceil(rows / block),
     ceil(cols / block)]), one scale per block x block tile of the last two axes, edge tiles ragged:
     ``scale = amax / 448`` (1.0 for an all-zero tile), ``q = e4m3(w / scale)``, as the FP8 releases store them
-    (``checkpoints.fp8_blocks.quantize_blocks`` is the host form). Leading axes (stacked experts) are kept."""
+    (``quantize_blocks_np`` is the host form). Leading axes (stacked experts) are kept."""
     w = jnp.asarray(w, jnp.float32)
     *lead, rows, cols = w.shape
     rb, cb = -(-rows // block), -(-cols // block)
@@ -239,6 +242,32 @@ def quantize_weight_blocks(w, block: int = WEIGHT_BLOCK):
     scale = jnp.where(amax > 0, exact_div(amax, FP8_MAX), 1.0).astype(jnp.float32)  # IEEE, as numpy
     full = jnp.repeat(jnp.repeat(scale, block, axis=-2), block, axis=-1)[..., :rows, :cols]
     return to_e4m3(exact_div(w, full)), scale
+
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)  # FP8 weights on the host (numpy)
+
+
+def quantize_blocks_np(w: np.ndarray, block: int = WEIGHT_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """Host form of `quantize_weight_blocks` for a 2-D weight: (e4m3 values, float32 scale_inv per block), with
+    ``scale = amax(block) / 448`` (1.0 for an all-zero block), so that ``dequantize_blocks_np(*quantize_blocks_np(w))
+    ~= w``; numpy's IEEE arithmetic, the same bits as the device form."""
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"quantize_blocks: a 2-D weight is needed, got shape {list(w.shape)}")
+    rows, cols = w.shape
+    rb, cb = -(-rows // block), -(-cols // block)
+    padded = np.zeros((rb * block, cb * block), np.float32)
+    padded[:rows, :cols] = np.abs(w)
+    amax = padded.reshape(rb, block, cb, block).max(axis=(1, 3))
+    scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
+    full = np.repeat(np.repeat(scale, block, axis=0), block, axis=1)[:rows, :cols]
+    return (w / full).astype(E4M3), scale
+
+
+def dequantize_blocks_np(w: np.ndarray, scale_inv: np.ndarray, block: int = WEIGHT_BLOCK) -> np.ndarray:
+    """Host reference: ``w * scale_inv`` per block of a 2-D weight, in float32 (edge blocks ragged)."""
+    full = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), block, axis=0), block, axis=1)
+    return np.asarray(w).astype(np.float32) * full[: w.shape[0], : w.shape[1]]
 
 
 def dequantize_weight_blocks(q, scale, row_offset=0, col_offset=0, dtype=jnp.float32, block: int = WEIGHT_BLOCK,
