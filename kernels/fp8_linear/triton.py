@@ -17,7 +17,6 @@ widths); the unmasked block loads are used where the shapes allow.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -26,53 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..common.fp8_formats import FP8, WEIGHT_BLOCK, block_count, load_e4m3, quantize_activation_blocks
-from ..common.triton_common import MASKED_ROW, col_range, dot, is_pow2, with_options
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclasses.dataclass(frozen=True)
-class Fp8LinearConfig:
-    """Launch config: `bm` x `bn` output tile, `bk` K columns per step (32, 64 or 128: a step stays in one
-    scale block), `k_split` programs splitting K (a power of two), warps, pipeline stages."""
-    bm: int
-    bn: int
-    bk: int
-    k_split: int
-    num_warps: int
-    num_stages: int
-
-    def __post_init__(self):
-        for name in ("bm", "bn"):
-            v = getattr(self, name)
-            if not (is_pow2(v) and v >= 16):
-                raise ValueError(f"Fp8LinearConfig: {name} {v!r} must be a power of two >= 16")
-        if self.bk not in (32, 64, 128):
-            raise ValueError(f"Fp8LinearConfig: bk {self.bk!r} must be 32, 64 or 128 (a divisor of the 128-block)")
-        for name in ("k_split", "num_warps"):
-            if not is_pow2(getattr(self, name)):
-                raise ValueError(f"Fp8LinearConfig: {name} {getattr(self, name)!r} must be a power of two")
-        if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
-            raise ValueError(f"Fp8LinearConfig: num_stages {self.num_stages!r} must be an int >= 1")
-
-
-def default_config(t: int, n: int, k: int, form: str = "w8a16", itemsize: int = 2,
-                   num_sms: int = 132) -> Fp8LinearConfig:
-    """Decode-sized rows (t <= 64) stream the weight: 16..64-row tiles, 64 output columns, K split until about
-    two programs per SM; larger t takes 128 x 128 tensor-core tiles. float32 rows take 32-wide K steps (shared
-    memory)."""
-    bk = 32 if itemsize >= 4 else (128 if form == "w8a8" else 64)
-    if t <= 64:
-        bm = max(16, 1 << (t - 1).bit_length())
-        bn = 64 if n >= 64 else max(16, 1 << (n - 1).bit_length())
-        steps = _cdiv(k, bk)
-        ks = 1
-        while _cdiv(n, bn) * ks < 2 * num_sms and ks * 2 <= 8 and steps % (ks * 2) == 0 and steps // (ks * 2) >= 2:
-            ks *= 2
-        return Fp8LinearConfig(bm=bm, bn=bn, bk=bk, k_split=ks, num_warps=4, num_stages=4)
-    return Fp8LinearConfig(bm=128, bn=128, bk=bk, k_split=1, num_warps=8, num_stages=3 if itemsize < 4 else 2)
+from ..common.triton_common import MASKED_ROW, col_range, dot, with_options
+from .config import Fp8LinearConfig, cdiv, default_config  # noqa: F401 (default_config: read from here)
 
 
 def _tile(ref, r0, nr, c0, nc, n_rows, n_cols, mask_rows, mask_cols, interpret, dtype=None):
@@ -171,8 +125,8 @@ def fp8_matmul(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0, 
     static = isinstance(n_offset, int) and isinstance(k_offset, int)
     shift = k_offset % bk if static else None
     # steps from the block-aligned start before column 0 up to past column K; a traced offset takes the worst case
-    total = _cdiv((shift if static else bk - 1) + k, bk)
-    steps = _cdiv(total, ks)
+    total = cdiv((shift if static else bk - 1) + k, bk)
+    steps = cdiv(total, ks)
     mask_k = not (static and shift == 0 and k % bk == 0 and steps * ks == total)
     mask_m, mask_n = t % bm != 0, n % bn != 0
     n_scalar_scale = static and n_offset == 0 and bn <= WEIGHT_BLOCK
@@ -187,7 +141,7 @@ def fp8_matmul(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0, 
         specs.append(pl.BlockSpec((2,), lambda m, j, c: (0,)))
     if form == "w8a8":
         a_q, s_a = quantize_activation_blocks(x, k_offset, k_blocks)
-        t_pad, k_pad = _cdiv(t, bm) * bm, steps * ks * bk
+        t_pad, k_pad = cdiv(t, bm) * bm, steps * ks * bk
         if mask_k or t_pad != t:  # rows to whole blocks, columns at their aligned step positions, zeros around
             a_pad = jnp.zeros((t_pad, k_pad), a_q.dtype)
             first = jnp.asarray(shift if static else k_offset % bk, jnp.int32)
@@ -206,7 +160,7 @@ def fp8_matmul(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0, 
         mask_n=mask_n, mask_k=mask_k, split=split, kn=kn, interpret=interpret)
     y = pl.pallas_call(
         kernel,
-        grid=(_cdiv(t, bm), _cdiv(n, bn), ks),
+        grid=(cdiv(t, bm), cdiv(n, bn), ks),
         in_specs=specs,
         out_specs=pl.BlockSpec(memory_space=pl.ANY),
         out_shape=out_shape,

@@ -38,62 +38,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..common import fp8_formats
 from ..common.mosaic_common import wait_async_copies
+from .config import SM_COUNT, MosaicIndexerConfig  # noqa: F401 (read from here)
 from .stages import scores_then_topk
 
 BLOCK_K = 64  # keys per tile: wgmma's M
 DI = 128  # key width the kernel takes: one 128-byte swizzle row of e4m3
-SM_COUNT = 132  # the H200's SMs
 ROW_BYTES = fp8_formats.index_row_bytes(DI)  # a cache row: 128 e4m3 and a float32 scale, 132 bytes
 TILE_BYTES = BLOCK_K * ROW_BYTES  # one tile's cache rows: a contiguous run of 8448 bytes
 TMA_ROWS, TMA_COLS = TILE_BYTES // 256, 256  # the run as a TMA box (each box dimension at most 256)
 SMEM_LIMIT = 232448  # shared memory one CTA may take on the H200 (Mosaic GPU's max_smem_bytes)
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicIndexerConfig:
-    """Launch config. stages: key tiles buffered in shared memory for the consumers ((8 KiB + 256 B) each);
-    in_flight: tiles in flight from memory (copy "tma": its staging buffers); consumers: consumer warpgroups (1 or
-    2, taking tiles in turn; stages must be a multiple of it); ctas: CTAs the launch aims for (a row's tiles are
-    split over about ceil(ctas / T) CTAs, `splits`); n_split: CTAs per row, overriding `ctas` when given; copy: how
-    the producer's copies go: "tma" (the default): one bulk (TMA) copy a tile into a staging buffer, which the
-    producer then rearranges into the swizzled key tile and the scales with shared-memory loads and stores; "rows":
-    4-byte cp.async copies straight into place, a warp a row's keys, 64 threads the scales, `in_flight` tiles of
-    them outstanding a thread (<= stages; slower in the op, BENCHMARKS.md, indexer)."""
-    stages: int = 2
-    in_flight: int = 4
-    consumers: int = 1
-    ctas: int = 2 * SM_COUNT
-    n_split: int | None = None
-    copy: str = "tma"
-
-    def __post_init__(self):
-        for name in ("stages", "in_flight", "consumers", "ctas"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"MosaicIndexerConfig.{name} must be an int >= 1, got {v!r}")
-        if self.copy not in ("tma", "rows"):
-            raise ValueError(f"MosaicIndexerConfig.copy must be 'tma' or 'rows', got {self.copy!r}")
-        if self.copy != "tma" and self.in_flight > self.stages:
-            raise ValueError(f"MosaicIndexerConfig.in_flight {self.in_flight} must be <= stages {self.stages} "
-                             "(a tile in flight holds a buffer)")
-        if self.consumers not in (1, 2):
-            raise ValueError(f"MosaicIndexerConfig.consumers must be 1 or 2, got {self.consumers}")
-        if self.stages % self.consumers:
-            raise ValueError(f"MosaicIndexerConfig.stages {self.stages} must be a multiple of consumers "
-                             f"{self.consumers} (each buffer belongs to one consumer)")
-        if self.n_split is not None and (not isinstance(self.n_split, int) or isinstance(self.n_split, bool)
-                                         or self.n_split < 1):
-            raise ValueError(f"MosaicIndexerConfig.n_split must be None or an int >= 1, got {self.n_split!r}")
-
-    def splits(self, t: int, tiles: int) -> int:
-        """CTAs per row for T rows of `tiles` key tiles: n_split, or ceil(ctas / T) lowered to a divisor of `tiles`
-        when one lies within a factor 2 (equal splits: the scores are then exactly S wide, and no XLA slice copies
-        them before the top-k), never more than `tiles`."""
-        target = max(1, min(self.n_split if self.n_split is not None else -(-self.ctas // max(t, 1)), tiles))
-        if self.n_split is not None:
-            return target
-        even = max(d for d in range(1, target + 1) if tiles % d == 0)
-        return even if 2 * even >= target else target
 
 
 def _tile_transforms():

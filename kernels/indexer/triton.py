@@ -25,7 +25,6 @@ Launch configs are `IndexerConfig`s (`default_config` picks one per shape).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -38,12 +37,7 @@ from ..common import fp8_formats
 from . import ROW_BLOCK, ROW_BLOCK_MIN_T, takes_row_blocks  # noqa: F401
 from .stages import SCORE_BUDGET, SELECT_MIN_ROWS, scores_then_topk, topk_select_impl  # noqa: F401
 from ..common.triton_common import check_addressable, col_range, dot, gather, is_pow2, u8_words, with_options
-
-LOOP_PROGRAMS = 1024  # programs the looped decode kernel aims for (about 8 per SM of an H200)
-# float32 keys (the reference dtype): Triton runs an IEEE float32 dot on the FMA units, unrolled per thread
-# ([64, 128] x [128, 128] is 8K FMAs a thread, x16 rows x2 branches in the row-block form), which ptxas took
-# minutes to compile at GLM shapes. So float32 takes 32-key tiles and the per-row kernel only.
-FLOAT32_BLOCK_S = 32
+from .config import FLOAT32_BLOCK_S, LOOP_PROGRAMS, IndexerConfig, default_config, loop_block_n  # noqa: F401
 
 
 def _key_tile(bt_ref, k_ref, req, pos, vis, *, page, di, fp8, interpret):
@@ -194,60 +188,6 @@ def _scores_rows_kernel(req_ref, len_ref, q_ref, w_ref, bt_ref, k_ref, o_ref, *,
     @pl.when(start >= n_max)
     def _():
         o_ref[...] = jnp.full((block_t, block_s), -jnp.inf, jnp.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class IndexerConfig:
-    """Launch config of the scores kernels: `block_s` keys per tile (a power of two >= 16); `block_t` query rows per
-    program: 1 the per-row kernels (decode), a power of two > 1 the row-block kernel (prefill: one key gather per
-    block of rows of one request), None picked from the shapes (the row-block kernel of ROW_BLOCK rows when the
-    step's R requests leave runs of ROW_BLOCK rows on average: (R - 1) * ROW_BLOCK <= T); warps; pipeline stages.
-    Per-row, bf16 and FP8 caches: `block_n` keys per program (a multiple of block_s looped over in tiles; None:
-    `loop_block_n` of the shapes; 0: the one-tile kernel without a loop), `fp8_dot` e4m3 tensor-core dots for an
-    FP8 cache (False: keys decoded to bf16)."""
-    block_s: int
-    block_t: int | None
-    num_warps: int = 4
-    num_stages: int = 1
-    block_n: int | None = None
-    fp8_dot: bool = True
-
-    def __post_init__(self):
-        if not (is_pow2(self.block_s) and self.block_s >= 16):
-            raise ValueError(f"IndexerConfig: block_s {self.block_s!r} must be a power of two >= 16")
-        if self.block_t is not None and not is_pow2(self.block_t):
-            raise ValueError(f"IndexerConfig: block_t {self.block_t!r} must be a power of two (or None)")
-        if not is_pow2(self.num_warps):
-            raise ValueError(f"IndexerConfig: num_warps {self.num_warps!r} must be a power of two")
-        if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
-            raise ValueError(f"IndexerConfig: num_stages {self.num_stages!r} must be an int >= 1")
-        if self.block_n is not None and not (isinstance(self.block_n, int) and self.block_n >= 0
-                                             and self.block_n % self.block_s == 0):
-            raise ValueError(f"IndexerConfig: block_n {self.block_n!r} must be 0, None or a multiple of block_s")
-
-
-def default_config(t: int, s: int, cache_dtype) -> IndexerConfig:
-    """Decode (the per-row kernels, below ROW_BLOCK_MIN_T rows): the looped kernel over 128-key tiles, 4 warps,
-    2 stages, `block_n` from `loop_block_n`. Prefill and float32 caches as before: 128-key tiles (FLOAT32_BLOCK_S
-    for float32), never wider than S; the row-block kernel picked from the request count (`indexer_scores_triton`)."""
-    f32 = jnp.dtype(cache_dtype) == jnp.float32
-    block_s = min(FLOAT32_BLOCK_S if f32 else 128, max(16, pl.next_power_of_2(s)))
-    if f32:
-        return IndexerConfig(block_s=block_s, block_t=1, block_n=0)
-    if t < ROW_BLOCK_MIN_T:
-        return IndexerConfig(block_s=block_s, block_t=1, num_stages=2)
-    return IndexerConfig(block_s=block_s, block_t=None)
-
-
-def loop_block_n(t: int, s: int, block_s: int, programs: int = LOOP_PROGRAMS) -> int:
-    """Keys per program of the looped kernel: the most (a power-of-two number of tiles, at most S) that still
-    gives `programs` programs over the T rows, so a small batch keeps every SM busy and a large one amortises the
-    queries over long runs of keys."""
-    tiles = max(1, -(-s // block_s))
-    per = 1
-    while per * 2 <= tiles and t * -(-tiles // (per * 2)) >= programs:
-        per *= 2
-    return per * block_s
 
 
 def supports(q, weights, k_cache, *_, **__) -> str | None:

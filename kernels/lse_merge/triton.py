@@ -13,7 +13,6 @@ the sums (the split loop is unrolled). The c == 0 programs write the merged lse.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -21,29 +20,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..common.triton_common import is_pow2, with_options
+from ..common.triton_common import with_options
+from .config import MergeConfig, default_config  # noqa: F401 (default_config: read from here)
 
 MAX_SPLITS = 64  # the split loop is unrolled: more partials than this take the xla merge
-
-
-@dataclasses.dataclass(frozen=True)
-class MergeConfig:
-    """Launch config of the merge kernel: `block_h` heads x `block_r` columns per program (powers of two; block_h
-    is clipped to the largest power of two dividing H, block_r to R's), `num_warps`."""
-    block_h: int = 16
-    block_r: int = 128
-    num_warps: int = 4
-
-    def __post_init__(self):
-        for name in ("block_h", "block_r", "num_warps"):
-            if not is_pow2(getattr(self, name)):
-                raise ValueError(f"MergeConfig: {name} {getattr(self, name)!r} must be a power of two")
-
-
-def default_config(t: int, h: int, r: int) -> MergeConfig:
-    """Few rows take 4-head blocks, so a B = 1 merge still spreads over 64 programs (H = 64, R = 512); from 8 rows
-    16-head blocks."""
-    return MergeConfig(block_h=4 if t < 8 else 16, block_r=128, num_warps=4)
 
 
 def _largest_pow2_divisor(n: int, cap: int) -> int:

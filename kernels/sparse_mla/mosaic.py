@@ -38,13 +38,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ..common import fp8_formats
 from ..lse_merge import merge_partials, merge_splits
 from ..common.mosaic_common import wait_async_copies
+from .config import BLOCK_K, LAUNCH_REGISTERS, MosaicSparseMLAConfig  # noqa: F401 (read from here)
+from .config import mosaic_default_config as default_config
 
 HEADS = 64  # wgmma M: query heads per CTA (padded)
-BLOCK_K = 64  # cache rows per tile
 COL_TILE = 64  # bf16 columns per 128-byte swizzle atom row
 LOG2E = math.log2(math.e)
-# registers a thread at launch: the SM's 65536 over the CTA's three warpgroups (384 threads), rounded down to 8
-LAUNCH_REGISTERS = 65536 // (3 * 128) // 8 * 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,99 +66,6 @@ class Hooks:
         if self.fp8_producer not in ("full", "no_convert", "no_load", "idle"):
             raise ValueError(f"Hooks.fp8_producer must be 'full', 'no_convert', 'no_load' or 'idle', got "
                              f"{self.fp8_producer!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicSparseMLAConfig:
-    """Launch config. n_split: CTAs per query row (each a contiguous share of the row's 64-slot tiles; their
-    partials are merged after the launch). consumer_registers / producer_registers: `set_max_registers` of the
-    two consumer warpgroups and the producer (their sum over three warpgroups must stay <= 504);
-    follower_registers: consumer 1's under share_p, which holds its half of the output and reads P from shared
-    memory (None: consumer_registers), so that registers can go to the fp8 producer's loads. merge (n_split >
-    1): "launch" merges the partials in one Pallas Triton launch (`kernels.lse_merge.triton`), "xla" with
-    `lse_merge.merge_partials` (five XLA passes). share_p: one QK^T per tile, shared through shared memory (the
-    default: measured faster, BENCHMARKS.md, sparse MLA); False: both consumers
-    compute it. l2_prefetch: how many tiles ahead the producer asks L2 for the cache rows of (one bulk prefetch
-    per row, issued before it waits for a free buffer; 0: none; the bf16 cp.async producer only). slot_source:
-    where the TMA and fp8 producers read the slot ids from: "gmem" (the index array, each thread its rows' ids)
-    or "smem" (one TMA copy of the next tile's 64 ids into shared memory while the current tile is gathered; the
-    bf16 cp.async producer reads gmem either way). producer: "cp_async" or "tma", the bf16 cache's gatherer (an
-    fp8_ds_mla cache always takes its own)."""
-    n_split: int = 1
-    consumer_registers: int = 232
-    producer_registers: int = 40
-    slot_source: str = "gmem"
-    producer: str = "cp_async"
-    share_p: bool = True
-    merge: str = "launch"
-    l2_prefetch: int = 0
-    follower_registers: int | None = None
-
-    def __post_init__(self):
-        if self.merge not in ("launch", "xla"):
-            raise ValueError(f"MosaicSparseMLAConfig.merge must be 'launch' or 'xla', got {self.merge!r}")
-        if self.producer not in ("cp_async", "tma"):
-            raise ValueError(f"MosaicSparseMLAConfig.producer must be 'cp_async' or 'tma', got {self.producer!r}")
-        if self.slot_source not in ("gmem", "smem"):
-            raise ValueError(f"MosaicSparseMLAConfig.slot_source must be 'gmem' or 'smem', got {self.slot_source!r}")
-        if not isinstance(self.l2_prefetch, int) or isinstance(self.l2_prefetch, bool) or self.l2_prefetch < 0:
-            raise ValueError(f"MosaicSparseMLAConfig.l2_prefetch must be an int >= 0, got {self.l2_prefetch!r}")
-        if self.n_split < 1:
-            raise ValueError(f"MosaicSparseMLAConfig.n_split must be >= 1, got {self.n_split}")
-        for name in ("consumer_registers", "producer_registers", "follower_registers"):
-            v = getattr(self, name)
-            if v is None and name == "follower_registers":
-                continue
-            # setmaxnreg takes multiples of 8 in [24, 256]
-            if not isinstance(v, int) or isinstance(v, bool) or v % 8 or not 24 <= v <= 256:
-                raise ValueError(f"MosaicSparseMLAConfig.{name} must be a multiple of 8 in [24, 256], got {v!r}")
-        # setmaxnreg raises (consumers) or lowers (producer) a warpgroup's count from the launch's: the other way
-        # is an illegal instruction on the device (seen: a consumer at 160)
-        for name in ("consumer_registers", "follower_registers"):
-            v = getattr(self, name)
-            if v is not None and v < LAUNCH_REGISTERS:
-                raise ValueError(f"MosaicSparseMLAConfig.{name} must be >= {LAUNCH_REGISTERS} (the launch's "
-                                 f"registers a thread; a consumer can only raise them), got {v}")
-        if self.producer_registers > LAUNCH_REGISTERS:
-            raise ValueError(f"MosaicSparseMLAConfig.producer_registers must be <= {LAUNCH_REGISTERS} (the "
-                             f"launch's registers a thread; the producer can only lower them), got "
-                             f"{self.producer_registers}")
-        if self.follower_registers is not None and not self.share_p:
-            raise ValueError("MosaicSparseMLAConfig.follower_registers needs share_p (without it both consumers "
-                             "compute S and take consumer_registers)")
-        total = self.consumer_registers + self.second_consumer_registers + self.producer_registers
-        if total > 504:
-            raise ValueError("MosaicSparseMLAConfig: the three warpgroups' registers (consumer_registers, "
-                             "follower_registers or consumer_registers again, producer_registers) must be <= 504 "
-                             f"in sum, got {self.consumer_registers} + {self.second_consumer_registers} + "
-                             f"{self.producer_registers} = {total}")
-
-    @property
-    def second_consumer_registers(self) -> int:
-        """`set_max_registers` of consumer 1: follower_registers where given, else consumer_registers."""
-        return self.consumer_registers if self.follower_registers is None else self.follower_registers
-
-
-def default_config(t: int, k: int, fp8: bool = False, share_p: bool = True) -> MosaicSparseMLAConfig:
-    """Split the row's tiles over more CTAs when there are fewer rows than SMs (132 on the H200); the fp8
-    producer holds a tile's loads and their conversions in registers, so it takes registers from the consumers:
-    128, with consumer 1 (which reads P from shared memory) at the launch's 168 and consumer 0 at 208 (the
-    fastest split measured: BENCHMARKS.md, sparse MLA). A bf16 cache read by one CTA a row asks L2 for the next
-    tile's rows (measured faster there only).
-    share_p False (both consumers compute S): for fp8 the two consumers share what the producer leaves, 184 each
-    (not measured for speed; the default schedule is share_p). The fp8 producer takes its slot ids from shared
-    memory, fetched a tile ahead (slot_source "smem": measured slightly faster)."""
-    tiles = max(1, -(-k // BLOCK_K))
-    n_split = 1
-    while t * n_split * 2 <= 132 and tiles // (n_split * 2) >= 1:
-        n_split *= 2
-    if fp8:
-        if not share_p:
-            return MosaicSparseMLAConfig(n_split=n_split, share_p=False, consumer_registers=184,
-                                         producer_registers=128, slot_source="smem")
-        return MosaicSparseMLAConfig(n_split=n_split, consumer_registers=208, follower_registers=168,
-                                     producer_registers=128, slot_source="smem")
-    return MosaicSparseMLAConfig(n_split=n_split, share_p=share_p, l2_prefetch=1 if n_split == 1 else 0)
 
 
 # Shared memory one CTA may take on the H200, as Mosaic GPU reports it (max_smem_bytes)

@@ -25,7 +25,6 @@ Launch configs are `SparseMLAConfig`s (`default_config` picks one per shape).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -37,6 +36,7 @@ from ..common import fp8_formats
 from ..lse_merge import merge_partials, merge_splits
 from ..common.triton_common import (check_addressable, col_range, dot, gather, is_pow2, u8_to_bf16, u8_to_f32, u8_words,
                             with_options)
+from .config import SparseMLAConfig, default_config, one_launch_config  # noqa: F401 (read from here)
 
 
 def _load_rows(cache_ref, slot, valid, r, dr, tile, fp8, n_parts, interpret):
@@ -168,45 +168,6 @@ def _merged_kernel(idx_ref, q_ref, cache_ref, _count_in_ref, o_ref, lse_ref, par
         count_ref[t, hb] = jnp.int32(0)  # back to zero: a counter buffer kept across calls stays valid
 
 
-@dataclasses.dataclass(frozen=True)
-class SparseMLAConfig:
-    """Launch config of the sparse MLA kernel: `block_h` heads x `block_k` keys per step (powers of two >= 16),
-    `n_split` programs per (row, head block) over the indices (split-K, merged by LSE), warps, pipeline stages.
-
-    `merge` (with n_split > 1): "launch" (the default) writes the partials as outputs and merges them in a second
-    Pallas Triton launch (`kernels.lse_merge.triton`: one kernel where XLA's merge is five passes); "xla" merges
-    them after the kernel with `lse_merge.merge_partials` (XLA); "kernel" merges inside the same launch: each
-    program writes its partial to a workspace and counts itself in with an atomic, and the last program of a
-    (row, head block) merges them (n_split must then be a power of two: the merge loads [n_split, block_h, cols] tiles).
-    `partial_dtype` ("float32" or "bfloat16"): the dtype of the stored partial o (lse stays float32); bfloat16
-    halves the bytes the merge reads, at one more bf16 rounding of o (p is already rounded to bf16)."""
-    block_h: int
-    block_k: int
-    n_split: int
-    num_warps: int
-    num_stages: int
-    merge: str = "launch"
-    partial_dtype: str = "float32"
-
-    def __post_init__(self):
-        for name in ("block_h", "block_k"):
-            v = getattr(self, name)
-            if not (is_pow2(v) and v >= 16):
-                raise ValueError(f"SparseMLAConfig: {name} {v!r} must be a power of two >= 16")
-        if not is_pow2(self.num_warps):
-            raise ValueError(f"SparseMLAConfig: num_warps {self.num_warps!r} must be a power of two")
-        for name in ("n_split", "num_stages"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= 1):
-                raise ValueError(f"SparseMLAConfig: {name} {v!r} must be an int >= 1")
-        if self.merge not in ("launch", "xla", "kernel"):
-            raise ValueError(f"SparseMLAConfig: merge {self.merge!r} must be 'launch', 'xla' or 'kernel'")
-        if self.merge == "kernel" and not is_pow2(self.n_split):
-            raise ValueError(f"SparseMLAConfig: n_split {self.n_split!r} must be a power of two with merge='kernel'")
-        if self.partial_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"SparseMLAConfig: partial_dtype {self.partial_dtype!r} must be 'float32' or 'bfloat16'")
-
-
 def merge_cols(n_split: int, block_h: int, r: int, budget: int = 16384) -> int:
     """Latent columns per step of the in-kernel merge: its [n_split, block_h, cols] float32 tile stays within
     `budget` elements (64 registers a thread at 8 warps), so every partial's load is in flight at once."""
@@ -214,44 +175,6 @@ def merge_cols(n_split: int, block_h: int, r: int, budget: int = 16384) -> int:
     while cols > 16 and n_split * block_h * cols > budget:
         cols //= 2
     return cols
-
-
-def default_config(t: int, h: int, k: int, fp8: bool, itemsize: int = 2) -> SparseMLAConfig:
-    """The launch config from the H200 sweep (BENCHMARKS.md): with enough rows, 64 heads x 64 keys per step,
-    8 warps, 3 stages, and just enough splits for ~one CTA per SM (each CTA holds ~220 KB of shared memory);
-    for a few rows, 32 x 32 tiles and more splits. fp8_ds_mla always steps 32 keys: its dequantised
-    [block_k, R] bf16 tile is staged in shared memory beside the raw bytes, and at 64 keys the kernel asks for
-    242 KB (the H200 has 227 KB per CTA). A float32 cache (`itemsize` 4: the reference models) takes 16 x 16
-    tiles in 2 stages: its rows are twice as wide in shared memory, and the bf16 tiles would ask for up to
-    440 KB."""
-    many = t * max(1, h // 64) >= 32
-    if itemsize >= 4:
-        block_h, block_k, num_warps, num_stages = 16, 16, 4, 2
-    else:
-        block_h = 64 if (many and h % 64 == 0) else (32 if h % 32 == 0 else 16)
-        block_k = 64 if (many and not fp8) else 32
-        num_warps, num_stages = 8, 3 if many else 2
-    n_hb = max(1, h // block_h)
-    target = 128 if many else 64
-    max_split = max(1, k // block_k)
-    n_split = 1
-    while t * n_hb * n_split < target and n_split * 2 <= max_split:
-        n_split *= 2
-    return SparseMLAConfig(block_h=block_h, block_k=block_k, n_split=n_split, num_warps=num_warps,
-                           num_stages=num_stages)
-
-
-def one_launch_config(t: int, h: int, k: int, fp8: bool) -> SparseMLAConfig:
-    """A one-launch (`merge="kernel"`) config for few rows: 16-head blocks, 32 keys a step, 4 warps, 2 stages, and
-    splits (a power of two, at most 16) until ~128 programs. Measured faster than the two-launch default for a
-    bf16 cache at B = 8 and 16 only, not at B = 1-4, and slower for fp8_ds_mla (BENCHMARKS.md, sparse MLA). Not
-    wired into `default_config`: the dispatch per shape is the caller's, from measurements. Fewer heads per block
-    mean the merging program reads n_split x 16 heads x R partial floats (<= 512 KB at R = 512)."""
-    n_hb = max(1, -(-h // 16))
-    n_split = 1
-    while t * n_hb * n_split < 128 and n_split < 16 and n_split * 2 * 32 <= k:
-        n_split *= 2
-    return SparseMLAConfig(block_h=16, block_k=32, n_split=n_split, num_warps=4, num_stages=2, merge="kernel")
 
 
 def supports(q, cache, indices, *, kv_lora_rank: int, **_) -> str | None:
