@@ -84,7 +84,7 @@ def fp8_linear(x, w_q, w_scale, *, form: str = "w8a16", impl: str = "xla", n_off
 
     form: "w8a16" | "w8a8". impl (`kernels.registry`): "xla" (the float32 reference), "triton" (the Pallas
     kernel reading the e4m3 bytes), "triton_interpret" (that kernel interpreted: CPU tests). `kernel_options`
-    go to `fp8_linear_triton.fp8_matmul` (config, bm, bn, bk, k_split, num_warps, num_stages)."""
+    go to `triton.fp8_matmul` (config, bm, bn, bk, k_split, num_warps, num_stages)."""
     if form not in FORMS:
         raise ValueError(f"fp8_linear: unknown form {form!r} (available: {', '.join(FORMS)})")
     if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype) == FP8 or x.ndim < 1:

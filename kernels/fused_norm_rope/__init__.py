@@ -34,10 +34,10 @@ def fused_norm_rope_cache(q_c, kv_c, positions, slot_mapping, q_norm_w, kv_norm_
     offset (block_size <= page_rows, default page_rows) and pitch >= the row width: padding is untouched.
 
     impl (`kernels.registry`): "xla" (the oracle above), "triton" (the Pallas Triton kernel
-    `fused_norm_rope_triton`, caches aliased input -> output: donate them (jit donate_argnums) and they are
+    `kernels.fused_norm_rope.triton`, caches aliased input -> output: donate them (jit donate_argnums) and they are
     updated in place), "triton_interpret" (that kernel under the Pallas interpreter: CPU tests).
     "auto" (the GPU default) is the Triton kernel on a GPU and the xla form elsewhere.
-    `triton_options` go to the kernel: config or its fields (`fused_norm_rope_triton.FusedNormRopeConfig`:
+    `triton_options` go to the kernel: config or its fields (`config.FusedNormRopeConfig`:
     layout, q_rows, cache_rows, num_warps, num_stages, q_programs, cache_programs, q_warps).
     """
     return registry.dispatch(

@@ -51,8 +51,8 @@ def indexer_topk(q, weights, k_cache, token_req, kv_lens, block_tables, *, block
     interpreter, for CPU tests), "mosaic" (the Mosaic GPU scores kernel, `kernels.indexer.mosaic`: FP8 caches with
     pages of a multiple of 64 keys, GPU only; then the same top-k), "auto" (`_choose_indexer`: "mosaic" for decode
     rows on a GPU where it takes them, "triton" for the rest on a GPU, "xla" elsewhere); `kernel_options` go
-    to `indexer_triton.indexer_topk_triton` (config, block_s, block_t, num_warps, num_stages, block_n, fp8_dot,
-    row_chunk, topk_impl, topk_config) or `indexer_mosaic.indexer_topk_mosaic` (config, row_chunk, topk_impl,
+    to `triton.indexer_topk_triton` (config, block_s, block_t, num_warps, num_stages, block_n, fp8_dot,
+    row_chunk, topk_impl, topk_config) or `mosaic.indexer_topk_mosaic` (config, row_chunk, topk_impl,
     topk_config); the xla form takes `row_chunk`."""
     return registry.dispatch("indexer", impl, q, weights, k_cache, token_req, kv_lens, block_tables,
                              block_size=block_size, topk=topk, return_scores=return_scores, ordered=ordered,
@@ -60,7 +60,7 @@ def indexer_topk(q, weights, k_cache, token_req, kv_lens, block_tables, *, block
 
 
 def takes_row_blocks(t: int, requests: int) -> bool:
-    """Whether `indexer_triton.indexer_scores_triton` (block_t None) scores T rows of `requests` requests with the
+    """Whether `triton.indexer_scores_triton` (block_t None) scores T rows of `requests` requests with the
     row-block kernel: from ROW_BLOCK_MIN_T rows, when they leave runs of ROW_BLOCK rows of one request on average
     (prefill chunks); decode rows (one a request) take the per-row kernel."""
     return t >= ROW_BLOCK_MIN_T and (requests - 1) * ROW_BLOCK <= t

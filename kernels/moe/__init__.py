@@ -49,7 +49,7 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: 
     "triton_interpret" (that kernel interpreted: CPU tests), "tokamax" (FP8 K-major experts of whole blocks
     through tokamax's grouped GEMM, W8A16 in float16: `kernels.moe.tokamax`, by name only). `mode` forces one
     xla form whatever `impl` says
-    (the model's switch for comparing forms). `kernel_options` go to `moe_triton.grouped_swiglu` (config, tile,
+    (the model's switch for comparing forms). `kernel_options` go to `triton.grouped_swiglu` (config, tile,
     bn_up, bk_up, bn_down, bk_down, num_warps, num_stages, k_split, packed; for FP8 experts `form`, one of
     `FP8_FORMS`, default `fp8_form` by shape).
 

@@ -18,8 +18,8 @@ def sparse_mla(q, cache, indices, *, scale: float, kv_lora_rank: int, impl: str 
     impl (`kernels.registry`): "xla" (the oracle, CPU default), "triton" (Pallas Triton), "mosaic" (the
     warp-specialised Pallas Mosaic GPU kernel: H <= 64, bf16 or fp8_ds_mla), "triton_interpret" /
     "mosaic_interpret" (those kernels run by the Pallas interpreter: CPU tests), "auto" (the GPU default:
-    `choose_impl`). `kernel_options` go to the kernel (`sparse_mla_triton.sparse_mla_triton`: config, block_h,
-    block_k, n_split, num_warps, num_stages, return_partials; `sparse_mla_mosaic.sparse_mla_mosaic`: config and
+    `choose_impl`). `kernel_options` go to the kernel (`triton.sparse_mla_triton`: config, block_h,
+    block_k, n_split, num_warps, num_stages, return_partials; `mosaic.sparse_mla_mosaic`: config and
     its fields, return_partials); the xla form takes `row_chunk`.
     """
     return registry.dispatch("sparse_mla", impl, q, cache, indices, scale=scale, kv_lora_rank=kv_lora_rank,
