@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OPS = {
     "sparse_mla": ("bench_sparse_mla.py", ["--batches", "1,32,128", "--one_launch", "0", "--budget_s", "60"],
                    "sparse_mla"),
-    "sparse_mla_mosaic": ("probe_sparse_mla_mosaic.py",
+    "sparse_mla_mosaic": ("diagnostics/probe_sparse_mla_mosaic.py",
                           ["--batches", "128,32,1", "--variants", "cp_async,cp_async_xla_merge", "--baselines", "xla"],
                           "sparse_mla"),
     "indexer": ("bench_indexer.py", ["--batches", "32,128,1", "--sweep", "0", "--old", "0"], "indexer"),

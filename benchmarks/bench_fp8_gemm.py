@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness import budgeted_sweep, command_line, device_peaks, op_device_time, record, write_json
-from kernels import fp8_formats, fp8_linear, fp8_linear_triton, moe
+from kernels import fp8_formats, fp8_linear, moe
+from kernels.fp8_linear import triton as fp8_linear_triton
 
 LINEAR = {"q_a": (2048, 6144), "q_b": (2048, 2048), "o_proj": (6144, 2048)}  # name: (N, K) at TP = 8
 K_TOP = 8

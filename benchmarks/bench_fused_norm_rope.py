@@ -41,7 +41,7 @@ from benchmarks.harness import (TraceTimes, command_line, device_peaks, median_s
                                 traced_times, write_json)
 from kernels import fp8_formats as f8
 from kernels import fused_norm_rope as fnr
-from kernels import fused_norm_rope_triton as fnt
+from kernels.fused_norm_rope import triton as fnt
 
 RQ, R, DR, DI = 2048, 512, 64, 128
 PAGE = 64

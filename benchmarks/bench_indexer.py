@@ -37,7 +37,10 @@ import numpy as np
 
 from benchmarks.harness import (Budget, budgeted_sweep, command_line, micros, per_op_time, per_rep, record, timeit,
                                 trace_micros, traced_times_or_none, write_json)
-from kernels import fp8_formats, indexer, indexer_mosaic, indexer_triton, topk_triton
+from kernels import fp8_formats, indexer
+from kernels.indexer import mosaic as indexer_mosaic
+from kernels.indexer import triton as indexer_triton
+from kernels.indexer import topk_triton
 
 HI, DI, TOPK, CTX, PAGE = 32, 128, 2048, 32768, 64
 OLD_SCORES = dict(block_s=128, block_t=1, num_warps=4, num_stages=1, block_n=0)  # the one-tile kernel of before

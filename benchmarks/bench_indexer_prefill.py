@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.harness import command_line, record, timeit, write_json
-from kernels import fp8_formats, indexer, indexer_triton
+from kernels import fp8_formats, indexer
+from kernels.indexer import triton as indexer_triton
 
 HI, DI, TOPK, CTX, PAGE = 32, 128, 2048, 32768, 64
 

@@ -46,7 +46,8 @@ import numpy as np
 
 from benchmarks.harness import (Budget, command_line, cu_profiler, device_peaks, per_rep, record, trace_micros,
                                 traced_times_or_none, write_json)
-from kernels import fp8_formats, sparse_mla, sparse_mla_triton
+from kernels import fp8_formats, sparse_mla
+from kernels.sparse_mla import triton as sparse_mla_triton
 
 H, R, DR, K, CTX = 64, 512, 64, 2048, 32768
 SCALE = (192 + 64) ** -0.5

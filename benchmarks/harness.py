@@ -117,7 +117,7 @@ def traced_times(call: Callable[[], Any], runs: int = 5, before: Callable[[], An
     too, e.g. an L2 flush, by default a one-kernel marker that ends a run for `span_seconds`: its kernels count in
     `kernel`, so take differences, as `per_op_traced_times` does; not in `span`, which follows the call's own
     executable), from one `jax.profiler` trace, divided by `runs`. `keep`: a path the trace's .xplane.pb is copied
-    to (for `benchmarks/diag_launch_gap.py --summarise`).
+    to (for `benchmarks/diagnostics/diag_launch_gap.py --summarise`).
     Unlike a host clock, neither figure counts the host's work before the device starts. RuntimeError where the
     trace holds no GPU plane."""
     check_count("runs", runs, 1)

@@ -17,7 +17,9 @@ from typing import Callable
 
 import numpy as np
 
-from .fp8_codec import E4M3, FP8_BLOCK, dequantize_blocks_np, quantize_blocks
+from kernels.common.fp8_formats import E4M3, dequantize_blocks_np
+from kernels.common.fp8_formats import WEIGHT_BLOCK as FP8_BLOCK
+from kernels.common.fp8_formats import quantize_blocks_np as quantize_blocks
 from .loader import HFCheckpoint
 from .safetensors_io import CheckpointError
 from .writer import write_hf_tensors

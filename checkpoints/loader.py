@@ -29,7 +29,8 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from .fp8_codec import FP8_BLOCK, dequantize_blocks_np, quantize_blocks
+from kernels.common.fp8_formats import WEIGHT_BLOCK as FP8_BLOCK
+from kernels.common.fp8_formats import dequantize_blocks_np, quantize_blocks_np as quantize_blocks
 from .layout import (ParamSpec, assemble_shard, fp8_scale_shape, hf_index, is_mtp_key, kept_fp8_spec,
                      ours_from_hf_blocks, param_specs)
 from .mtp_layout import mtp_layer_index, mtp_param_specs
@@ -247,7 +248,7 @@ def hf_fp8_plan(ckpt: HFCheckpoint, specs: dict[str, ParamSpec], quantization) -
 
 class _QuantizedView:
     """`ckpt` with its linear weights read as block-quantised e4m3 (quantization "fp8" of a bf16 / fp32 checkpoint):
-    each HF tensor quantised on the host when first asked for (`fp8_codec.quantize_blocks`, 128 x 128 blocks) and
+    each HF tensor quantised on the host when first asked for (`quantize_blocks_np`, 128 x 128 blocks) and
     kept for the parameter being loaded (one view per parameter)."""
 
     def __init__(self, ckpt: HFCheckpoint):

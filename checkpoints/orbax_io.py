@@ -44,7 +44,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from .fp8_codec import E4M3
+from kernels.common.fp8_formats import E4M3
 from .fp8_device import dequantize_kept, quantize_kept
 from .layout import fp8_scale_shape, kept_fp8_spec, param_specs
 from .mtp_layout import mtp_param_specs

@@ -300,7 +300,19 @@ def _info_plan(args, cfg):
 INFO_SEQUENCE = 32768
 
 
+def _simulate_devices(n: int) -> None:
+    """`info --kernels` traces the step and runs nothing: on the CPU, over n simulated devices, unless jax's
+    backends have already started (then the devices there are)."""
+    import jax
+    from jax._src import xla_bridge
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", n)
+
+
 def cmd_info(args) -> int:
+    if args.kernels:
+        _simulate_devices(args.tensor_parallel_size)
     import numpy as np
 
     from checkpoints.layout import param_specs
@@ -311,6 +323,12 @@ def cmd_info(args) -> int:
 
     cfg = configs.get(args.preset) if args.preset else GlmDsaConfig.from_pretrained(args.checkpoint)
     parallel = resolve_parallel(_parallel(args), cfg)
+    if args.kernels:  # the kernels registry's dispatch table for these shapes on a GPU (traced, nothing runs)
+        from glm_dsa.model.kernel_table import dispatch_table, format_table
+        table = dispatch_table(cfg, parallel=parallel, kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype,
+                               quantization=args.quantization)
+        print(json.dumps(table, indent=2) if args.json else format_table(table))
+        return 0
     plan = _info_plan(args, cfg)
     total, without = param_bytes_per_device(cfg, parallel, False, args.dtype, plan)
     _, with_qrep = param_bytes_per_device(cfg, parallel, True, args.dtype, plan) if parallel.dcp > 1 else (0, without)
@@ -465,6 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--preset", choices=PRESET_NAMES)
     i.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     i.add_argument("--json", action="store_true")
+    i.add_argument("--kernels", action="store_true",
+                   help="print which kernel impl='auto' runs on a GPU for each op of this model's step (decode "
+                        "B=1/32/128, a prefill chunk of 2048): the kernels registry's rules, traced on this machine")
     _add_quantization_flag(i)
     i.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "fp8_ds_mla"])
     i.add_argument("--device-memory", type=_positive(float), default=141.0, metavar="GiB",

@@ -1,13 +1,17 @@
-"""One dispatch rule for every op: a registry of implementations per op name.
+"""The one place that chooses an impl: a registry of implementations per op, and of the rules that choose.
 
-Each op module registers its impls at import: "xla" (the plain-jnp oracle), "triton" (the Pallas Triton
+Each op package registers its impls at import: "xla" (the plain-jnp oracle), "triton" (the Pallas Triton
 kernel, compiled natively) and "triton_interpret" (the SAME kernel function run by the Pallas interpreter:
 the registry passes `interpret=True`, nothing else differs); an op with a Pallas Mosaic GPU kernel adds
-"mosaic" and "mosaic_interpret" the same way. "auto" is every op's per-shape choice (`register_auto`): a
-function of the op's arguments naming the impl measured fastest for them (the GPU default). A
-kernel impl names its function as "module:function" and is imported on first use, so dispatching to "xla"
-never imports Pallas Triton. Each impl may carry a `supports(*args, **kwargs)` check that returns why it
-cannot take the given shapes/dtypes (None when it can).
+"mosaic" and "mosaic_interpret" the same way. A kernel impl names its function as "module:function" and is
+imported on first use, so dispatching to "xla" never imports Pallas. Each impl may carry a
+`supports(*args, **kwargs)` check that returns why it cannot take the given shapes/dtypes (None when it can).
+
+Every choice made per shape is a named `Rule` registered here: "<op>.auto" (which impl "auto" runs: the GPU
+default) and the forms an impl or the model picks ("moe.fp8_form", "indexer.scores_form", "topk.auto",
+"fp8_linear.model_form", "cache_offsets", ...). A rule is a function of the platform and the op's arguments
+(shapes and dtypes only), so `deciding_for("gpu")` makes a CPU answer for a GPU, and `record()` collects the
+decisions a traced step takes (`glm_dsa.model.kernel_table`, `python -m glm_dsa info --kernels`).
 
 `dispatch(op, impl, *args, **kwargs)` raises ValueError for an unknown impl (naming the op and the available
 impls) and for an impl that does not support the inputs (naming the constraint): never a silent fallback.
@@ -15,6 +19,8 @@ impls) and for an impl that does not support the inputs (naming the constraint):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import importlib
@@ -71,7 +77,36 @@ def register_mosaic(op: str, target: str, *, supports=None) -> None:
     register(op, "mosaic_interpret", target, supports=supports, interpret=True)
 
 
-_CHOOSERS: dict[str, Callable[..., str]] = {}  # op -> the "auto" rule; filled by the op modules at import
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One choice the kernels make per shape: which impl "auto" runs (rule "<op>.auto") or which form an impl
+    takes ("moe.fp8_form", "topk.auto", ...). `choose(platform, *args, **kwargs)` returns one of `choices` (None:
+    any registered impl of `op`); `platform` is "gpu" or another jax backend name, an input of the rule so that
+    the table of choices for a GPU can be computed anywhere (`deciding_for`)."""
+    name: str
+    op: str
+    choose: Callable[..., str]
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def summary(self) -> str:
+        """The first line of the rule's docstring."""
+        return (self.choose.__doc__ or "").strip().split("\n")[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One decision taken while `record` was on: the rule, what it chose, on which platform, and the shapes and
+    dtypes of the array arguments it was asked about."""
+    rule: str
+    choice: str
+    platform: str
+    shapes: tuple
+
+
+_RULES: dict[str, Rule] = {}  # rule name -> Rule; filled by the op modules at import
+_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("kernels_platform", default=None)
+_RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("kernels_record", default=None)
 
 
 def on_gpu() -> bool:
@@ -80,10 +115,93 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def _platform() -> str:
+    return platform()
+
+
+def platform() -> str:
+    """The platform the rules decide for: the one `deciding_for` set, else "gpu" on a GPU backend, else "cpu"."""
+    forced = _PLATFORM.get()
+    if forced is not None:
+        return forced
+    return "gpu" if on_gpu() else "cpu"
+
+
+@contextlib.contextmanager
+def deciding_for(name: str):
+    """Within the block every rule decides for platform `name` ("gpu", "cpu"): what "auto" would run there. Used
+    to print or test the GPU's dispatch table on a CPU (tracing only: a kernel chosen for the GPU cannot run on
+    the CPU)."""
+    if name not in ("gpu", "cpu"):
+        raise ValueError(f"registry: platform {name!r} must be 'gpu' or 'cpu'")
+    token = _PLATFORM.set(name)
+    try:
+        yield
+    finally:
+        _PLATFORM.reset(token)
+
+
+@contextlib.contextmanager
+def record():
+    """Collect every `decide` taken within the block (also inside traced functions) as a list of `Decision`s."""
+    log: list[Decision] = []
+    token = _RECORD.set(log)
+    try:
+        yield log
+    finally:
+        _RECORD.reset(token)
+
+
+def register_rule(name: str, op: str, choose: Callable[..., str], choices: tuple[str, ...] | None = None) -> Rule:
+    """Register rule `name` of `op` (see `Rule`). Registering a name twice is an error."""
+    if name in _RULES:
+        raise ValueError(f"registry: rule {name!r} is already registered")
+    rule = Rule(name, op, choose, choices)
+    _RULES[name] = rule
+    return rule
+
+
+def rules() -> tuple[Rule, ...]:
+    """Every registered rule."""
+    return tuple(_RULES.values())
+
+
+def _shapes(args, kwargs) -> tuple:
+    out = []
+    for a in (*args, *kwargs.values()):
+        if hasattr(a, "shape") and hasattr(a, "dtype"):
+            out.append((tuple(a.shape), str(a.dtype)))
+    return tuple(out)
+
+
+def decide(name: str, *args, platform: str | None = None, **kwargs) -> str:
+    """What rule `name` chooses for these arguments on `platform` (None: `platform()`; a kernel running natively
+    passes "gpu"), recorded when `record` is on."""
+    if name not in _RULES:
+        raise ValueError(f"registry: unknown rule {name!r} (registered: {', '.join(_RULES)})")
+    rule = _RULES[name]
+    where = platform or _platform()
+    choice = rule.choose(where, *args, **kwargs)
+    allowed = rule.choices if rule.choices is not None else tuple(i for i in impls(rule.op) if i != "auto")
+    if choice not in allowed:
+        raise AssertionError(f"{rule.op}: the rule {name!r} chose {choice!r}, which is not one of "
+                             f"{', '.join(map(repr, allowed))}")
+    log = _RECORD.get()
+    if log is not None:
+        log.append(Decision(name, choice, where, _shapes(args, kwargs)))
+    return choice
+
+
+def triton_on_gpu(platform: str, *args, **kwargs) -> str:
+    """The Triton kernel on a GPU, the xla reference elsewhere."""
+    del args, kwargs
+    return "triton" if platform == "gpu" else "xla"
+
+
 def register_auto(op: str, choose: Callable[..., str] | None = None) -> None:
-    """Register "auto" for `op`: `choose(*args, **kwargs)` returns the impl to run for these arguments.
-    The default rule: "triton" on a GPU, "xla" elsewhere."""
-    _CHOOSERS[op] = choose or (lambda *a, **k: "triton" if on_gpu() else "xla")
+    """Register "auto" for `op`: the rule "<op>.auto", `choose(platform, *args, **kwargs)` returning the impl to
+    run for these arguments (default `triton_on_gpu`)."""
+    register_rule(f"{op}.auto", op, choose or triton_on_gpu)
     register(op, "auto", _auto_placeholder)
 
 
@@ -96,10 +214,7 @@ def resolve(op: str, impl: str, *args, **kwargs) -> str:
     if impl != "auto":
         return impl
     get(op, impl)
-    chosen = _CHOOSERS[op](*args, **kwargs)
-    if chosen == "auto" or chosen not in impls(op):
-        raise AssertionError(f"{op}: the auto rule chose {chosen!r}, which is not a registered impl")
-    return chosen
+    return decide(f"{op}.auto", *args, **kwargs)
 
 
 def ops() -> tuple[str, ...]:

@@ -16,10 +16,12 @@ PACKAGES = ("glm_dsa", "kernels", "sharding", "checkpoints", "benchmarks")
 ALLOWED = {
     "kernels": set(),
     "sharding": {"kernels"},
-    "checkpoints": set(),
+    "checkpoints": {"kernels"},  # kernels' array codecs only (CODEC_MODULES)
     "glm_dsa": {"kernels", "sharding", "checkpoints"},
     "benchmarks": {"glm_dsa", "kernels", "sharding", "checkpoints"},
 }
+#: the kernels modules checkpoints may import: the FP8 block codec (one codec for checkpoints and kernels)
+CODEC_MODULES = {"kernels.common.fp8_formats"}
 
 
 def _modules() -> dict[str, Path]:
@@ -124,6 +126,15 @@ def test_no_private_names_from_other_modules():
                 if n.startswith("_") and not n.startswith("__") and target != m:
                     bad.append(f"{path.relative_to(ROOT)}:{line} imports {n} from {target}")
     assert bad == []
+
+
+def test_checkpoints_take_only_the_kernels_codec():
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {target}" for m, path in MODULES.items()
+           if m.split(".")[0] == "checkpoints" for target, _, line in _imports(m, path)
+           if target.split(".")[0] == "kernels" and target not in CODEC_MODULES]
+    assert bad == []
+    assert any(target in CODEC_MODULES for m, path in MODULES.items() if m.startswith("checkpoints")
+               for target, _, _ in _imports(m, path))
 
 
 def test_packages_import_only_downwards():

@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from checkpoints.layout import padded_vocab_size
-from kernels.rope import YarnRope
+from kernels.common.rope import YarnRope
 
 MODEL_TYPE = "glm_moe_dsa"
 DEEPSEEK_V32 = "deepseek_v32"
@@ -62,7 +62,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 class YarnScaling:
     """HF `rope_parameters` of `rope_type: yarn` (DeepSeek-V3.2: factor 40 over 4096 original positions).
 
-    Frequencies: `kernels.rope.YarnRope`. Attention: the softmax scale is multiplied by
+    Frequencies: `kernels.common.rope.YarnRope`. Attention: the softmax scale is multiplied by
     `yarn_mscale(factor, mscale_all_dim)^2` when `mscale_all_dim` is set; cos / sin would be multiplied by
     `attention_factor` (given, else `yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)` when both
     are set, else `yarn_mscale(factor)`), which must come out as 1 here (DeepSeek-V3.2: mscale = mscale_all_dim)."""
@@ -232,7 +232,7 @@ class GlmDsaConfig:
 
     @property
     def rope(self) -> float | YarnRope:
-        """The rope frequencies as `kernels.rope` takes them: the base theta, or a `YarnRope`."""
+        """The rope frequencies as `kernels.common.rope` takes them: the base theta, or a `YarnRope`."""
         y = self.rope_scaling
         if y is None:
             return self.rope_theta

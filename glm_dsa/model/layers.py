@@ -17,8 +17,8 @@ from flax import nnx
 
 from checkpoints.layout import fp8_scale_shape, kept_fp8_spec, param_specs
 from kernels import fused_norm_rope, indexer, moe, rope, sparse_mla
-from kernels.chunking import map_row_chunks
-from kernels.norms import rms_norm
+from kernels.common.chunking import map_row_chunks
+from kernels.common.norms import rms_norm
 from sharding import DCP, TP, TP_AXES, ParallelConfig, dcp
 
 from . import linear

@@ -7,10 +7,9 @@ and over which mesh axes: when the slice is a whole number of 128-blocks the gri
 real model, `sharding.fp8_scale_spec`); otherwise the whole grid is replicated and each device cuts its blocks by
 its rank, passing the slice's offset inside its first block to the kernel as a traced int.
 
-Which FP8 form runs where (measured on the H200, BENCHMARKS.md "FP8 weights"): decode-sized row counts read the
-e4m3 bytes in the W8A16 kernel (the weight bytes are the cost); from `DEQUANT_ROWS` rows the weight is
-dequantised to the activations' dtype and XLA's GEMM runs (the Pallas Triton MMA path reached about half of
-cuBLAS's bf16 FLOP rate at 8192 rows, W8A8 included). impl "xla" is the float32 reference (`fp8_linear_xla`).
+Which FP8 form runs where is the kernels registry's rule "fp8_linear.model_form": decode-sized row counts read
+the e4m3 bytes in the W8A16 kernel; prefill-sized ones dequantise the weight to the activations' dtype and run
+XLA's GEMM. impl "xla" is the float32 reference (`fp8_linear_xla`).
 """
 
 from __future__ import annotations
@@ -20,11 +19,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kernels import fp8_linear
-from kernels.fp8_formats import dequantize_weight_blocks
+from kernels import fp8_linear, registry
+from kernels.common.fp8_formats import dequantize_weight_blocks
 
 BLOCK = 128
-DEQUANT_ROWS = 64  # from this many rows an FP8 linear dequantises its weight and runs XLA's GEMM (see above)
 
 
 def scale_of(module, name: str):
@@ -65,7 +63,7 @@ def apply(module, name: str, x, *, n_in: int = 1, split=None, impl: str = "xla")
             scale, k_off = local_grid(scale, k, 0, axes)
         else:
             scale, n_off = local_grid(scale, n, 1, axes)
-    if impl != "xla" and x2.shape[0] >= DEQUANT_ROWS:
+    if registry.decide("fp8_linear.model_form", x2, impl=impl) == "dequant":
         wd = dequantize_weight_blocks(w2, scale, k_off, n_off, dtype=x2.dtype)
         y = jnp.dot(x2, wd, preferred_element_type=jnp.float32).astype(x2.dtype)
     else:

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from checkpoints.layout import param_specs
 from checkpoints.mtp_layout import mtp_block_config, mtp_param_specs
 from checkpoints.random import init_stats
-from kernels.norms import rms_norm
+from kernels.common.norms import rms_norm
 from sharding import TP_AXES, ParallelConfig, cache_spec, mesh_for, param_partition_specs
 
 from .config import GlmDsaConfig

@@ -40,7 +40,7 @@ def cache_dtype(kv_cache_dtype: str, dtype) -> jnp.dtype:
     if kv_cache_dtype in ("bfloat16", "float32"):
         return jnp.dtype(kv_cache_dtype)
     if kv_cache_dtype == "fp8_ds_mla":
-        return jnp.dtype(jnp.uint8)  # byte rows: see kernels.fp8_formats
+        return jnp.dtype(jnp.uint8)  # byte rows: see kernels.common.fp8_formats
     raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
 
 
@@ -79,7 +79,7 @@ def cache_bytes_per_token(cfg: GlmDsaConfig, dtype, kv_cache_dtype: str = "auto"
 
 def max_addressable_pages(cfg: GlmDsaConfig, block_size: int, kv_cache_dtype: str = "auto") -> int | None:
     """The most pages per device whose per-layer uint8 (FP8) caches stay under 2**31 bytes, the limit of the
-    Pallas Triton kernels' 32-bit offsets (`kernels.triton_common.check_addressable`); None for caches of
+    Pallas Triton kernels' 32-bit offsets (`kernels.common.triton_common.check_addressable`); None for caches of
     wider types, which have no such limit."""
     if kv_cache_dtype != "fp8_ds_mla":
         return None

@@ -71,7 +71,7 @@ from glm_dsa.model.paged_cache import KV_CACHE_DTYPES, pages_needed
 from glm_dsa.serving.spec_decoder import SpecDecoder
 from glm_dsa.model.step import step
 from kernels import fused_norm_rope, indexer, sparse_mla
-from kernels.fp8_formats import quantize_index_rows, quantize_mla_rows
+from kernels.common.fp8_formats import quantize_index_rows, quantize_mla_rows
 from sharding import ParallelConfig
 
 #: the repository root (the folder that holds the glm_dsa package): where the commit is read and a script's path

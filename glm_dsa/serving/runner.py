@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kernels import default_impl
+from kernels import default_impl, registry
 from sharding import ParallelConfig, cache_spec, mesh_for
 from sharding.dcp import local_position
 
@@ -130,8 +130,8 @@ class ModelRunner:
         self.mesh = mesh_for(self.parallel)
         check_mesh_spans_processes(self.mesh)
         # FP8 caches over 2 GiB per layer are misaddressed by the Triton kernels (32-bit offsets)
-        triton = self.impl in ("triton", "auto")
-        max_pages = max_addressable_pages(config, block_size, kv_cache_dtype) if triton else None
+        int32 = registry.decide("cache_offsets", impl=self.impl) == "int32"
+        max_pages = max_addressable_pages(config, block_size, kv_cache_dtype) if int32 else None
         if num_pages is not None:
             # per DCP rank; page 0 is the padding page, so one sequence needs pages_per_seq + 1
             self.num_pages = check_positive_int("num_pages", num_pages, minimum=2)

@@ -123,7 +123,7 @@ def test_random_fp8_caches_hold_valid_rows():
 
     from benchmarks.bench_engine import decode_engine
     from glm_dsa.model.random_init import init_params
-    from kernels.fp8_formats import dequantize_index_rows, dequantize_mla_rows
+    from kernels.common.fp8_formats import dequantize_index_rows, dequantize_mla_rows
 
     cfg = configs.tiny
     eng = decode_engine(cfg, init_params(cfg), None, "bfloat16", "xla", 2, 64, "fp8_ds_mla")

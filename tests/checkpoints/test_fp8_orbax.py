@@ -1,6 +1,7 @@
 """FP8 weights in orbax checkpoints: e4m3 leaves and their float32 '<path>_scale' grids saved and restored as they
 are (bytes and shardings), dequantised on restore (quantization "none"), and bf16 weights quantised on restore
-(quantization "fp8"), each against a numpy oracle (`fp8_codec`); random benchmark parameters use the same quantiser."""
+(quantization "fp8"), each against a numpy oracle (`fp8_formats.quantize_blocks_np`); random benchmark parameters
+use the same quantiser."""
 
 import ml_dtypes
 import numpy as np
@@ -10,7 +11,7 @@ from jax.sharding import PartitionSpec
 import glm_dsa
 from checkpoints import CheckpointError, load_hf_params, load_orbax_params, orbax_io, save_orbax_params
 from checkpoints.fp8_blocks import write_fp8_release
-from checkpoints.fp8_codec import dequantize_blocks_np, quantize_blocks
+from checkpoints.fp8_blocks import dequantize_blocks_np, quantize_blocks
 from checkpoints.layout import fp8_scale_shape, kept_fp8_spec, param_specs
 from checkpoints.loader import HFCheckpoint
 from checkpoints.quantization import fp8_eligible, scale_path

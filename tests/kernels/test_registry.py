@@ -72,12 +72,47 @@ def test_auto_is_the_xla_oracle_off_the_gpu(op):
 def test_auto_rule_must_name_a_registered_impl(monkeypatch):
     monkeypatch.setitem(registry._OPS, "toy", {})
     registry.register("toy", "xla", lambda x: x)
-    monkeypatch.setitem(registry._CHOOSERS, "toy", lambda x: "fast")
+    monkeypatch.setitem(registry._RULES, "toy.auto", registry.Rule("toy.auto", "toy", lambda platform, x: "fast"))
     registry.register("toy", "auto", registry._auto_placeholder)
-    with pytest.raises(AssertionError, match="toy: the auto rule chose 'fast'"):
+    with pytest.raises(AssertionError, match="toy: the rule 'toy.auto' chose 'fast', which is not one of 'xla'"):
         registry.dispatch("toy", "auto", 1)
-    monkeypatch.setitem(registry._CHOOSERS, "toy", lambda x: "xla")
+    monkeypatch.setitem(registry._RULES, "toy.auto", registry.Rule("toy.auto", "toy", lambda platform, x: "xla"))
     assert registry.dispatch("toy", "auto", 3) == 3
+
+
+def test_rules_take_the_platform_and_are_recorded():
+    """A rule decides for the platform `deciding_for` names (not the backend it runs on), and `record` keeps every
+    decision with the shapes it was asked about."""
+    sds = jax.ShapeDtypeStruct  # rules read shapes and dtypes only
+    q, cache, idx = sds((4, 64, 576), jnp.bfloat16), sds((64, 576), jnp.bfloat16), sds((4, 2048), jnp.int32)
+    with registry.record() as log:
+        assert registry.resolve("sparse_mla", "auto", q, cache, idx, scale=0.1, kv_lora_rank=512) == "xla"
+        with registry.deciding_for("gpu"):
+            assert kernels.default_impl() == "auto"
+            assert registry.resolve("sparse_mla", "auto", q, cache, idx, scale=0.1, kv_lora_rank=512) == "mosaic"
+            assert registry.resolve("sparse_mla", "auto", q, cache, idx, scale=0.1, kv_lora_rank=512,
+                                    block_k=32) == "triton"  # Triton launch options name the Triton kernel
+    assert [(d.rule, d.choice, d.platform) for d in log] == [
+        ("sparse_mla.auto", "xla", "cpu"), ("sparse_mla.auto", "mosaic", "gpu"), ("sparse_mla.auto", "triton", "gpu")]
+    assert log[0].shapes == (((4, 64, 576), "bfloat16"), ((64, 576), "bfloat16"), ((4, 2048), "int32"))
+    with pytest.raises(ValueError, match="platform 'tpu' must be 'gpu' or 'cpu'"):
+        with registry.deciding_for("tpu"):
+            pass
+    with pytest.raises(ValueError, match="unknown rule 'nope'"):
+        registry.decide("nope")
+
+
+def test_every_choice_is_a_registered_rule():
+    """The rules the package registers, one per choice (a new choice made elsewhere is a new rule here)."""
+    assert {r.name for r in registry.rules()} == {
+        "cache_offsets", "fp8_linear.auto", "fp8_linear.model_form", "fused_norm_rope.auto", "indexer.auto",
+        "indexer.scores_form", "lse_merge.auto", "moe.auto", "moe.fp8_form", "moe.xla_form", "sparse_mla.auto",
+        "topk.auto"}
+    assert all(r.summary for r in registry.rules())  # each says what it picks (info --kernels prints it)
+    with registry.deciding_for("gpu"):
+        assert registry.decide("cache_offsets", impl="auto") == "int32"
+    assert registry.decide("cache_offsets", impl="auto") == "int64"  # "auto" is xla off the GPU
+    assert registry.decide("cache_offsets", impl="triton") == "int32"
 
 
 def test_unknown_impl_raises_even_when_moe_mode_forces_xla():
@@ -128,20 +163,34 @@ def test_xla_dispatch_imports_no_triton_module():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(KERNELS_DIR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
 def _intra_imports():
-    """{module: [(imported module, names)]} over kernels/*.py, every `from .x import ...` / `from . import x`
-    at any depth (function-level imports too)."""
-    mods = {p.stem: ast.parse(p.read_text()) for p in KERNELS_DIR.glob("*.py")}
-    edges = {m: [] for m in mods}
-    for m, tree in mods.items():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                if node.module:
-                    edges[m].append((node.module, [a.name for a in node.names]))
+    """{module: [(imported module, names)]} over every module under kernels/ (dotted names), every relative or
+    `kernels.` import at any depth (function-level imports too); `from pkg import sub` counts as importing the
+    module pkg.sub."""
+    files = {_module_name(p): p for p in KERNELS_DIR.rglob("*.py")}
+    edges = {m: [] for m in files}
+    for m, path in files.items():
+        package = m if path.name == "__init__.py" else m.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            elif (node.module or "").startswith("kernels"):
+                mod = node.module
+            else:
+                continue
+            for a in node.names:
+                if f"{mod}.{a.name}" in files:
+                    edges[m].append((f"{mod}.{a.name}", []))
                 else:
-                    edges[m] += [(a.name, []) for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kernels."):
-                edges[m].append((node.module.split(".")[1], [a.name for a in node.names]))
+                    edges[m].append((mod, [a.name]))
     return edges
 
 
@@ -149,7 +198,7 @@ def test_no_private_imports_and_no_cycles():
     edges = _intra_imports()
     private = [(m, t, n) for m, es in edges.items() for t, names in es for n in names if n.startswith("_")]
     assert not private, private
-    graph = {m: {t for t, _ in es if t in edges} for m, es in edges.items() if m != "__init__"}
+    graph = {m: {t for t, _ in es if t in edges} for m, es in edges.items() if m != "kernels"}
     state = {}
 
     def visit(m, path):
@@ -163,13 +212,16 @@ def test_no_private_imports_and_no_cycles():
 
     for m in graph:
         visit(m, [])
-    for m in ("indexer_triton", "moe_triton", "fused_norm_rope_triton", "sparse_mla_triton"):
-        assert not ({t for t in graph[m] if t.endswith("_triton")}), (m, graph[m])  # helpers: triton_common
-    assert "moe_triton" not in graph["moe"]
+    kernel_modules = [m for m in graph if m.endswith(".triton")]
+    assert len(kernel_modules) == 6, kernel_modules
+    for m in kernel_modules:  # a kernel module imports no other op's kernel module (shared helpers: kernels.common)
+        assert not {t for t in graph[m] if t.endswith("triton") and t != m}, (m, graph[m])
+    assert "kernels.moe.triton" not in graph["kernels.moe"]  # the op imports its kernel on first use only
 
 
 def test_no_settings_in_module_globals():
     """The old top-k switch (a module global read at call time) is gone; the radix select with it."""
     assert not hasattr(indexer, "TOPK_IMPL")
-    from kernels import indexer_triton
+    from kernels.indexer import triton as indexer_triton
     assert not hasattr(indexer_triton, "topk_triton")
+    assert not hasattr(sparse_mla, "MOSAIC_MIN_ROWS")  # a threshold of one row: the rule says "from one row"

@@ -19,7 +19,7 @@ from glm_dsa.model.config import indexer_schedule
 from glm_dsa.model.options import StepOptions, resolve_options
 from glm_dsa.model.paged_cache import owner_slots, pages_needed
 from kernels import default_impl
-from kernels.chunking import map_row_chunks
+from kernels.common.chunking import map_row_chunks
 from sharding import DCP, ParallelConfig
 from sharding import dcp as dcp_mod
 

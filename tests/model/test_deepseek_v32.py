@@ -15,7 +15,7 @@ from checkpoints.random import write_random_checkpoint
 from glm_dsa import ParallelConfig, configs
 from glm_dsa.cli import main
 from glm_dsa.model.config import ConfigError, GlmDsaConfig
-from kernels.rope import YarnRope, inv_freq
+from kernels.common.rope import YarnRope, inv_freq
 
 # The fields of DeepSeek-V3.2-Exp's config.json (HF layout, FP8 release) that matter here, as released.
 RELEASE = {

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import glm_dsa
 from checkpoints import CheckpointError
 from checkpoints.fp8_blocks import write_fp8_release
-from checkpoints.fp8_codec import quantize_blocks
+from checkpoints.fp8_blocks import quantize_blocks
 from checkpoints.loader import HFCheckpoint
 from checkpoints.random import write_random_checkpoint
 from sharding import TP, TP_AXES, ParallelConfig, fp8_scale_spec

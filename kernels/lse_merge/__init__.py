@@ -1,0 +1,31 @@
+"""Merge partial attention results by their log-sum-exp (docs/math.md §6): the identity of a split is (0, -inf)."""
+
+from __future__ import annotations
+
+from .. import registry
+from .reference import merge_partials, merge_splits_xla  # noqa: F401 (merge_partials: the DCP merge)
+
+
+def merge_splits(o, lse, *, impl: str = "xla", **kernel_options):
+    """The merge of split-K partials o [N, T, H, R] / lse [N, T, H] over N (the attention kernels' second step):
+    (o [T, H, R] float32, lse [T, H]). impl (`kernels.registry`): "xla" (`merge_partials(axis=0)`, the oracle),
+    "triton" / "triton_interpret" (one Pallas Triton launch, `kernels.lse_merge.triton`; `kernel_options` are its
+    launch fields), "auto" (the kernel on a GPU where it takes the partials, else xla)."""
+    return registry.dispatch("lse_merge", impl, o, lse, **kernel_options)
+
+
+def choose_impl(platform: str, o, lse, **kernel_options) -> str:
+    """The Triton merge on a GPU where it takes the partials (one launch against XLA's five passes), else xla."""
+    if platform != "gpu":
+        return "xla"
+    try:
+        registry.check("lse_merge", "triton", o, lse)
+        return "triton"
+    except ValueError:
+        return "xla"
+
+
+registry.register("lse_merge", "xla", merge_splits_xla)
+registry.register_triton("lse_merge", "kernels.lse_merge.triton:merge_partials_triton",
+                         supports="kernels.lse_merge.triton:supports")
+registry.register_auto("lse_merge", choose_impl)

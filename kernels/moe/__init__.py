@@ -1,0 +1,216 @@
+"""Routed SwiGLU experts (docs/math.md §2, MoE): y[t] = sum_j w[t, j] * down_e(silu(x[t] gate_e) * (x[t] up_e)),
+e = experts[t, j].
+
+Weights: gate, up [E, D, I]; down [E, I, D] (I is this shard's slice under TP). Returns float32 [T, D].
+
+Forms (`mode`, impl="xla"), each reading weights differently:
+  "gather": gather the chosen experts' weights per (token, expert) pair: cheapest for a few pairs (decode, B = 1);
+  "dense":  every expert over every token, masked by the routing weights: reads each expert once (mid batch);
+  "tiles":  pairs sorted by expert into tiles of one expert each, one GEMM chain per tile in a scan (prefill);
+  "ragged": one `jax.lax.ragged_dot` per projection (XLA's GPU lowering materialises a dense
+            [rows, experts x width] product: kept as an option, not picked).
+impl="triton" runs the same tile layout (kernels/moe/tiles.py) as one grouped-GEMM Pallas kernel per projection
+(kernels/moe/triton.py):
+each non-empty tile reads its expert's weights once, so a decode step reads only the experts it uses.
+FP8 experts (e4m3 weights with float32 128 x 128 block scales, docs/math.md §11): `routed_experts(...,
+wg_scale=, wu_scale=, wd_scale=, i_offset=)`; the kernels read the e4m3 bytes (W8A16: each tile dequantised in
+registers), the xla forms run over the experts dequantised to float32 (the reference). `w_layout="nk"`: FP8
+experts stored K-major (each expert in the release's [out, in] form, the scale grids untransposed).
+impl="tokamax" runs FP8 K-major experts through tokamax's grouped GEMM (kernels/moe/tokamax.py) when asked for by
+name; "auto" does not take it (`_choose`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import registry
+from ..common.fp8_formats import FP8, dequantize_weight_blocks
+from ..fp8_linear import check_offset, check_scale_grid
+from .reference import DENSE_MAX_TOKENS, MODES, experts_xla, pick_mode  # noqa: F401
+from .tiles import tile_rows
+
+
+def _xla_form(platform: str, t: int, k: int, n_exp: int) -> str:
+    """"gather" for a few (token, expert) pairs, "dense" up to DENSE_MAX_TOKENS rows, "tiles" beyond."""
+    del platform  # the xla forms are chosen by shape alone
+    if t * k <= n_exp // 4:
+        return "gather"
+    return "dense" if t <= DENSE_MAX_TOKENS else "tiles"
+
+
+def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: str | None = None,
+                   wg_scale=None, wu_scale=None, wd_scale=None, i_offset=0, w_layout: str = "kn", **kernel_options):
+    """float32 [T, D]: the routed SwiGLU experts of rows `x` [T, D] at `experts` [T, k] (int) with routing
+    `weights` [T, k]; gate/up [E, D, I], down [E, I, D].
+
+    impl (`kernels.registry`): "xla" (the forms above), "triton" (the grouped-GEMM Pallas kernel, any widths),
+    "triton_interpret" (that kernel interpreted: CPU tests), "tokamax" (FP8 K-major experts of whole blocks
+    through tokamax's grouped GEMM, W8A16 in float16: `kernels.moe.tokamax`, by name only). `mode` forces one
+    xla form whatever `impl` says
+    (the model's switch for comparing forms). `kernel_options` go to `triton.grouped_swiglu` (config, tile,
+    bn_up, bk_up, bn_down, bk_down, num_warps, num_stages, k_split, packed; for FP8 experts `form`, one of
+    `FP8_FORMS`, default `fp8_form` by shape).
+
+    FP8 experts (docs/math.md §11): gate/up/down float8_e4m3fn in the layout above (the HF [out, in] experts
+    transposed and stacked, as `checkpoints.layout` does) with float32 block scales in the same orientation:
+    `wg_scale`, `wu_scale` [E, ceil(D / 128), ceil((i_offset + I) / 128)], `wd_scale` [E, ceil((i_offset + I) /
+    128), ceil(D / 128)] (the HF `weight_scale_inv` grids transposed and stacked). `i_offset` (an int in [0, 128)
+    or a traced int32 scalar): where this TP shard's expert-width slice starts inside its first scale block.
+    The kernels read the e4m3 bytes (`fp8_form`: W8A8 or W8A16 per shape) or, for prefill, run over the experts
+    dequantised in x's dtype; "xla" is the float32 reference.
+
+    `w_layout` "nk" (FP8 experts only; bf16/float32 experts are always "kn"): K-major stacks, each expert in the
+    HF release's [out, in] form, gate/up [E, I, D] and down [E, D, I], with their scale grids in the same
+    orientation (the HF grids stacked, not transposed): `wg_scale`, `wu_scale` [E, ceil((i_offset + I) / 128),
+    ceil(D / 128)], `wd_scale` [E, ceil(D / 128), ceil((i_offset + I) / 128)]; `i_offset` as above (on the width
+    axis, wherever it lies). The result is the same function of the same dequantised experts. Per path:
+      xla (impl "xla" or a forced `mode`): the reference, over the stacks and grids swapped back to "kn";
+      form "w8a8" (decode tiles of whole blocks): the kernels read the K-major bytes and grids as given (Hopper's
+        fp8 MMA takes K-major B without a transpose);
+      form "dequant" (prefill tiles): the experts dequantised in x's dtype in their stored orientation and
+        swapped to "kn" (behind the same barrier as "kn" experts), then the bf16 kernels;
+      form "w8a16" (ragged widths, a shard starting mid-block, or asked for): a "kn" copy of the stacks and grids
+        per call, then the W8A16 kernels (see `_nk_to_kn`)."""
+    if w_layout not in ("kn", "nk"):
+        raise ValueError(f"moe: w_layout {w_layout!r} is not one of 'kn', 'nk'")
+    nk = w_layout == "nk"
+    if nk:
+        e, i, d = wg.shape
+        want = "gate/up [E, I, D], down [E, D, I] (w_layout 'nk')"
+    else:
+        e, d, i = wg.shape
+        want = "gate/up [E, D, I], down [E, I, D]"
+    if x.shape[-1] != d or wu.shape != wg.shape or wd.shape != ((e, d, i) if nk else (e, i, d)):
+        raise ValueError(f"moe: x {x.shape}, gate {wg.shape}, up {wu.shape}, down {wd.shape} do not agree "
+                         f"(want x [T, D], {want})")
+    if experts.shape != weights.shape or experts.shape[0] != x.shape[0]:
+        raise ValueError(f"moe: experts {experts.shape} and weights {weights.shape} must both be [T={x.shape[0]}, k]")
+    fp8 = _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset, nk)
+    # "auto" -> the concrete impl, before the branches below read it
+    impl = registry.resolve("moe", impl, x, experts, weights, wg, wu, wd, w_layout=w_layout, **fp8)
+    if nk and (mode is not None or impl == "xla"):  # the xla reference: over the stacks swapped back to "kn"
+        wg, wu, wd, fp8 = _nk_to_kn(wg, wu, wd, fp8)
+        nk = False
+    if mode is not None:
+        if kernel_options:
+            raise ValueError(f"moe: mode {mode!r} forces an xla form, which takes no kernel options "
+                             f"({sorted(kernel_options)})")
+        registry.get("moe", impl)  # an unknown impl is an error even when `mode` overrides it
+        return experts_xla(x, experts, weights, wg, wu, wd, mode=mode, **fp8)
+    if impl == "tokamax":  # FP8 K-major stacks through the library's grouped GEMM (kernels/moe/tokamax.py)
+        return registry.dispatch("moe", impl, x, experts, weights, wg, wu, wd, w_layout=w_layout, **fp8,
+                                 **kernel_options)
+    if fp8 and impl != "xla":
+        form = kernel_options.pop("form", None) or fp8_form(experts.shape[0], experts.shape[1], e, d, i,
+                                                            fp8["i_offset"])
+        if form not in FP8_FORMS:
+            raise ValueError(f"moe: form {form!r} is not one of {', '.join(map(repr, FP8_FORMS))}")
+        if form == "dequant":  # prefill: the bf16 kernels over the experts dequantised in x's dtype
+            # the barrier ties the weights to this layer's rows: without it XLA dequantises every layer's experts
+            # at the start of the step (they depend on nothing), all alive at once (55 GiB at TP = 1: OOM)
+            x, wg, wu, wd = jax.lax.optimization_barrier((x, wg, wu, wd))
+            off = fp8["i_offset"]
+            # (row, column) offsets of each grid: the width axis is I, columns of gate/up and rows of down in
+            # "kn", the other way round in "nk"
+            offsets = ((off, 0), (off, 0), (0, off)) if nk else ((0, off), (0, off), (off, 0))
+            wg, wu, wd = (dequantize_weight_blocks(w, fp8[n], r, c, x.dtype, convert=True) for w, n, (r, c) in
+                          zip((wg, wu, wd), ("wg_scale", "wu_scale", "wd_scale"), offsets))
+            if nk:  # the bf16 kernels take [E, K, N] stacks (a swap XLA can fuse into the dequantising pass)
+                wg, wu, wd = (jnp.swapaxes(w, 1, 2) for w in (wg, wu, wd))
+            return registry.dispatch("moe", impl, x, experts, weights, wg, wu, wd, **kernel_options)
+        if nk and form == "w8a8":
+            kernel_options["w_layout"] = "nk"
+        elif nk:  # W8A16 reads [E, K, N] stacks only
+            wg, wu, wd, fp8 = _nk_to_kn(wg, wu, wd, fp8)
+        kernel_options["form"] = form
+    return registry.dispatch("moe", impl, x, experts, weights, wg, wu, wd, **fp8, **kernel_options)
+
+
+def _nk_to_kn(wg, wu, wd, fp8: dict):
+    """K-major FP8 stacks (gate/up [E, I, D], down [E, D, I]) and their grids -> the [E, K, N] form (gate/up
+    [E, D, I], down [E, I, D], grids swapped alike). A full transposed copy of every expert per call: only the
+    xla reference and the W8A16 kernels take it, and W8A16 is picked for ragged widths or a shard starting
+    mid-block only (the test models, GLM-5.2 at TP >= 32), where that cost is accepted; the production shapes run
+    W8A8 on the K-major bytes (decode) or dequantise in one pass (prefill)."""
+    wg, wu, wd = (jnp.swapaxes(w, 1, 2) for w in (wg, wu, wd))
+    fp8 = dict(fp8, **{n: jnp.swapaxes(fp8[n], 1, 2) for n in ("wg_scale", "wu_scale", "wd_scale")})
+    return wg, wu, wd, fp8
+
+
+FP8_FORMS = ("w8a8", "w8a16", "dequant")
+
+
+def fp8_form(t: int, k: int, n_exp: int, d: int, i: int, i_offset) -> str:
+    """How the grouped-GEMM kernels compute FP8 experts at T rows of k experts each: the rule "moe.fp8_form"."""
+    return registry.decide("moe.fp8_form", t, k, n_exp, d, i, i_offset)
+
+
+def _fp8_form(platform: str, t: int, k: int, n_exp: int, d: int, i: int, i_offset) -> str:
+    """"w8a8" for decode-sized tiles, "dequant" for prefill-sized ones, "w8a16" for ragged or mid-block shards.
+
+    Decode-sized tiles (under 64 rows) of whole 128-blocks on a block boundary take "w8a8" (rows quantised per
+    128-block, e4m3 x e4m3 on the fp8 tensor cores: faster than the bf16 kernel there, where W8A16's in-register
+    conversion is slower than bf16); prefill-sized tiles take "dequant" (the experts dequantised in x's dtype,
+    then the bf16 kernels: both FP8 kernels run well under the bf16 kernel's rate there); ragged widths or a shard
+    starting mid-block take "w8a16" (BENCHMARKS.md, FP8 weights)."""
+    del platform  # called on the kernel path only
+    aligned = isinstance(i_offset, int) and i_offset == 0 and d % 128 == 0 and i % 128 == 0
+    if not aligned:
+        return "w8a16"
+    return "dequant" if tile_rows(t, k, n_exp) >= 64 else "w8a8"
+
+
+def _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset, nk: bool = False) -> dict:
+    """{} for bf16/float32 experts; the scale keywords for FP8 ones, after checking every weight is e4m3 with its
+    float32 scale grid of the right shape for the layout (`nk`: K-major stacks and grids) (TypeError /
+    ValueError naming the tensor)."""
+    names = ("gate", "up", "down")
+    ws, scales = (wg, wu, wd), (wg_scale, wu_scale, wd_scale)
+    is_fp8 = [jnp.dtype(w.dtype) == FP8 for w in ws]
+    if nk and not any(is_fp8):
+        raise ValueError(f"moe: w_layout 'nk' is for FP8 experts (float8_e4m3fn); these are {wg.dtype}, "
+                         "which take the 'kn' layout")
+    if not any(is_fp8):
+        given = [f"{n}_scale" for n, s in zip(names, scales) if s is not None]
+        if given:
+            raise ValueError(f"moe: {', '.join(given)} given but the experts are {wg.dtype}, not float8_e4m3fn "
+                             "(a scale without its FP8 weight)")
+        if not (isinstance(i_offset, int) and i_offset == 0):
+            raise ValueError(f"moe: i_offset {i_offset!r} applies to FP8 experts only")
+        return {}
+    if not all(is_fp8):
+        raise TypeError(f"moe: FP8 experts need gate, up and down all float8_e4m3fn, got {wg.dtype}, {wu.dtype}, "
+                        f"{wd.dtype}")
+    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype) == FP8:
+        raise TypeError(f"moe: x must be float16/bfloat16/float32 with FP8 experts, got {x.dtype}")
+    missing = [f"{n}_scale" for n, s in zip(names, scales) if s is None]
+    if missing:
+        raise ValueError(f"moe: FP8 experts without their block scales: {', '.join(missing)} missing")
+    check_offset("i_offset", i_offset, "moe")
+    e = wg.shape[0]
+    for n, w, s in zip(names, ws, scales):
+        # the offset sits on the width axis: gate/up columns and down rows in "kn", the other way round in "nk"
+        width_rows = (n == "down") != nk
+        rows, cols = w.shape[1:]
+        roff, coff = (i_offset, 0) if width_rows else (0, i_offset)
+        check_scale_grid(f"moe: {n}_scale", s, rows, cols, roff, coff, lead=(e,))
+    return dict(wg_scale=wg_scale, wu_scale=wu_scale, wd_scale=wd_scale, i_offset=i_offset)
+
+
+def _choose(platform: str, x, experts, weights, wg, wu, wd, *, w_layout: str = "kn", **fp8) -> str:
+    """The Triton grouped GEMM on a GPU, xla elsewhere; never tokamax (by name only).
+
+    Not tokamax, though the op alone was measured faster for TP = 1 FP8 stacks at 8-128 rows: with "auto" taking
+    it the engine's FP8 prefill was several times slower (BENCHMARKS.md, tokamax; the cause is not found)."""
+    del x, experts, weights, wg, wu, wd, w_layout, fp8
+    return "triton" if platform == "gpu" else "xla"
+
+
+registry.register("moe", "xla", experts_xla)
+registry.register_triton("moe", "kernels.moe.triton:grouped_swiglu")
+registry.register_auto("moe", _choose)
+registry.register_rule("moe.xla_form", "moe", _xla_form, MODES)
+registry.register_rule("moe.fp8_form", "moe", _fp8_form, ("w8a8", "w8a16", "dequant"))
+registry.register("moe", "tokamax", "kernels.moe.tokamax:routed_experts", supports="kernels.moe.tokamax:supports")

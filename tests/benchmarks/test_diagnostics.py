@@ -1,0 +1,73 @@
+"""benchmarks/diagnostics: the timing-only forms of the Mosaic sparse MLA kernel (`sparse_mla_forms`, through the
+kernel's `Hooks`) lower for CUDA on CPU and leave out what they say they leave out; they are refused where they do
+not apply; every diagnostics script imports without starting work and answers --help."""
+
+import functools
+import glob
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks.diagnostics import sparse_mla_forms
+from kernels.sparse_mla import mosaic
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "benchmarks", "diagnostics", "*.py"))
+                 if os.path.basename(p) not in ("__init__.py", "sparse_mla_forms.py", "tokamax_moe.py"))
+
+# what each timing-only form leaves in the fp8 producer: (e4m3 conversion, cache row loads)
+FP8_FORMS = {"none": (True, True), "no_convert": (False, True), "no_load": (True, False),
+             "compute_only": (False, False), "gather_only_no_convert": (False, True),
+             "gather_only_no_load": (True, False)}
+
+
+@pytest.mark.parametrize("form", list(FP8_FORMS))
+def test_fp8_timing_forms_lower(form):
+    """Each timing-only form of the fp8 producer lowers for CUDA on CPU and leaves out what it says it leaves out:
+    the e4m3 conversion (`cvt.rn.f16x2.e4m3x2`) and the 16-byte cache row loads (`ld.global.nc.v4.u32`). Without
+    this, a form that still did the work would time the whole kernel under another name."""
+    from kernels.common.triton_common import lower_for_gpu
+    sd = jax.ShapeDtypeStruct
+    share_p = not form.startswith("gather_only")
+    text = lower_for_gpu(functools.partial(mosaic.sparse_mla_mosaic, scale=0.0625, kv_lora_rank=512,
+                                           hooks=sparse_mla_forms.form(form), share_p=share_p),
+                         sd((32, 64, 576), jnp.bfloat16), sd((4096, 656), jnp.uint8), sd((32, 2048), jnp.int32))
+    converts, loads = FP8_FORMS[form]
+    assert ("cvt.rn.f16x2.e4m3x2" in text) == converts
+    assert ("ld.global.nc.v4.u32" in text) == loads
+
+
+def test_forms_are_refused_where_they_do_not_apply():
+    z = jnp.zeros
+    bf16 = (z((2, 64, 576), jnp.bfloat16), z((64, 576), jnp.bfloat16), z((2, 64), jnp.int32))
+    for name in ("no_load", "compute_only"):
+        with pytest.raises(ValueError, match=f"hooks fp8_producer '{sparse_mla_forms.form(name).fp8_producer}' "
+                                             "leaves out part of the fp8_ds_mla producer; this cache is bfloat16"):
+            mosaic.sparse_mla_mosaic(*bf16, scale=0.1, kv_lora_rank=512, hooks=sparse_mla_forms.form(name))
+    for name in ("gather_only", "gather_only_no_load", "gather_only_no_convert"):
+        with pytest.raises(ValueError, match="consumers 'idle' needs share_p=False"):
+            mosaic.sparse_mla_mosaic(*bf16[:1], z((64, 656), jnp.uint8), bf16[2], scale=0.1, kv_lora_rank=512,
+                                     hooks=sparse_mla_forms.form(name), share_p=True)
+    with pytest.raises(ValueError, match="Hooks.consumers must be 'full', 'no_mask' or 'idle', got 'fast'"):
+        mosaic.Hooks(consumers="fast")
+    with pytest.raises(ValueError, match="Hooks.fp8_producer must be"):
+        mosaic.Hooks(fp8_producer="half")
+    with pytest.raises(ValueError, match="sparse MLA form 'fast' is not one of 'none', 'no_mask'"):
+        sparse_mla_forms.form("fast")
+    assert mosaic.Hooks() == sparse_mla_forms.form("none")  # the default leaves out nothing
+
+
+def test_scripts_are_there():
+    assert set(SCRIPTS) == {"diag_indexer_parts", "diag_launch_gap", "probe_indexer_mosaic", "probe_moe_fp8",
+                            "probe_sparse_mla_mosaic", "profile_kernels"}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_from_main(name, capsys):
+    mod = __import__(f"benchmarks.diagnostics.{name}", fromlist=["main"])
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0
+    assert "usage:" in capsys.readouterr().out
