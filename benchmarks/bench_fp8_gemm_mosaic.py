@@ -55,6 +55,11 @@ def measure(f, *args, iters):
     return total, longest
 
 
+def name(cfg):
+    return (f"tm{cfg.tile_m}_tn{cfg.tile_n}_s{cfg.stages}" + ("_swap" if cfg.swap_ab else "")
+            + ("_swiglu" if cfg.swiglu else "") + (f"_msub{cfg.m_sub}" if cfg.m_sub > 1 else ""))
+
+
 def random_e4m3(key, shape):
     b = jax.random.bits(key, shape, jnp.uint8)
     return jax.lax.bitcast_convert_type(jnp.where((b & 0x7F) == 0x7F, b ^ 0x01, b), E4M3)
@@ -88,22 +93,22 @@ def grouped_case(tag, stage, sizes, n, k, configs, *, tp, iters, key, check):
                 out = np.asarray(f(a_q, s_a, w_q, w_s, tg)[:cfg.tile_m * 2].astype(jnp.float32), np.float64)
                 rg = np.asarray(fp8_gemm.row_groups(tg, cfg.tile_m))[:cfg.tile_m * 2]
                 ref = fp8_gemm.oracle(a_q[:cfg.tile_m * 2], s_a[:cfg.tile_m * 2], w_q, w_s, rg)
+                if cfg.swiglu:
+                    ref = fp8_gemm.swiglu_interleaved(ref)
                 err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
             else:
                 err = None
             t, kt = measure(f, a_q, s_a, w_q, w_s, tg, iters=iters)
             read = used * n * k * (1 + 4 / 128 / 128) + rows * k * (1 + 4 / 128)
             emit(op=f"fp8_grouped_gemm_{tag}", stage=stage, weights="fp8", rows=rows, tp=tp, impl="mosaic",
-                 config=f"tm{cfg.tile_m}_tn{cfg.tile_n}_s{cfg.stages}{'_swap' if cfg.swap_ab else ''}",
-                 N=n, K=k, device_us=t * 1e6, kernel_us=kt * 1e6, tflops=flops / t / 1e12,
+                 config=name(cfg), N=n, K=k, device_us=t * 1e6, kernel_us=kt * 1e6, tflops=flops / t / 1e12,
                  hbm_fraction=read / t / HBM, rel_err_first_tiles=err)
             if best is None or t < best:
                 best = t
             del a_q, s_a
         except Exception as e:  # a config that fails to compile or run is reported, not fatal
             traceback.print_exc()
-            emit(op=f"fp8_grouped_gemm_{tag}", stage=stage, impl="mosaic", error=repr(e)[:300],
-                 config=f"tm{cfg.tile_m}_tn{cfg.tile_n}_s{cfg.stages}{'_swap' if cfg.swap_ab else ''}")
+            emit(op=f"fp8_grouped_gemm_{tag}", stage=stage, impl="mosaic", error=repr(e)[:300], config=name(cfg))
     return best
 
 
@@ -175,13 +180,32 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="fp8_gemm_mosaic.json")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--only", default="decode,prefill")
+    p.add_argument("--only", default="prefill,decode")
     args = p.parse_args()
     key = jax.random.key(0)
     dev = jax.devices()[0].device_kind
     print("device", dev, "jax", jax.__version__, flush=True)
     parts = args.only.split(",")
     t0 = time.time()
+    if "prefill" in parts:
+        t_rows = 8192
+        _, sizes = routing(jax.random.fold_in(key, t_rows), t_rows)
+        up = grouped_case("gate_up", "prefill", sizes, 2 * I, D,
+                          [Fp8GemmConfig(tile_n=128, stages=s) for s in (4, 6)]
+                          + [Fp8GemmConfig(tile_n=256, stages=3), Fp8GemmConfig(tile_n=256, stages=3, swiglu=True),
+                             Fp8GemmConfig(tile_m=256, tile_n=128, stages=3, m_sub=2)],
+                          tp=1, iters=args.iters, key=key, check=True)
+        down = grouped_case("down", "prefill", sizes, D, I,
+                            [Fp8GemmConfig(tile_n=128, stages=4), Fp8GemmConfig(tile_n=256, stages=3)],
+                            tp=1, iters=args.iters, key=key, check=True)
+        print("elapsed", time.time() - t0, flush=True)
+        baselines_dense("gate_up", t_rows * TOPK, 2 * I, D, iters=args.iters, key=key)
+        tri = triton_moe(t_rows, I, 1, iters=args.iters, key=key, op="moe_prefill")
+        if up and down:
+            emit(op="moe_prefill", weights="fp8", rows=t_rows, tp=1, impl="mosaic_gemms_only",
+                 device_us=(up + down) * 1e6, tflops=2.0 * t_rows * TOPK * 3 * I * D / (up + down) / 1e12,
+                 vs_triton=(tri / (up + down)) if tri else None)
+        print("elapsed", time.time() - t0, flush=True)
     if "decode" in parts:
         width = I // 8
         for t_rows in (32, 128):
@@ -203,24 +227,6 @@ def main():
                      device_us=(up + down) * 1e6, hbm_fraction=read / (up + down) / HBM,
                      vs_triton=(tri / (up + down)) if tri else None)
             print("elapsed", time.time() - t0, flush=True)
-    if "prefill" in parts:
-        t_rows = 8192
-        _, sizes = routing(jax.random.fold_in(key, t_rows), t_rows)
-        up = grouped_case("gate_up", "prefill", sizes, 2 * I, D,
-                          [Fp8GemmConfig(tile_n=128, stages=s) for s in (4, 6)] + [Fp8GemmConfig(tile_n=256,
-                                                                                                 stages=3)],
-                          tp=1, iters=args.iters, key=key, check=True)
-        down = grouped_case("down", "prefill", sizes, D, I,
-                            [Fp8GemmConfig(tile_n=128, stages=4), Fp8GemmConfig(tile_n=256, stages=3)],
-                            tp=1, iters=args.iters, key=key, check=True)
-        print("elapsed", time.time() - t0, flush=True)
-        baselines_dense("gate_up", t_rows * TOPK, 2 * I, D, iters=args.iters, key=key)
-        tri = triton_moe(t_rows, I, 1, iters=args.iters, key=key, op="moe_prefill")
-        if up and down:
-            emit(op="moe_prefill", weights="fp8", rows=t_rows, tp=1, impl="mosaic_gemms_only",
-                 device_us=(up + down) * 1e6, tflops=2.0 * t_rows * TOPK * 3 * I * D / (up + down) / 1e12,
-                 vs_triton=(tri / (up + down)) if tri else None)
-        print("elapsed", time.time() - t0, flush=True)
     rec = {"date": time.strftime("%Y-%m-%d"), "device": dev, "jax": jax.__version__,
            "command": "python benchmarks/bench_fp8_gemm_mosaic.py", "rows": ROWS}
     with open(args.out, "w") as fh:

@@ -14,9 +14,12 @@ class Fp8GemmConfig:
     """One launch shape.
 
     swap_ab False (prefill: many rows per group): a CTA tile is `tile_m` activation rows x `tile_n` output
-    columns; each compute warpgroup owns 64 rows (tile_m = 64 x compute_wgs) and all tile_n columns, issued as
-    tile_n / 128 wgmmas of 64 x 128 per K block (one weight scale each), so only one 64 x 128 partial is live
-    beside the running accumulator.
+    columns; each compute warpgroup owns 64 x m_sub rows (tile_m = 64 x m_sub x compute_wgs) and all tile_n
+    columns, issued as m_sub x tile_n / 128 wgmmas of 64 x 128 per K block (one weight scale each), each waited
+    for and promoted before the next, so only one 64 x 128 partial is live beside the running accumulators
+    (m_sub x tile_n / 128 <= 2 of them: 128 float32 registers a thread).
+    swiglu (swap_ab False, tile_n 256): the weight rows of each 256-row tile are 128 gate rows then the matching
+    128 up rows (`interleave_gate_up`), and the epilogue stores silu(gate) * up: an output of N / 2 columns.
     swap_ab True (decode: few rows per group): the weights sit on wgmma's M side. A CTA tile is `tile_n` weight
     rows (64 per compute warpgroup, at most one 128-row scale block) x `tile_m` activation rows (wgmma's N: a
     multiple of 8, at most 256); the kernel writes out^T and the wrapper transposes it.
@@ -26,9 +29,11 @@ class Fp8GemmConfig:
     stages: int = 4
     compute_wgs: int = 2
     swap_ab: bool = False
+    m_sub: int = 1
+    swiglu: bool = False
 
     def __post_init__(self):
-        for name in ("tile_m", "tile_n", "stages", "compute_wgs"):
+        for name in ("tile_m", "tile_n", "stages", "compute_wgs", "m_sub"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"Fp8GemmConfig.{name} must be an int >= 1, got {v!r}")
@@ -41,12 +46,20 @@ class Fp8GemmConfig:
             if self.tile_m % 8 or self.tile_m > 256:
                 raise ValueError(f"Fp8GemmConfig: swap_ab needs tile_m a multiple of 8 up to 256 (wgmma's N), "
                                  f"got {self.tile_m}")
+            if self.m_sub != 1 or self.swiglu:
+                raise ValueError("Fp8GemmConfig: swap_ab takes m_sub 1 and no swiglu")
         else:
-            if self.tile_m != WGMMA_M * self.compute_wgs:
-                raise ValueError(f"Fp8GemmConfig: tile_m must be 64 x compute_wgs = {WGMMA_M * self.compute_wgs}, "
-                                 f"got {self.tile_m}")
+            if self.tile_m != WGMMA_M * self.m_sub * self.compute_wgs:
+                raise ValueError(f"Fp8GemmConfig: tile_m must be 64 x m_sub x compute_wgs = "
+                                 f"{WGMMA_M * self.m_sub * self.compute_wgs}, got {self.tile_m}")
             if self.tile_n % BLOCK or self.tile_n > 256:
                 raise ValueError(f"Fp8GemmConfig: tile_n must be 128 or 256, got {self.tile_n}")
+            if self.m_sub * self.n_sub > 2:
+                raise ValueError(f"Fp8GemmConfig: m_sub x tile_n / 128 = {self.m_sub * self.n_sub} accumulators of "
+                                 "64 x 128 per warpgroup: at most 2 fit the registers")
+            if self.swiglu and self.tile_n != 2 * BLOCK:
+                raise ValueError(f"Fp8GemmConfig: swiglu needs tile_n 256 (a gate block and its up block), got "
+                                 f"{self.tile_n}")
         if self.smem_bytes() > SMEM_LIMIT:
             raise ValueError(f"Fp8GemmConfig {self}: {self.smem_bytes()} bytes of shared memory, over {SMEM_LIMIT}")
 

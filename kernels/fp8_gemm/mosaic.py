@@ -86,21 +86,36 @@ def _kernel(group_ref, a_ref, sa_ref, w_ref, sw_ref, o_ref, *, config: Fp8GemmCo
     )
     def _scope(allocs, out_smem):
         wg = lax.axis_index("wg")
-        my_rows = pl.ds(wg * WGMMA_M, WGMMA_M)  # this warpgroup's rows of the wgmma M side
+        wg_rows = WGMMA_M * cfg.m_sub  # this warpgroup's rows of the wgmma M side
 
-        def out_window(m_idx, n_idx, s):
-            """The gmem window of this warpgroup's store tile s."""
+        def my_rows(i):
+            return pl.ds(wg * wg_rows + i * WGMMA_M, WGMMA_M)
+
+        def out_window(m_idx, n_idx, i, s):
+            """The gmem window of this warpgroup's store tile (m sub-tile i, column block s)."""
             if swap:  # out^T [N, M]: weight rows x activation rows
-                return o_ref.at[pl.ds(n_idx * cfg.tile_n + wg * WGMMA_M, WGMMA_M), pl.ds(m_idx * cfg.tile_m,
-                                                                                          cfg.tile_m)]
-            return o_ref.at[pl.ds(m_idx * cfg.tile_m + wg * WGMMA_M, WGMMA_M),
-                            pl.ds(n_idx * cfg.tile_n + s * BLOCK, BLOCK)]
+                return o_ref.at[pl.ds(n_idx * cfg.tile_n + wg * WGMMA_M, WGMMA_M),
+                                pl.ds(m_idx * cfg.tile_m, cfg.tile_m)]
+            cols = n_idx * BLOCK if cfg.swiglu else n_idx * cfg.tile_n + s * BLOCK
+            return o_ref.at[pl.ds(m_idx * cfg.tile_m + wg * wg_rows + i * WGMMA_M, WGMMA_M), pl.ds(cols, BLOCK)]
 
         def store(acc, window):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read out_smem
             out_smem[wg] = acc.astype(out_smem.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_smem.at[wg], window)
+
+        def store_all(accs, m_idx, n_idx):
+            for i in range(cfg.m_sub):
+                if cfg.swiglu:  # gate block, then its up block: silu(gate) * up
+                    gate, up = accs[i * n_sub], accs[i * n_sub + 1]
+                    store(gate / (1.0 + jnp.exp(-gate)) * up, out_window(m_idx, n_idx, i, 0))
+                else:
+                    for s in range(n_sub):
+                        store(accs[i * n_sub + s], out_window(m_idx, n_idx, i, s))
+
+        def zeros():
+            return plgpu.layout_cast(jnp.zeros((out_r, out_c), f32), plgpu.Layout.WGMMA)
 
         @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
         def _tiles(info: plgpu.NDLoopInfo):
@@ -109,32 +124,29 @@ def _kernel(group_ref, a_ref, sa_ref, w_ref, sw_ref, o_ref, *, config: Fp8GemmCo
             g = group_ref[m_idx]
 
             def compute_context(run):
-                init = tuple(plgpu.layout_cast(jnp.zeros((out_r, out_c), f32), plgpu.Layout.WGMMA)
-                             for _ in range(n_sub))
-                accs = run(init)
-                for s in range(n_sub):
-                    store(accs[s], out_window(m_idx, n_idx, s))
+                store_all(run(tuple(zeros() for _ in range(cfg.m_sub * n_sub))), m_idx, n_idx)
 
             def body(_, a_smem, w_smem, sa_smem, sw_smem, accs):
                 new = []
-                if swap:
-                    sa = plgpu.load(sa_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-                else:
-                    sa = plgpu.load(sa_smem.at[0, my_rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-                for s in range(n_sub):
-                    sw = sw_smem[0, s * SCALE_REPEAT]
+                sws = [sw_smem[0, s * SCALE_REPEAT] for s in range(n_sub)]
+                for i in range(cfg.m_sub):
+                    if swap:
+                        sa = plgpu.load(sa_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                    else:
+                        sa = plgpu.load(sa_smem.at[0, my_rows(i)], layout=plgpu.Layout.WGMMA.reduce(1),
+                                        optimized=False)
+                    for s in range(n_sub):
+                        def mma(acc_ref):
+                            if swap:
+                                plgpu.wgmma(acc_ref, w_smem.at[my_rows(i)], a_smem.transpose((1, 0)))
+                            else:
+                                plgpu.wgmma(acc_ref, a_smem.at[my_rows(i)],
+                                            w_smem.at[pl.ds(s * BLOCK, BLOCK)].transpose((1, 0)))
+                            return acc_ref[...]
 
-                    def mma(acc_ref):
-                        if swap:
-                            plgpu.wgmma(acc_ref, w_smem.at[my_rows], a_smem.transpose((1, 0)))
-                        else:
-                            plgpu.wgmma(acc_ref, a_smem.at[my_rows],
-                                        w_smem.at[pl.ds(s * BLOCK, BLOCK)].transpose((1, 0)))
-                        return acc_ref[...]
-
-                    part = pl.run_scoped(mma, plgpu.ACC((out_r, out_c), f32))
-                    scale = lax.broadcast_in_dim(sa * sw, (out_r, out_c), [1] if swap else [0])
-                    new.append(accs[s] + part * scale)
+                        part = pl.run_scoped(mma, plgpu.ACC((out_r, out_c), f32))
+                        scale = lax.broadcast_in_dim(sa * sws[s], (out_r, out_c), [1] if swap else [0])
+                        new.append(accs[i * n_sub + s] + part * scale)
                 return tuple(new)
 
             @pl.when(g >= 0)
@@ -143,9 +155,7 @@ def _kernel(group_ref, a_ref, sa_ref, w_ref, sw_ref, o_ref, *, config: Fp8GemmCo
 
             @pl.when((g < 0) & (wg < wgs))
             def _empty():
-                zero = plgpu.layout_cast(jnp.zeros((out_r, out_c), f32), plgpu.Layout.WGMMA)
-                for s in range(n_sub):
-                    store(zero, out_window(m_idx, n_idx, s))
+                store_all(tuple(zeros() for _ in range(cfg.m_sub * n_sub)), m_idx, n_idx)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -158,7 +168,7 @@ def _run(a_q, a_scale, w_q, w_scale, tile_group, *, config, out_dtype, interpret
     m_tiles, n_tiles = m // config.tile_m, n // config.tile_n
     sa_t = a_scale.astype(jnp.float32).T  # [KB, M]
     sw = jnp.repeat(jnp.swapaxes(w_scale.astype(jnp.float32), 1, 2), SCALE_REPEAT, axis=2)  # [G, KB, 4 NB]
-    out_shape = (n, m) if config.swap_ab else (m, n)
+    out_shape = (n, m) if config.swap_ab else (m, n // 2 if config.swiglu else n)
     kernel = plgpu.kernel(
         functools.partial(_kernel, config=config, m_tiles=m_tiles, n_tiles=n_tiles, k_blocks=kb),
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
@@ -170,6 +180,15 @@ def _run(a_q, a_scale, w_q, w_scale, tile_group, *, config, out_dtype, interpret
     )
     out = kernel(tile_group.astype(jnp.int32), a_q, sa_t, w_q, sw)
     return out.T if config.swap_ab else out
+
+
+def interleave_gate_up(w_gate, w_up, s_gate, s_up):
+    """The swiglu configs' weight layout: gate [G, I, K] and up [G, I, K] (I a multiple of 128) with their scale
+    grids [G, I/128, K/128] -> [G, 2I, K] and [G, 2I/128, K/128], gate block j then up block j for each j."""
+    g, i, k = w_gate.shape
+    w = jnp.stack([w_gate.reshape(g, i // BLOCK, BLOCK, k), w_up.reshape(g, i // BLOCK, BLOCK, k)], axis=2)
+    s = jnp.stack([s_gate, s_up], axis=2)
+    return w.reshape(g, 2 * i, k), s.reshape(g, 2 * i // BLOCK, k // BLOCK)
 
 
 def check_operands(a_q, a_scale, w_q, w_scale, tile_group, config: Fp8GemmConfig) -> None:
@@ -193,7 +212,8 @@ def check_operands(a_q, a_scale, w_q, w_scale, tile_group, config: Fp8GemmConfig
 
 def grouped_matmul_mosaic(a_q, a_scale, w_q, w_scale, tile_group, *, config: Fp8GemmConfig,
                           out_dtype=jnp.bfloat16, interpret: bool = False):
-    """out_dtype [M, N]: the W8A8 grouped product of e4m3 rows `a_q` [M, K] (float32 scales `a_scale` [M, K/128])
+    """out_dtype [M, N] (swiglu configs: [M, N / 2], silu(gate) * up of the interleaved gate/up weights,
+    `interleave_gate_up`): the W8A8 grouped product of e4m3 rows `a_q` [M, K] (float32 scales `a_scale` [M, K/128])
     with e4m3 weights `w_q` [G, N, K] (float32 block scales `w_scale` [G, N/128, K/128]); row tile t (of
     config.tile_m rows) uses group tile_group[t]'s weights, and its rows are zeros where that is -1.
     interpret: run under the Pallas Mosaic GPU interpreter (CPU tests)."""

@@ -65,7 +65,18 @@ def row_groups(tile_group, tile_m: int):
     return jnp.repeat(jnp.asarray(tile_group, jnp.int32), tile_m)
 
 
-def grouped_matmul_xla(a_q, a_scale, w_q, w_scale, tile_group, *, tile_m: int, out_dtype=jnp.bfloat16):
+def swiglu_interleaved(y):
+    """silu(gate) * up of a product [M, 2I] over `mosaic.interleave_gate_up` weights (128-column gate and up blocks
+    alternating) -> [M, I]. Works on jnp and numpy arrays (numpy: in its own precision)."""
+    m, n = y.shape
+    yb = y.reshape(m, n // (2 * BLOCK), 2, BLOCK)
+    gate, up = yb[:, :, 0], yb[:, :, 1]
+    xp = np if isinstance(y, np.ndarray) else jnp
+    return (gate / (1.0 + xp.exp(-gate)) * up).reshape(m, n // 2)
+
+
+def grouped_matmul_xla(a_q, a_scale, w_q, w_scale, tile_group, *, tile_m: int, out_dtype=jnp.bfloat16,
+                       swiglu: bool = False):
     """The W8A8 rule in jnp: a_q e4m3 [M, K] with a_scale float32 [M, K/128], w_q e4m3 [G, N, K] with w_scale
     float32 [G, N/128, K/128], tile_group int32 [M / tile_m] -> out_dtype [M, N] (zeros in rows of tiles with
     group -1). Per 128-K block a float32 partial, scaled by s_a * s_w, summed in float32 in block order."""
@@ -81,6 +92,8 @@ def grouped_matmul_xla(a_q, a_scale, w_q, w_scale, tile_group, *, tile_m: int, o
     acc = jnp.zeros((m, n), jnp.float32)
     for b in range(kb):  # block order, as the kernels add them
         acc = acc + part[:, b] * scale[:, b]
+    if swiglu:
+        acc = swiglu_interleaved(acc)
     return jnp.where((rg >= 0)[:, None], acc, 0.0).astype(out_dtype)
 
 

@@ -103,7 +103,14 @@ INTERPRETED = {
     "prefill_128": (Fp8GemmConfig(tile_m=128, tile_n=128, stages=2), [130, 0, 1], 256),
     "prefill_256": (Fp8GemmConfig(tile_m=128, tile_n=256, stages=2), [3, 0, 0, 60], 256),
     "decode_swap": (Fp8GemmConfig(tile_m=16, tile_n=128, stages=2, swap_ab=True), [1, 0, 17, 5, 0], 128),
+    "prefill_m_sub2": (Fp8GemmConfig(tile_m=256, tile_n=128, stages=2, m_sub=2), [0, 257, 1], 128),
+    "prefill_swiglu": (Fp8GemmConfig(tile_m=128, tile_n=256, stages=2, swiglu=True), [129, 0, 2], 512),
 }
+
+
+def oracle_out(cfg, a_q, s_a, w_q, s_w, rg):
+    ref = reference.oracle(a_q, s_a, w_q, s_w, rg)
+    return reference.swiglu_interleaved(ref) if cfg.swiglu else ref
 
 
 @pytest.mark.parametrize("name", sorted(INTERPRETED))
@@ -111,10 +118,11 @@ def test_interpreted_kernel_matches_oracle(name):
     """Ragged groups (empty, 1-row, spanning tiles), zero blocks, unused tiles written as zeros."""
     cfg, sizes, n = INTERPRETED[name]
     a_q, s_a, w_q, s_w, tg, rg = make_problem(3, sizes, n, 384, cfg.tile_m, zero_blocks=True)
-    ref = reference.oracle(a_q, s_a, w_q, s_w, rg)
+    ref = oracle_out(cfg, a_q, s_a, w_q, s_w, rg)
     out = fp8_gemm.grouped_matmul(a_q, s_a, w_q, s_w, tg, impl="mosaic_interpret", config=cfg,
                                   out_dtype=jnp.float32)
     assert rel_err(out, ref) < 1e-6  # float32 sums of exact e4m3 products
+    assert out.shape == ref.shape
     assert not np.asarray(out)[rg < 0].any()
     bf = fp8_gemm.grouped_matmul(a_q, s_a, w_q, s_w, tg, impl="mosaic_interpret", config=cfg)
     assert bf.dtype == jnp.bfloat16 and rel_err(bf, ref) < 4e-3
@@ -123,6 +131,8 @@ def test_interpreted_kernel_matches_oracle(name):
 GLM = {  # (rows, N, K, groups, config): GLM-5.2 gate+up / down, prefill at TP = 1 and decode at TP = 8
     "prefill_gate_up": (1024, 4096, 6144, 256, fp8_config.PREFILL),
     "prefill_down": (1024, 6144, 2048, 256, Fp8GemmConfig(tile_n=256, stages=3)),
+    "prefill_gate_up_swiglu": (1024, 4096, 6144, 256, Fp8GemmConfig(tile_n=256, stages=3, swiglu=True)),
+    "prefill_down_m_sub2": (1024, 6144, 2048, 256, Fp8GemmConfig(tile_m=256, tile_n=128, stages=3, m_sub=2)),
     "decode_gate_up": (256, 512, 6144, 256, fp8_config.DECODE),
     "decode_down": (256, 6144, 256, 256, fp8_config.DECODE),
 }
@@ -141,7 +151,7 @@ def test_lowers_for_cuda_at_glm_widths(name):
 
 
 def test_configs_and_operands_are_checked():
-    with pytest.raises(ValueError, match="tile_m must be 64 x compute_wgs"):
+    with pytest.raises(ValueError, match="tile_m must be 64 x m_sub x compute_wgs"):
         Fp8GemmConfig(tile_m=64)
     with pytest.raises(ValueError, match="tile_n must be 128 or 256"):
         Fp8GemmConfig(tile_n=192)
@@ -149,6 +159,10 @@ def test_configs_and_operands_are_checked():
         Fp8GemmConfig(tile_m=12, swap_ab=True)
     with pytest.raises(ValueError, match="shared memory"):
         Fp8GemmConfig(tile_n=256, stages=8)
+    with pytest.raises(ValueError, match="at most 2 fit"):
+        Fp8GemmConfig(tile_m=256, tile_n=256, m_sub=2, stages=2)
+    with pytest.raises(ValueError, match="swiglu needs tile_n 256"):
+        Fp8GemmConfig(swiglu=True)
     a_q, s_a, w_q, s_w, tg, _ = make_problem(0, [4], 128, 256, 16)
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         fp8_gemm.grouped_matmul(a_q.astype(jnp.bfloat16), s_a, w_q, s_w, tg, config=fp8_config.DECODE)
@@ -161,6 +175,8 @@ GPU_CASES = {
     "prefill_256": (Fp8GemmConfig(tile_n=256, stages=3), [1, 200, 0, 128, 33], 512, 2048),
     "decode_swap16": (fp8_config.DECODE, [1, 0, 3, 17, 0, 2, 40, 1], 256, 6144),
     "decode_swap8": (Fp8GemmConfig(tile_m=8, tile_n=128, stages=6, swap_ab=True), [1, 0, 2, 9, 1], 512, 2048),
+    "prefill_m_sub2": (Fp8GemmConfig(tile_m=256, tile_n=128, stages=3, m_sub=2), [300, 0, 1, 256], 256, 6144),
+    "prefill_swiglu": (Fp8GemmConfig(tile_n=256, stages=3, swiglu=True), [200, 0, 1, 128], 512, 6144),
 }
 
 
@@ -169,7 +185,7 @@ GPU_CASES = {
 def test_gpu_kernel_matches_oracle(name):
     cfg, sizes, n, k = GPU_CASES[name]
     a_q, s_a, w_q, s_w, tg, rg = make_problem(7, sizes, n, k, cfg.tile_m, zero_blocks=True)
-    ref = reference.oracle(a_q, s_a, w_q, s_w, rg)
+    ref = oracle_out(cfg, a_q, s_a, w_q, s_w, rg)
     out = fp8_gemm.grouped_matmul(a_q, s_a, w_q, s_w, tg, impl="mosaic", config=cfg, out_dtype=jnp.float32)
     assert rel_err(out, ref) < 1e-5
     assert not np.asarray(out)[rg < 0].any()
