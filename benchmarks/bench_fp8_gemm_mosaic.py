@@ -38,11 +38,16 @@ E, TOPK, D, I = 256, 8, 6144, 2048
 HBM = 4.8e12
 E4M3 = jnp.float8_e4m3fn
 ROWS = []
+RECORD = {}
 
 
 def emit(**row):
+    """Print the row and rewrite the record with it, so a run cut short still leaves its rows."""
     ROWS.append(row)
     print(json.dumps(row), flush=True)
+    if RECORD.get("path"):
+        with open(RECORD["path"], "w") as fh:
+            json.dump({k: v for k, v in RECORD.items() if k != "path"} | {"rows": ROWS}, fh, indent=1)
 
 
 def measure(f, *args, iters):
@@ -186,6 +191,9 @@ def main():
     dev = jax.devices()[0].device_kind
     print("device", dev, "jax", jax.__version__, flush=True)
     parts = args.only.split(",")
+    RECORD.update(path=args.out, date=time.strftime("%Y-%m-%d"), device=dev, jax=jax.__version__,
+                  command="python benchmarks/bench_fp8_gemm_mosaic.py " + " ".join(
+                      f"--{k} {v}" for k, v in vars(args).items() if k != "out"))
     t0 = time.time()
     if "prefill" in parts:
         t_rows = 8192
@@ -227,10 +235,7 @@ def main():
                      device_us=(up + down) * 1e6, hbm_fraction=read / (up + down) / HBM,
                      vs_triton=(tri / (up + down)) if tri else None)
             print("elapsed", time.time() - t0, flush=True)
-    rec = {"date": time.strftime("%Y-%m-%d"), "device": dev, "jax": jax.__version__,
-           "command": "python benchmarks/bench_fp8_gemm_mosaic.py", "rows": ROWS}
-    with open(args.out, "w") as fh:
-        json.dump(rec, fh, indent=1)
+    print("done", time.time() - t0, flush=True)
 
 
 if __name__ == "__main__":
