@@ -39,7 +39,11 @@ SCALE_REPEAT = 4  # float32 copies of each weight scale: a 16-byte TMA row
 
 
 def _tile_transforms(cols: int, dtype):
+    """The tiled, swizzled shared-memory form of a tile of rows of `cols` elements (wgmma operands, store tiles);
+    none for rows under 32 bytes (a decode store tile of 8 bf16 rows), which no swizzle takes."""
     bits = jnp.dtype(dtype).itemsize * 8
+    if cols * bits < 32 * 8:
+        return ()
     swizzle = plgpu.find_swizzle(cols * bits)
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 

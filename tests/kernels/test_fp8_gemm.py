@@ -103,6 +103,7 @@ INTERPRETED = {
     "prefill_128": (Fp8GemmConfig(tile_m=128, tile_n=128, stages=2), [130, 0, 1], 256),
     "prefill_256": (Fp8GemmConfig(tile_m=128, tile_n=256, stages=2), [3, 0, 0, 60], 256),
     "decode_swap": (Fp8GemmConfig(tile_m=16, tile_n=128, stages=2, swap_ab=True), [1, 0, 17, 5, 0], 128),
+    "decode_swap8": (Fp8GemmConfig(tile_m=8, tile_n=128, stages=2, swap_ab=True), [1, 0, 9], 128),
     "prefill_m_sub2": (Fp8GemmConfig(tile_m=256, tile_n=128, stages=2, m_sub=2), [0, 257, 1], 128),
     "prefill_swiglu": (Fp8GemmConfig(tile_m=128, tile_n=256, stages=2, swiglu=True), [129, 0, 2], 512),
 }
@@ -135,6 +136,7 @@ GLM = {  # (rows, N, K, groups, config): GLM-5.2 gate+up / down, prefill at TP =
     "prefill_down_m_sub2": (1024, 6144, 2048, 256, Fp8GemmConfig(tile_m=256, tile_n=128, stages=3, m_sub=2)),
     "decode_gate_up": (256, 512, 6144, 256, fp8_config.DECODE),
     "decode_down": (256, 6144, 256, 256, fp8_config.DECODE),
+    "decode_gate_up_tm8": (256, 512, 6144, 256, Fp8GemmConfig(tile_m=8, tile_n=128, stages=8, swap_ab=True)),
 }
 
 
