@@ -75,7 +75,8 @@ class Fp8GemmConfig:
     def smem_bytes(self, out_itemsize: int = 2) -> int:
         """Shared memory: the stages' e4m3 tiles and scales, one store tile per warpgroup (`out_itemsize` bytes an
         element: 2 for bf16), barriers (an allowance)."""
-        per_stage = (self.tile_m + self.tile_n) * BLOCK + 4 * self.tile_m + 16 * self.n_sub
+        sa_bytes = -(-self.tile_m // 32) * 128  # the scale blocks, whole 128 bytes (mosaic.scale_block_widths)
+        per_stage = (self.tile_m + self.tile_n) * BLOCK + sa_bytes + 128 * self.n_sub
         r, c = self.out_tile()
         return self.stages * per_stage + self.compute_wgs * r * c * out_itemsize + 1024
 

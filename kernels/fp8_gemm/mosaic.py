@@ -17,8 +17,9 @@ swap_ab (decode): the weight rows go on wgmma's M side (64 per compute warpgroup
 a group on its N side (8..256), so the tensor core is not 3/4 idle on a 16-row tile; the kernel writes out^T.
 
 Scales travel with the tiles: the activation scales as s_a^T [K/128, M] (a tile's scales for one K block are one
-contiguous run), the weight scales as [G, K/128, 4 N/128] with each scale repeated 4 times, since a TMA box's row
-must be at least 16 bytes.
+contiguous run), the weight scales as [G, K/128, 32 N/128] with each scale repeated 32 times: every stage's
+buffer of a TMA destination must start on a 128-byte boundary, so each stage's scale block is whole 128 bytes
+(`scale_block_widths`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,17 @@ from .config import BLOCK, SMEM_LIMIT, WGMMA_M, Fp8GemmConfig
 from .reference import FP8
 
 SM_COUNT = 132  # Hopper SXM (H100, H200)
-SCALE_REPEAT = 4  # float32 copies of each weight scale: a 16-byte TMA row
+TMA_SMEM_ALIGN = 128  # bytes: a TMA's shared-memory address must be a multiple of this
+SCALE_REPEAT = TMA_SMEM_ALIGN // 4  # float32 copies of each weight scale: one stage's block is whole 128 bytes
+
+
+def scale_block_widths(config: Fp8GemmConfig) -> tuple[int, int]:
+    """float32 widths of one stage's activation-scale block and weight-scale block. Every stage's buffer must
+    start on a TMA_SMEM_ALIGN boundary, so each block is a multiple of 128 bytes: the activation block covers
+    tile_m scales rounded up to 32 (a decode tile of 8 rows reads 24 scales past it, from padding), the weight
+    block SCALE_REPEAT copies of each of its n_sub scales."""
+    per = TMA_SMEM_ALIGN // 4
+    return -(-config.tile_m // per) * per, SCALE_REPEAT * config.n_sub
 
 
 def _tile_transforms(cols: int, dtype):
@@ -55,6 +66,7 @@ def _kernel(group_ref, a_ref, sa_ref, w_ref, sw_ref, o_ref, *, config: Fp8GemmCo
     f32 = jnp.float32
     out_r, out_c = cfg.out_tile()
     e4m3 = _tile_transforms(BLOCK, FP8)
+    sa_w, sw_w = scale_block_widths(cfg)
 
     def make_pipeline(body, compute_context):
         # a (rows) tile [tile_m, 128], w tile [tile_n, 128], s_a^T run [1, tile_m], s_w run [1, 4 n_sub]
@@ -65,8 +77,8 @@ def _kernel(group_ref, a_ref, sa_ref, w_ref, sw_ref, o_ref, *, config: Fp8GemmCo
             in_specs=[
                 plgpu.BlockSpec((cfg.tile_m, BLOCK), lambda k: (0, k), transforms=e4m3, memory_space=plgpu.SMEM),
                 plgpu.BlockSpec((cfg.tile_n, BLOCK), lambda k: (0, k), transforms=e4m3, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((1, cfg.tile_m), lambda k: (k, 0), memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((1, SCALE_REPEAT * n_sub), lambda k: (k, 0), memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((1, sa_w), lambda k: (k, 0), memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((1, sw_w), lambda k: (k, 0), memory_space=plgpu.SMEM),
             ],
             wg_axis="wg",
             num_compute_wgs=wgs,
@@ -77,8 +89,8 @@ def _kernel(group_ref, a_ref, sa_ref, w_ref, sw_ref, o_ref, *, config: Fp8GemmCo
     def operands(m_idx, n_idx, g):
         return (a_ref.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m)],
                 w_ref.at[g, pl.ds(n_idx * cfg.tile_n, cfg.tile_n)],
-                sa_ref.at[:, pl.ds(m_idx * cfg.tile_m, cfg.tile_m)],
-                sw_ref.at[g, :, pl.ds((n_idx * cfg.tile_n // BLOCK) * SCALE_REPEAT, SCALE_REPEAT * n_sub)])
+                sa_ref.at[:, pl.ds(m_idx * cfg.tile_m, sa_w)],
+                sw_ref.at[g, :, pl.ds((n_idx * cfg.tile_n // BLOCK) * SCALE_REPEAT, sw_w)])
 
     ignore = lambda *_, **__: None  # noqa: E731  (the allocations do not depend on the body)
 
@@ -135,7 +147,8 @@ def _kernel(group_ref, a_ref, sa_ref, w_ref, sw_ref, o_ref, *, config: Fp8GemmCo
                 sws = [sw_smem[0, s * SCALE_REPEAT] for s in range(n_sub)]
                 for i in range(cfg.m_sub):
                     if swap:
-                        sa = plgpu.load(sa_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                        sa = plgpu.load(sa_smem.at[0, pl.ds(0, cfg.tile_m)], layout=plgpu.Layout.WGMMA.reduce(0),
+                                        optimized=False)
                     else:
                         sa = plgpu.load(sa_smem.at[0, my_rows(i)], layout=plgpu.Layout.WGMMA.reduce(1),
                                         optimized=False)
@@ -170,8 +183,10 @@ def _run(a_q, a_scale, w_q, w_scale, tile_group, *, config, out_dtype, interpret
     g, n, _ = w_q.shape
     kb = k // BLOCK
     m_tiles, n_tiles = m // config.tile_m, n // config.tile_n
-    sa_t = a_scale.astype(jnp.float32).T  # [KB, M]
-    sw = jnp.repeat(jnp.swapaxes(w_scale.astype(jnp.float32), 1, 2), SCALE_REPEAT, axis=2)  # [G, KB, 4 NB]
+    sa_w, _ = scale_block_widths(config)
+    # [KB, M + pad]: the last tile's block of sa_w scales stays inside the array
+    sa_t = jnp.pad(a_scale.astype(jnp.float32).T, ((0, 0), (0, sa_w - config.tile_m)), constant_values=1.0)
+    sw = jnp.repeat(jnp.swapaxes(w_scale.astype(jnp.float32), 1, 2), SCALE_REPEAT, axis=2)  # [G, KB, 32 NB]
     out_shape = (n, m) if config.swap_ab else (m, n // 2 if config.swiglu else n)
     kernel = plgpu.kernel(
         functools.partial(_kernel, config=config, m_tiles=m_tiles, n_tiles=n_tiles, k_blocks=kb),

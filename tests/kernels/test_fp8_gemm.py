@@ -152,6 +152,18 @@ def test_lowers_for_cuda_at_glm_widths(name):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("cfg", [fp8_config.PREFILL, fp8_config.DECODE, Fp8GemmConfig(tile_m=8, swap_ab=True),
+                                 Fp8GemmConfig(tile_n=256, stages=3, swiglu=True),
+                                 Fp8GemmConfig(tile_m=256, stages=3, m_sub=2)])
+def test_scale_blocks_keep_every_stage_on_128_bytes(cfg):
+    """Each pipeline stage's scale buffer is a TMA destination: its start (stage x block bytes) must be a multiple
+    of 128 bytes, and the activation block must cover the tile's rows."""
+    from kernels.fp8_gemm import mosaic
+    sa_w, sw_w = mosaic.scale_block_widths(cfg)
+    assert (4 * sa_w) % 128 == 0 and (4 * sw_w) % 128 == 0
+    assert sa_w >= cfg.tile_m and sw_w == mosaic.SCALE_REPEAT * cfg.n_sub
+
+
 def test_configs_and_operands_are_checked():
     with pytest.raises(ValueError, match="tile_m must be 64 x m_sub x compute_wgs"):
         Fp8GemmConfig(tile_m=64)
