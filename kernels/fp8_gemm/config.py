@@ -1,0 +1,85 @@
+"""Launch configs of the Mosaic GPU W8A8 grouped GEMM (`kernels.fp8_gemm.mosaic`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+WGMMA_M = 64  # rows of one warpgroup's wgmma
+BLOCK = 128  # the FP8 scale block; every K step is one block
+SMEM_LIMIT = 232448  # shared memory one CTA may take on Hopper (Mosaic GPU's max_smem_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8GemmConfig:
+    """One launch shape.
+
+    swap_ab False (prefill: many rows per group): a CTA tile is `tile_m` activation rows x `tile_n` output
+    columns; each compute warpgroup owns 64 x m_sub rows (tile_m = 64 x m_sub x compute_wgs) and all tile_n
+    columns, issued as m_sub x tile_n / 128 wgmmas of 64 x 128 per K block (one weight scale each), each waited
+    for and promoted before the next, so only one 64 x 128 partial is live beside the running accumulators
+    (m_sub x tile_n / 128 <= 2 of them: 128 float32 registers a thread).
+    swiglu (swap_ab False, tile_n 256): the weight rows of each 256-row tile are 128 gate rows then the matching
+    128 up rows (`interleave_gate_up`), and the epilogue stores silu(gate) * up: an output of N / 2 columns.
+    swap_ab True (decode: few rows per group): the weights sit on wgmma's M side. A CTA tile is `tile_n` weight
+    rows (64 per compute warpgroup, at most one 128-row scale block) x `tile_m` activation rows (wgmma's N: a
+    multiple of 8, at most 256); the kernel writes out^T and the wrapper transposes it.
+    stages: K blocks in flight in shared memory (the producer warpgroup's TMA ring)."""
+    tile_m: int = 128
+    tile_n: int = 128
+    stages: int = 4
+    compute_wgs: int = 2
+    swap_ab: bool = False
+    m_sub: int = 1
+    swiglu: bool = False
+
+    def __post_init__(self):
+        for name in ("tile_m", "tile_n", "stages", "compute_wgs", "m_sub"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Fp8GemmConfig.{name} must be an int >= 1, got {v!r}")
+        if self.compute_wgs not in (1, 2):
+            raise ValueError(f"Fp8GemmConfig.compute_wgs must be 1 or 2, got {self.compute_wgs}")
+        if self.swap_ab:
+            if self.tile_n != WGMMA_M * self.compute_wgs:
+                raise ValueError(f"Fp8GemmConfig: swap_ab needs tile_n = 64 x compute_wgs = "
+                                 f"{WGMMA_M * self.compute_wgs}, got {self.tile_n}")
+            if self.tile_m % 8 or self.tile_m > 256:
+                raise ValueError(f"Fp8GemmConfig: swap_ab needs tile_m a multiple of 8 up to 256 (wgmma's N), "
+                                 f"got {self.tile_m}")
+            if self.m_sub != 1 or self.swiglu:
+                raise ValueError("Fp8GemmConfig: swap_ab takes m_sub 1 and no swiglu")
+        else:
+            if self.tile_m != WGMMA_M * self.m_sub * self.compute_wgs:
+                raise ValueError(f"Fp8GemmConfig: tile_m must be 64 x m_sub x compute_wgs = "
+                                 f"{WGMMA_M * self.m_sub * self.compute_wgs}, got {self.tile_m}")
+            if self.tile_n % BLOCK or self.tile_n > 256:
+                raise ValueError(f"Fp8GemmConfig: tile_n must be 128 or 256, got {self.tile_n}")
+            if self.m_sub * self.n_sub > 2:
+                raise ValueError(f"Fp8GemmConfig: m_sub x tile_n / 128 = {self.m_sub * self.n_sub} accumulators of "
+                                 "64 x 128 per warpgroup: at most 2 fit the registers")
+            if self.swiglu and self.tile_n != 2 * BLOCK:
+                raise ValueError(f"Fp8GemmConfig: swiglu needs tile_n 256 (a gate block and its up block), got "
+                                 f"{self.tile_n}")
+        if self.smem_bytes() > SMEM_LIMIT:
+            raise ValueError(f"Fp8GemmConfig {self}: {self.smem_bytes()} bytes of shared memory, over {SMEM_LIMIT}")
+
+    @property
+    def n_sub(self) -> int:
+        """128-column wgmmas per warpgroup and K block (1 under swap_ab)."""
+        return 1 if self.swap_ab else self.tile_n // BLOCK
+
+    def out_tile(self) -> tuple[int, int]:
+        """One warpgroup's store tile: 64 x 128 output (swap_ab: 64 weight rows x tile_m rows of out^T)."""
+        return (WGMMA_M, self.tile_m if self.swap_ab else BLOCK)
+
+    def smem_bytes(self, out_itemsize: int = 2) -> int:
+        """Shared memory: the stages' e4m3 tiles and scales, one store tile per warpgroup (`out_itemsize` bytes an
+        element: 2 for bf16), barriers (an allowance)."""
+        sa_bytes = -(-self.tile_m // 32) * 128  # the scale blocks, whole 128 bytes (mosaic.scale_block_widths)
+        per_stage = (self.tile_m + self.tile_n) * BLOCK + sa_bytes + 128 * self.n_sub
+        r, c = self.out_tile()
+        return self.stages * per_stage + self.compute_wgs * r * c * out_itemsize + 1024
+
+
+PREFILL = Fp8GemmConfig()
+DECODE = Fp8GemmConfig(tile_m=16, tile_n=128, stages=6, swap_ab=True)
