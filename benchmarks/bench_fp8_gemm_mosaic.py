@@ -218,13 +218,14 @@ def triton_baselines(args, key, t0, parts):
         print("elapsed", time.time() - t0, flush=True)
 
 
-def main():
+def main(argv: list[str] | None = None):
+    """Time the W8A8 grouped GEMM and its baselines at GLM-5.2 widths; write the rows to --out."""
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="fp8_gemm_mosaic.json")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--only", default="prefill,decode")
     p.add_argument("--quick", action="store_true", help="one config per GEMM, decode at T = 32 only, no Triton")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     key = jax.random.key(0)
     dev = jax.devices()[0].device_kind
     print("device", dev, "jax", jax.__version__, flush=True)

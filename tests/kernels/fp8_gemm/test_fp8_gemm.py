@@ -64,7 +64,7 @@ def rel_err(out, ref):
 
 def test_quantize_rows_is_the_rule():
     """Bit for bit the numpy rule, and the repo's own W8A8 quantiser (the Triton kernels' numerics)."""
-    from kernels import fp8_formats
+    from kernels.common import fp8_formats
     x = jax.random.normal(jax.random.key(1), (16, 384), jnp.float32) * 3.0
     x = x.at[2, 128:256].set(0.0).at[5, :3].set(1e4)  # a zero block; a saturating outlier block
     q, s = reference.quantize_rows(x)
@@ -142,7 +142,7 @@ GLM = {  # (rows, N, K, groups, config): GLM-5.2 gate+up / down, prefill at TP =
 
 @pytest.mark.parametrize("name", sorted(GLM))
 def test_lowers_for_cuda_at_glm_widths(name):
-    from kernels.triton_common import lower_for_gpu
+    from kernels.common.triton_common import lower_for_gpu
     rows, n, k, g, cfg = GLM[name]
     m = (-(-rows // cfg.tile_m) + g - 1) * cfg.tile_m
     S = jax.ShapeDtypeStruct
