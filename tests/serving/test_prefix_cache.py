@@ -306,3 +306,41 @@ def test_enable_prefix_caching_false_and_reset(params):
     assert eng.metrics()["prefix_cache_hits"] == 0
     with pytest.raises(TypeError, match="enable_prefix_caching"):
         _engine(params, "yes")
+
+
+def test_openai_server_same_completions_and_metrics_show_the_hits(params):
+    """The in-process OpenAI app (glm_dsa.serving.server.create_app) over the engine with caching on and off: a
+    chat's second turn repeats the first turn's prompt and answer, and the completions agree."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from glm_dsa.serving.server import create_app
+    first = _tokens(16, 14)
+    got = []
+    for on in (False, True):
+        eng = _engine(params, on)
+        with TestClient(create_app(eng, model_name="m")) as client:
+            def complete(prompt):
+                r = client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 4,
+                                                         "temperature": 0, "return_token_ids": True})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["token_ids"]
+            answer = complete(first)
+            second = complete(first + answer + [5, 6, 7])
+            metrics = dict(line.split(" ") for line in client.get("/metrics").text.splitlines()
+                           if not line.startswith("#"))
+        got.append((answer, second, float(metrics["glm_dsa:prefix_cache_hits"])))
+    assert got[0][:2] == got[1][:2]
+    # turn 2 begins with turn 1's 18 tokens (prompt and answer), of which 17 were computed (the answer's last token
+    # was sampled, never fed back): 4 full pages (16 tokens) were cached and are reused
+    assert (got[0][2], got[1][2]) == (0, 16)
+
+
+@pytest.mark.parametrize("cmd", ["generate", "serve"])
+def test_cli_prefix_caching_flags(cmd):
+    from glm_dsa.cli import build_parser
+    base = [cmd, "--checkpoint", "x"] + (["--prompt-ids", "1,2"] if cmd == "generate" else [])
+    parse = build_parser().parse_args
+    assert parse(base).enable_prefix_caching is True
+    assert parse(base + ["--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert parse(base + ["--enable-prefix-caching"]).enable_prefix_caching is True
