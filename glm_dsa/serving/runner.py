@@ -237,15 +237,14 @@ class ModelRunner:
 
     def table_inputs(self, plan: StepPlan, t: int, nr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The block-table inputs of a plan's step (see `_serve_step`): the requests' table rows int32 [nr], the
-        entries it changes int32 [3, t] and the rows it clears int32 [max_num_seqs + 1]."""
+        entries it changes int32 [3, u] and the rows it clears int32 [max_num_seqs + 1]; u is t, or t times a
+        power of two when a step adds more pages than it computes rows (a request admitted on cached prefix pages
+        gains them all in the step of its first rows)."""
         plan_rows = np.full(nr, self.max_num_seqs, np.int32)  # padding requests read the all-zero last row
         plan_rows[: len(plan.requests)] = [r.table_row for r in plan.requests]
-        # a step adds at most one page per row it computes, so the rows bucket bounds the updates
-        upd = np.full((3, t), self.max_num_seqs + 1, np.int32)  # padding updates fall outside the table: dropped
+        # without cached pages a step adds at most one page per row it computes: the rows bucket bounds the updates
         nu = plan.table_updates.shape[1]
-        if nu > t:
-            raise RuntimeError(f"a step of {plan.num_rows} rows changes {nu} block-table entries, more than its {t} "
-                               "slots")
+        upd = np.full((3, _bucket(nu, t)), self.max_num_seqs + 1, np.int32)  # padding updates: outside the table
         upd[:, :nu] = plan.table_updates
         resets = np.zeros(self.max_num_seqs + 1, np.int32)
         resets[plan.table_resets] = 1

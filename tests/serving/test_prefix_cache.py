@@ -216,6 +216,19 @@ def test_strict_prefix_and_partial_last_page(params):
     assert off.prefill_rows - on.prefill_rows == 12 + 8 + 12
 
 
+def test_a_long_hit_with_few_rows_sends_all_its_pages(params):
+    """A request admitted on 20 cached pages computes 1 row: its step adds 21 block-table entries, more than a
+    step's rows bucket (16) holds."""
+    long = _tokens(17, 80)
+
+    def script(run):
+        out = run([(0, "a", long)], max_tokens=2)
+        out.update(run([(0, "b", long + [3])], max_tokens=2))
+        return out
+    off, on, _ = _both(params, script, max_model_len=96, max_num_batched_tokens=128)
+    assert _m(on)["prefix_cache_hits"] == 80
+
+
 def test_eviction_under_a_tiny_page_budget_while_a_request_reads_the_chain_parent(params):
     first = _tokens(5, 16)
     other = first[:4] + _tokens(6, 20)
