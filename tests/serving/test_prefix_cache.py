@@ -291,18 +291,42 @@ def test_tp_and_dcp_layouts(tp, dcp, interleave):
     assert _m(on)["prefix_cache_hits"] == 2 * g + g  # b: 2 pages; c ends on a page boundary: 1
 
 
+def _record_verify_logits(eng, logits: dict, drafts: dict) -> None:
+    """Keep the target's logits of every emitted token of `eng`'s speculative steps by (request, token index), and
+    the drafts each step proposes (the nextn layer's argmax over its cache) by (request, token index)."""
+    spec = eng.spec
+    spec.keep_logits = True
+    dispatch = spec.dispatch
+
+    def recording(plan):
+        out = dispatch(plan)
+        got = np.asarray(spec.last_logits)
+        for j, r in enumerate(plan.sample_reqs):
+            for i in range(int(out[j, 0]) + 1):  # the accepted drafts' rows and the row of the target's token
+                logits[(r.request_id, int(plan.sample_token_index[j]) + i)] = got[j, i]
+            drafts[(r.request_id, int(plan.sample_token_index[j]))] = out[j, spec.k + 2:].tolist()
+        return out
+    spec.dispatch = recording
+
+
 def test_mtp_reuses_the_nextn_layer_pages(params):
     mtp = init_mtp_params(CFG, seed=1, dtype="float32")
     base = _tokens(14, 12)
-    outs, hits = [], []
+    outs, hits, runs = [], [], []
     for on in (False, True):
         eng = _engine(params, on, num_speculative_tokens=2, mtp_params=mtp)
         run = Run(eng)
+        run.drafts = {}
+        _record_verify_logits(eng, run.logits, run.drafts)
         out = run([(0, "a", base + [5])], max_tokens=6)
         out.update(run([(0, "b", base + [6, 7]), (0, "c", base + [5])], max_tokens=6))
         outs.append((out, eng.spec.summary()))
         hits.append(_m(run)["prefix_cache_hits"])
+        runs.append(run)
     assert outs[0] == outs[1]  # tokens, and the drafts' acceptance: the nextn layer's cached rows are right
+    # the drafts are the nextn layer's greedy picks over its cache: equal only if the cached nextn rows are right
+    assert runs[0].drafts == runs[1].drafts and runs[0].drafts
+    _same(runs[0], runs[1], outs[0][0], outs[1][0])
     # b differs from a at token 12, which page 2's key takes under MTP (the nextn row at position 11 reads it):
     # b reuses 2 pages, c (a's prompt) 3
     assert hits == [0, 8 + 12]
