@@ -274,7 +274,7 @@ def test_abort_during_the_prefill_of_a_shared_prefix(params):
     assert on.eng.allocator.free == on.eng.num_pages - 1  # nothing leaked; cached pages count as free
 
 
-@pytest.mark.parametrize("tp,dcp,interleave", [(2, 1, 1), (2, 2, 1), (4, 4, 2)])
+@pytest.mark.parametrize("tp,dcp,interleave", [(2, 1, 1), (4, 2, 2)])  # TP alone; TP x DCP, runs of 2
 def test_tp_and_dcp_layouts(tp, dcp, interleave):
     par = ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp,
                          cp_kv_cache_interleave_size=interleave)
@@ -381,3 +381,19 @@ def test_cli_prefix_caching_flags(cmd):
     assert parse(base).enable_prefix_caching is True
     assert parse(base + ["--no-enable-prefix-caching"]).enable_prefix_caching is False
     assert parse(base + ["--enable-prefix-caching"]).enable_prefix_caching is True
+
+
+def test_reset_while_serving_is_a_step_event_that_lockstep_carries(params):
+    """Under a background loop or lockstep, `reset_prefix_cache` waits for the loop's next step (so every
+    process applies it at the same step), and the lockstep message carries it."""
+    from glm_dsa.serving.lockstep import decode_events, encode_events
+    assert decode_events(encode_events([("reset_prefix_cache", None)])) == [("reset_prefix_cache", None)]
+    eng = _engine(params, True)
+    eng.generate([_tokens(18, 9)], max_new_tokens=1, stop_token_ids=[])
+    assert eng.metrics()["prefix_cache_pages"] == 2
+    seen = []
+    eng.step_sync = lambda events: seen.extend(events) or events  # what a leader would publish
+    eng.reset_prefix_cache()
+    assert eng.metrics()["prefix_cache_pages"] == 2  # not yet: at the next step
+    eng.step()
+    assert seen == [("reset_prefix_cache", None)] and eng.metrics()["prefix_cache_pages"] == 0
