@@ -32,7 +32,7 @@ so idle_ms there is not the GPU's.
 Multi-turn chat (--workload multi-turn): --conversations chats of --turns turns each, every one starting with the
 same --system-len-token system prompt; a turn's prompt is the previous turn's prompt and answer plus --user-len new
 tokens, and it arrives as soon as the previous answer is complete (conversations start at Poisson times of
---request-rate per second). Served with automatic prefix caching and without, on two engines in the same run:
+--request-rate per second: pass it, the default is all at once). Served with automatic prefix caching and without, on two engines in the same run:
 TTFT p50/p99 per turn (from its arrival), output tokens/s, prefix-cache hits.
 
     PYTHONPATH=. python3 benchmarks/bench_serving.py --help
@@ -259,7 +259,7 @@ class MultiTurnConfig:
     system_len: int = 2048
     user_len: int = 64
     output_len: int = 128
-    request_rate: float = 4.0  # conversations/s (Poisson starts); inf: all at once
+    request_rate: float = float("inf")  # conversations/s (Poisson starts); inf: all at once
     tp: int = 1
     dcp: int = 1
     dtype: str = "bfloat16"
@@ -534,10 +534,9 @@ def main(argv=None) -> int:
         jax.config.update("jax_platforms", "cpu")
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     if args.workload == "multi-turn":
-        rate = 4.0 if np.isinf(args.request_rate) and "--request-rate" not in (argv or sys.argv) else args.request_rate
         mc = MultiTurnConfig(preset=args.preset, num_layers=args.num_layers, conversations=args.conversations,
                              turns=args.turns, system_len=args.system_len, user_len=args.user_len,
-                             output_len=args.output_len, request_rate=rate, tp=args.tp, dcp=args.dcp,
+                             output_len=args.output_len, request_rate=args.request_rate, tp=args.tp, dcp=args.dcp,
                              dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, impl=args.impl,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              num_pages=args.num_pages, block_size=args.block_size,
