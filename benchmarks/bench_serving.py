@@ -29,6 +29,12 @@ shows up here, not as waiting) and process (the previous step's ids to their req
 the host's slack per step (about 0: the host is the bottleneck). On CPU the "device" shares the cores with the host,
 so idle_ms there is not the GPU's.
 
+Multi-turn chat (--workload multi-turn): --conversations chats of --turns turns each, every one starting with the
+same --system-len-token system prompt; a turn's prompt is the previous turn's prompt and answer plus --user-len new
+tokens, and it arrives as soon as the previous answer is complete (conversations start at Poisson times of
+--request-rate per second: pass it, the default is all at once). Served with automatic prefix caching and without, on two engines in the same run:
+TTFT p50/p99 per turn (from its arrival), output tokens/s, prefix-cache hits.
+
     PYTHONPATH=. python3 benchmarks/bench_serving.py --help
 """
 
@@ -88,6 +94,7 @@ def serve_workload(eng: Engine, prompts, output_len: int, arrivals, mode: str) -
     group has finished."""
     if mode not in ("continuous", "static"):
         raise ValueError(f"mode must be 'continuous' or 'static', got {mode!r}")
+    eng.reset_prefix_cache()  # repeated passes of the same prompts measure computing them, not the previous pass's pages
     params = SamplingParams(temperature=0.0, max_tokens=output_len, stop_token_ids=[])
     n = len(prompts)
     times: list[list[float]] = [[] for _ in range(n)]
@@ -241,6 +248,164 @@ def host_overhead(eng: Engine, prompts, output_len: int) -> dict:
             "compiles": compiles}
 
 
+@dataclasses.dataclass
+class MultiTurnConfig:
+    """The multi-turn chat workload (`run_multi_turn_bench`): see the module docstring."""
+
+    preset: str = "bench"
+    num_layers: int | None = None
+    conversations: int = 32
+    turns: int = 4
+    system_len: int = 2048
+    user_len: int = 64
+    output_len: int = 128
+    request_rate: float = float("inf")  # conversations/s (Poisson starts); inf: all at once
+    tp: int = 1
+    dcp: int = 1
+    dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"
+    impl: str | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 8192
+    num_pages: int | None = None
+    block_size: int = 64
+    warm_passes: int = 2
+    seed: int = 0
+
+
+def multi_turn_conversations(mc: MultiTurnConfig, vocab_size: int, rng) -> tuple[list[int], list[list[list[int]]]]:
+    """(the shared system prompt, per conversation its turns' new user tokens)."""
+    system = rng.integers(2, vocab_size, mc.system_len).tolist()
+    users = [[rng.integers(2, vocab_size, mc.user_len).tolist() for _ in range(mc.turns)]
+             for _ in range(mc.conversations)]
+    return system, users
+
+
+def serve_multi_turn(eng: Engine, system: list[int], users, output_len: int, starts) -> dict:
+    """Serve the conversations through `eng`'s loop in this thread: conversation i's first turn arrives at
+    starts[i] (seconds from now), each later turn when the previous answer is complete (its prompt: the previous
+    prompt, the answer and the next user tokens). Returns TTFT percentiles (from each turn's arrival), output
+    tokens/s and the prefix cache's hits over the pass (the cache is emptied first)."""
+    eng.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, stop_token_ids=[])
+    n, turns = len(users), len(users[0])
+    m0 = eng.metrics()
+    compiled0 = eng.runner.serve_step._cache_size()
+    ttft: list[float] = []
+    out_tokens = 0
+    ready: list[tuple[int, list[int]]] = []  # (conversation, prompt) of turns that arrive now
+    state = {i: (0, []) for i in range(n)}  # conversation -> (turns done, its context so far)
+    t0 = time.perf_counter()
+    nxt = 0
+    streams = {}
+
+    def submit(i, prompt):
+        arrived = time.perf_counter()
+        s = eng.submit(prompt, params, prompt_index=i)
+        first = [None]
+        on_token = s.request.on_token
+
+        def stamp(r, tok, on_token=on_token):
+            if first[0] is None:
+                first[0] = time.perf_counter()
+                ttft.append(first[0] - arrived)
+            on_token(r, tok)
+        s.request.on_token = stamp
+        streams[i] = (s, prompt)
+
+    finished = 0
+    while finished < n * turns:
+        now = time.perf_counter() - t0
+        while nxt < n and starts[nxt] <= now:
+            ready.append((nxt, list(system) + users[nxt][0]))
+            nxt += 1
+        for i, prompt in ready:
+            submit(i, prompt)
+        ready = []
+        busy = eng.step()
+        for i, (s, prompt) in list(streams.items()):
+            r = s.request
+            if r.finished:
+                del streams[i]
+                finished += 1
+                out_tokens += len(r.output)
+                done = state[i][0] + 1
+                state[i] = (done, prompt + list(r.output))
+                if done < turns:
+                    ready.append((i, state[i][1] + users[i][done]))
+        if not busy and not ready and nxt < n:
+            time.sleep(min(0.001, max(0.0, starts[nxt] - (time.perf_counter() - t0))))
+    end = time.perf_counter()
+    m = eng.metrics()
+    return {"turns": n * turns, "output_tokens": out_tokens, "duration_s": end - t0,
+            "output_tokens_per_s": out_tokens / (end - t0),
+            "ttft_ms_p50": 1e3 * _pct(ttft, 50), "ttft_ms_p99": 1e3 * _pct(ttft, 99),
+            "prefix_cache_queries": m["prefix_cache_queries"] - m0["prefix_cache_queries"],
+            "prefix_cache_hits": m["prefix_cache_hits"] - m0["prefix_cache_hits"],
+            "preemptions": m["preemptions"] - m0["preemptions"],
+            "compiles": eng.runner.serve_step._cache_size() - compiled0}
+
+
+def run_multi_turn_bench(mc: MultiTurnConfig, log=print) -> dict:
+    """The multi-turn chat workload with prefix caching and without (two engines, same weights and arrivals);
+    returns a JSON-able dict (per setting: `serve_multi_turn`'s figures, and the TTFT p50 ratio)."""
+    from glm_dsa import configs
+    cfg = configs.get(mc.preset)
+    if mc.num_layers:
+        cfg = cfg.with_depth(mc.num_layers)
+    parallel = ParallelConfig(tensor_parallel_size=mc.tp, decode_context_parallel_size=mc.dcp)
+    params = init_params(cfg, seed=mc.seed, dtype=mc.dtype, parallel=parallel)
+    rng = np.random.default_rng(mc.seed)
+    system, users = multi_turn_conversations(mc, cfg.vocab_size, rng)
+    starts = (np.zeros(mc.conversations) if np.isinf(mc.request_rate)
+              else np.cumsum(rng.exponential(1.0 / mc.request_rate, mc.conversations)))
+    max_len = mc.system_len + mc.turns * (mc.user_len + mc.output_len)
+    dev0 = jax.devices()[0]
+    res = {"config": dataclasses.asdict(mc), "device": getattr(dev0, "device_kind", str(dev0)),
+           "layers": cfg.num_hidden_layers, "max_model_len": max_len, "settings": {}}
+    for caching in (True, False):
+        name = "prefix_caching" if caching else "no_prefix_caching"
+        eng = Engine(cfg, params, parallel=parallel, dtype=mc.dtype, kv_cache_dtype=mc.kv_cache_dtype, impl=mc.impl,
+                     block_size=mc.block_size, max_num_batched_tokens=mc.max_num_batched_tokens,
+                     max_model_len=max_len, max_num_seqs=mc.max_num_seqs, num_pages=mc.num_pages,
+                     enable_prefix_caching=caching)
+        for p in range(mc.warm_passes):  # untimed passes of the same work until one compiles nothing
+            t = time.perf_counter()
+            compiles = serve_multi_turn(eng, system, users, mc.output_len, starts)["compiles"]
+            log(f"[{name}] warm-up pass {p + 1}: {time.perf_counter() - t:.1f} s, {compiles} step shapes compiled")
+            if not compiles:
+                break
+        row = serve_multi_turn(eng, system, users, mc.output_len, starts)
+        res["num_pages_per_rank"] = eng.num_pages
+        res["settings"][name] = row
+        log(f"[{name}] {json.dumps(row)}")
+        del eng
+    on, off = res["settings"]["prefix_caching"], res["settings"]["no_prefix_caching"]
+    res["ttft_p50_speedup"] = off["ttft_ms_p50"] / max(on["ttft_ms_p50"], 1e-9)
+    res["output_tokens_per_s_ratio"] = on["output_tokens_per_s"] / max(off["output_tokens_per_s"], 1e-9)
+    log(format_multi_turn(res))
+    return res
+
+
+def format_multi_turn(res: dict) -> str:
+    """The multi-turn results as a table."""
+    lines = [f"device {res['device']}, {res['layers']} layers, config {json.dumps(res['config'])}"]
+    for name, r in res["settings"].items():
+        lines.append(f"[{name:>17}] TTFT p50/p99 {r['ttft_ms_p50']:.1f}/{r['ttft_ms_p99']:.1f} ms; "
+                     f"{r['output_tokens_per_s']:.0f} out tok/s; {r['prefix_cache_hits']} of "
+                     f"{r['prefix_cache_queries']} prompt tokens cached; {r['preemptions']} preemptions; "
+                     f"{r['compiles']} compiled in the timed pass")
+    lines.append(f"prefix caching: TTFT p50 {res['ttft_p50_speedup']:.2f}x lower, output tokens/s x"
+                 f"{res['output_tokens_per_s_ratio']:.2f}")
+    return "\n".join(lines)
+
+
+def multi_turn_record(res: dict, command: str | None = None) -> dict:
+    """The multi-turn results as a harness record: one row per setting."""
+    rows = [{"check": "multi_turn", "setting": k, **r} for k, r in res["settings"].items()]
+    return record(rows, command=command, device=res["device"], **{k: v for k, v in res.items() if k != "device"})
+
+
 def run_serving_bench(bc: ServingBenchConfig, log=print) -> dict:
     """Run the benchmark; returns a JSON-able dict and logs one line per measurement."""
     from glm_dsa import configs
@@ -355,12 +520,31 @@ def main(argv=None) -> int:
                     help="XLA's GPU autotune level (0 skips GEMM autotuning: shorter compiles of each step shape)")
     ap.add_argument("--cpu", action="store_true", help="8 simulated CPU devices (smoke runs)")
     ap.add_argument("--out", default=None, help="write the JSON record here")
+    ap.add_argument("--workload", default="random", choices=["random", "multi-turn"],
+                    help="random: --num-requests prompts of --input-len; multi-turn: chats sharing a system prompt, "
+                         "with prefix caching and without (see the module docstring)")
+    ap.add_argument("--conversations", type=int, default=32, help="multi-turn: conversations")
+    ap.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    ap.add_argument("--system-len", type=int, default=2048, help="multi-turn: tokens of the shared system prompt")
+    ap.add_argument("--user-len", type=int, default=64, help="multi-turn: new user tokens per turn")
     args = ap.parse_args(argv)
     if args.xla_autotune is not None:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_gpu_autotune_level={args.xla_autotune}"
     if args.cpu:  # jax is imported but no backend started yet: the platform and XLA's flags still apply
         jax.config.update("jax_platforms", "cpu")
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    if args.workload == "multi-turn":
+        mc = MultiTurnConfig(preset=args.preset, num_layers=args.num_layers, conversations=args.conversations,
+                             turns=args.turns, system_len=args.system_len, user_len=args.user_len,
+                             output_len=args.output_len, request_rate=args.request_rate, tp=args.tp, dcp=args.dcp,
+                             dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, impl=args.impl,
+                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                             num_pages=args.num_pages, block_size=args.block_size,
+                             warm_passes=max(args.warm_passes, 1), seed=args.seed)
+        res = run_multi_turn_bench(mc)
+        if args.out:
+            write_json(args.out, multi_turn_record(res, command_line(argv, script=__file__)))
+        return 0
     bc = ServingBenchConfig(preset=args.preset, num_layers=args.num_layers, num_requests=args.num_requests,
                             input_len=args.input_len, output_len=args.output_len, request_rate=args.request_rate,
                             modes=tuple(m for m in args.modes.split(",") if m), tp=args.tp, dcp=args.dcp,

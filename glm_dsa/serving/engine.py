@@ -74,6 +74,11 @@ class Engine:
     scheduling: the continuous-batching `Scheduler` (prefill in chunks of at most `max_num_batched_tokens` rows,
     then one decode row per live sequence per step), requests submitted from other threads, speculative decoding
     and the loop's counters. Shapes are bucketed, so a new call reuses compiled steps.
+
+    `enable_prefix_caching` (default on): requests whose tokens begin with full pages already computed (by a
+    running or finished request) reuse those pages of both caches instead of computing them (see
+    glm_dsa.serving.scheduler and prefix_cache); `metrics()` counts the reuse, `reset_prefix_cache()` forgets it.
+    It needs block_size divisible by the DCP interleave; otherwise it is turned off, with a warning.
     """
 
     config = _runner_attribute("config", "The model's `GlmDsaConfig`.")
@@ -95,7 +100,8 @@ class Engine:
                  dtype="bfloat16", kv_cache_dtype: str = "auto", max_model_len: int | None = None,
                  block_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 2048, impl: str | None = None,
-                 cache_memory_fraction: float = 0.8, num_speculative_tokens: int = 0, mtp_params=None):
+                 cache_memory_fraction: float = 0.8, num_speculative_tokens: int = 0, mtp_params=None,
+                 enable_prefix_caching: bool = True):
         # MTP speculative decoding (glm_dsa.serving.spec_decoder): k drafts per step from the nextn layer
         # `mtp_params`; checked first, before the runner allocates anything
         self.num_speculative_tokens = check_positive_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
@@ -108,11 +114,20 @@ class Engine:
                                   max_num_seqs=max_num_seqs, impl=impl, cache_memory_fraction=cache_memory_fraction,
                                   num_speculative_tokens=self.num_speculative_tokens)
         self.last_timings: dict = {}  # of the last generate (see there)
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        if enable_prefix_caching and self.block_size % self.parallel.interleave:
+            logging.getLogger(__name__).warning(
+                "prefix caching is off: block_size %d is not a multiple of the DCP interleave %d (a page's tokens "
+                "would not be consecutive positions)", self.block_size, self.parallel.interleave)
+            enable_prefix_caching = False
+        self.enable_prefix_caching = enable_prefix_caching
         # serving: the host scheduler over the runner's pages, and the loop's state (see `step`)
         self.scheduler = Scheduler(self.allocator, block_size=self.block_size, dcp=self.parallel.dcp,
                                    interleave=self.parallel.interleave, max_num_seqs=self.max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len, lookahead=self.num_speculative_tokens)
+                                   max_model_len=self.max_model_len, lookahead=self.num_speculative_tokens,
+                                   prefix_caching=enable_prefix_caching)
         self._pending = None  # (plan, device ids) of the dispatched step whose ids are not processed yet
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submits and aborts from other threads
         self._requests: dict[str, Request] = {}
@@ -170,11 +185,15 @@ class Engine:
         params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, stop_token_ids=[])
         self._check_idle("warmup")
         self._dry = set()
+        # the skipped steps write nothing, so their pages must not be cached (nor its equal prompts hit each other:
+        # the shapes compiled are those of prompts that do not share pages)
+        caching, self.scheduler.prefix_caching = self.scheduler.prefix_caching, False
         try:
             reqs = [self._request([0] * prompt_len, params, i) for i in range(batch)]
             self._drive(reqs)
         finally:
             self._dry = None
+            self.scheduler.prefix_caching = caching
 
     def _release(self, seqs: list[_Seq]) -> None:
         for s in seqs:
@@ -322,10 +341,22 @@ class Engine:
             raise RuntimeError("the engine already has a background loop")
         self._background = loop
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix page (pages held by running requests stay theirs). Thread-safe: while a
+        background loop serves (or processes run in lockstep) it takes effect at the loop's next step, in every
+        process alike."""
+        if self._background is not None or self.step_sync is not None:
+            self._inbox.put(("reset_prefix_cache", None))
+            self.wake_event.set()
+        else:
+            self.scheduler.reset_prefix_cache()
+
     def metrics(self) -> dict:
-        """Serving counters: requests running and waiting, KV pages used and free (per DCP rank), preemptions,
-        finished and aborted requests, steps, generated tokens, tokens/s over the recent steps, host time per
-        step."""
+        """Serving counters: requests running and waiting, KV pages used (held by requests) and free (free or
+        cached but unheld; per DCP rank), preemptions, finished and aborted requests, steps, generated tokens,
+        tokens/s over the recent steps, host time per step, and the prefix cache's: `prefix_cache_queries`
+        (tokens of admitted sequences looked up, recomputed ones again), `prefix_cache_hits` (of those, tokens
+        found cached and not computed) and `prefix_cache_pages` (pages in its index, per DCP rank)."""
         st, sch = self.stats, self.scheduler
         recent = list(st.recent)
         span = recent[-1][0] - recent[0][0] if len(recent) > 1 else 0.0
@@ -335,7 +366,9 @@ class Engine:
                 "preemptions": sch.preemptions, "requests_finished": sum(sch.finished.values()),
                 "requests_aborted": sch.finished["abort"], "steps": st.steps, "generated_tokens": st.generated,
                 "tokens_per_s": rate, "host_ms_per_step": 1e3 * st.host_s / max(st.steps, 1),
-                "step_ms": 1e3 * st.wall_s / max(st.steps, 1), **(self.spec.metrics() if self.spec else {})}
+                "step_ms": 1e3 * st.wall_s / max(st.steps, 1), "prefix_cache_queries": sch.prefix_queries,
+                "prefix_cache_hits": sch.prefix_hits, "prefix_cache_pages": sch.cached_pages,
+                **(self.spec.metrics() if self.spec else {})}
 
     # ---- the serving loop ------------------------------------------------------------------
     def _check_idle(self, what: str) -> None:
@@ -397,6 +430,8 @@ class Engine:
                     self.scheduler.add(x)
                 except Exception as e:  # checked in submit; a request that still cannot queue fails alone
                     self.scheduler.fail([x], f"{type(e).__name__}: {e}")
+            elif kind == "reset_prefix_cache":
+                self.scheduler.reset_prefix_cache()
             elif x in self._requests:
                 self.scheduler.abort(self._requests[x])
 
@@ -463,7 +498,7 @@ def load(path: str | os.PathLike, *, parallel: ParallelConfig | None = None, dty
     written by `python -m glm_dsa convert` / `checkpoints.save_orbax_params` (its newest committed version; an
     interrupted save is never read). Parameters go onto the devices with their target
     sharding, whatever mesh they were saved from. Extra keyword arguments (block_size, num_pages, max_num_seqs,
-    max_num_batched_tokens, impl) go to `Engine`. `num_speculative_tokens` k > 0: MTP speculative decoding, k drafts
+    max_num_batched_tokens, impl, enable_prefix_caching) go to `Engine`. `num_speculative_tokens` k > 0: MTP speculative decoding, k drafts
     per step from the checkpoint's nextn layer (loaded only then; a checkpoint without one is a CheckpointError).
     `quantization`: None keeps the checkpoint's form (an FP8 release's block-scaled weights stay float8_e4m3fn on
     the devices, with their scales, and the model computes from them), "fp8" quantises a bf16/fp32 checkpoint's

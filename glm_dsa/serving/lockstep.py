@@ -7,8 +7,8 @@ process 0 answers HTTP. So:
 
 - Process 0 runs `LeaderLoop` (in place of `streaming.BackgroundLoop`). Before each engine step that does
   anything, the step's submits and aborts (everything that reached `Engine.submit` / `Engine.abort` since the
-  last step) are published as one numbered message: request ids, prompts, sampling parameters (the seed
-  included: a server's default seed is drawn once, on process 0), stop ids.
+  last step, and `Engine.reset_prefix_cache`) are published as one numbered message: request ids, prompts,
+  sampling parameters (the seed included: a server's default seed is drawn once, on process 0), stop ids.
 - Every other process runs `follow`: it reads message n, hands its events to its engine at step n (through
   `Engine.step_sync`) and steps. Same events at the same steps give the same plans, the same compiled steps and
   the same sampled ids (the sampler runs on the device, on replicated logits) in every process.
@@ -115,7 +115,8 @@ class Channel:
 
 
 def encode_events(events) -> list[dict]:
-    """The engine inbox's events (("add", Request) | ("abort", request id)) as JSON-able objects."""
+    """The engine inbox's events (("add", Request) | ("abort", request id) | ("reset_prefix_cache", None)) as
+    JSON-able objects."""
     out = []
     for kind, x in events:
         if kind == "add":
@@ -126,6 +127,8 @@ def encode_events(events) -> list[dict]:
                                 "stop_token_ids": None if p.stop_token_ids is None else list(p.stop_token_ids)}})
         elif kind == "abort":
             out.append({"abort": x})
+        elif kind == "reset_prefix_cache":
+            out.append({"reset_prefix_cache": True})
         else:
             raise ValueError(f"unknown engine event {kind!r}")
     return out
@@ -140,6 +143,8 @@ def decode_events(items: list[dict]) -> list[tuple[str, object]]:
             params = SamplingParams(temperature=a["temperature"], top_p=a["top_p"], seed=a["seed"],
                                     max_tokens=a["max_tokens"], stop_token_ids=a["stop_token_ids"])
             out.append(("add", Request(a["id"], list(a["prompt"]), params, frozenset(a["stop"]), a["index"])))
+        elif "reset_prefix_cache" in item:
+            out.append(("reset_prefix_cache", None))
         else:
             out.append(("abort", item["abort"]))
     return out

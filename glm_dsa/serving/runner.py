@@ -26,10 +26,11 @@ from ..model.config import GlmDsaConfig
 from ..model.layers import StepBatch
 from ..model.loading import resolve_dtype
 from ..model.mtp import mtp_cache_bytes_per_token
-from ..model.paged_cache import (PageAllocator, allocate_caches, block_table_array, cache_bytes_per_token, cache_dtype,
+from ..model.paged_cache import (allocate_caches, block_table_array, cache_bytes_per_token, cache_dtype,
                                  free_device_bytes, max_addressable_pages, owner_slots, pages_needed, plan_pages)
 from ..model.step import resolve_parallel, step
 from . import host_buffer
+from .prefix_cache import PrefixCachingAllocator
 from .sampling import GREEDY_BELOW, sample
 from .scheduler import StepPlan
 
@@ -44,7 +45,8 @@ def check_positive_int(name: str, value, minimum: int = 1) -> int:
 
 
 def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32,
-                prev_ids, *, config, parallel, impl, n_out: int, block_size: int, width: int, greedy: bool):
+                prev_ids, *, config, parallel, impl, n_out: int, block_size: int, width: int, greedy: bool,
+                with_logits: bool = False):
     """One serving step: update the device block table, run the model step, sample each logits row; returns the
     sampled ids padded to `n_out`, the caches and the table.
 
@@ -58,7 +60,8 @@ def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_re
     low words, token index, prompt index; samp_f32 float32 [2, L]: temperature, top_p. Logits row i samples with
     the key fold_in(fold_in(key(seed), token_index), prompt_index): a request's draws depend on its own seed,
     prompt index and token index only, never on the batch it shares a step with. `width` (static): block-table
-    columns the step reads; `greedy` (static): every sampled row is greedy (argmax only)."""
+    columns the step reads; `greedy` (static): every sampled row is greedy (argmax only); `with_logits` (static):
+    the sampled rows' float32 logits are returned too (a fourth output, for tests that compare them)."""
     tables = jnp.where(table_resets[:, None] > 0, 0, tables)
     tables = tables.at[table_updates[0], table_updates[1]].set(table_updates[2], mode="drop")
     block_tables = tables[plan_rows, :width]
@@ -75,7 +78,8 @@ def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_re
         return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(words), token_index), prompt_index)
     keys = jax.vmap(key)(samp_u32[1:3].T, samp_u32[3], samp_u32[4])
     ids = sample(logits, keys, samp_f32[0], samp_f32[1], all_greedy=greedy)
-    return jnp.zeros(n_out, jnp.int32).at[: ids.shape[0]].set(ids), caches, tables
+    out = jnp.zeros(n_out, jnp.int32).at[: ids.shape[0]].set(ids)
+    return (out, caches, tables, logits) if with_logits else (out, caches, tables)
 
 
 def _serve_step_packed(params, caches, tables, packed, prev_ids, *, layout: host_buffer.Layout, **kw):
@@ -150,7 +154,8 @@ class ModelRunner:
         cache_sharding = NamedSharding(self.mesh, cache_spec())
         self.caches = allocate_caches(config, self.num_pages * n, block_size,
                                       cache_dtype(kv_cache_dtype, self.dtype), cache_sharding, kv_cache_dtype)
-        self.allocator = PageAllocator(self.num_pages)
+        # reference-counted pages with the prefix cache's index (used only when the scheduler caches prefixes)
+        self.allocator = PrefixCachingAllocator(self.num_pages)
         # the model step alone, for `run` (logits of every asked row; no sampling)
         self.model_step = jax.jit(functools.partial(step, config=config, parallel=self.parallel, impl=self.impl),
                                   donate_argnums=(1,))
@@ -168,10 +173,26 @@ class ModelRunner:
                                                     impl=self.impl, n_out=self.n_out, block_size=self.block_size),
                                   static_argnames=("width", "greedy", "layout"), donate_argnums=(1, 2),
                                   out_shardings=out_shardings)
+        # tests: with keep_logits set, each executed serving step keeps its sampled rows' float32 logits
+        # [rows >= len(plan.sample_rows), vocab] (device) in last_logits, from a second compiled step
+        self.keep_logits = False
+        self.last_logits = None
+        self._serve_step_logits = None
         self.prev_ids = None  # device ids sampled by the last executed serving step
         self.launch_s = 0.0  # seconds the last `execute`'s jitted call took (transfers, dispatch)
         self.last_h2d_bytes = 0  # bytes of the host buffer the last `execute` built
         self._trace = None
+
+    def _logits_step(self):
+        """The serving step that also returns its sampled rows' logits (compiled on first use; see keep_logits)."""
+        if self._serve_step_logits is None:
+            shardings = (self.replicated, jax.tree.map(lambda c: c.sharding, self.caches), self.replicated,
+                         self.replicated)
+            self._serve_step_logits = jax.jit(
+                functools.partial(_serve_step_packed, config=self.config, parallel=self.parallel, impl=self.impl,
+                                  n_out=self.n_out, block_size=self.block_size, with_logits=True),
+                static_argnames=("width", "greedy", "layout"), donate_argnums=(1, 2), out_shardings=shardings)
+        return self._serve_step_logits
 
     def run(self, seq_idx: np.ndarray, pos: np.ndarray, tok: np.ndarray, pages: list[list[int]],
             logits_rows: np.ndarray) -> jax.Array:
@@ -216,15 +237,14 @@ class ModelRunner:
 
     def table_inputs(self, plan: StepPlan, t: int, nr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The block-table inputs of a plan's step (see `_serve_step`): the requests' table rows int32 [nr], the
-        entries it changes int32 [3, t] and the rows it clears int32 [max_num_seqs + 1]."""
+        entries it changes int32 [3, u] and the rows it clears int32 [max_num_seqs + 1]; u is t, or t times a
+        power of two when a step adds more pages than it computes rows (a request admitted on cached prefix pages
+        gains them all in the step of its first rows)."""
         plan_rows = np.full(nr, self.max_num_seqs, np.int32)  # padding requests read the all-zero last row
         plan_rows[: len(plan.requests)] = [r.table_row for r in plan.requests]
-        # a step adds at most one page per row it computes, so the rows bucket bounds the updates
-        upd = np.full((3, t), self.max_num_seqs + 1, np.int32)  # padding updates fall outside the table: dropped
+        # without cached pages a step adds at most one page per row it computes: the rows bucket bounds the updates
         nu = plan.table_updates.shape[1]
-        if nu > t:
-            raise RuntimeError(f"a step of {plan.num_rows} rows changes {nu} block-table entries, more than its {t} "
-                               "slots")
+        upd = np.full((3, _bucket(nu, t)), self.max_num_seqs + 1, np.int32)  # padding updates: outside the table
         upd[:, :nu] = plan.table_updates
         resets = np.zeros(self.max_num_seqs + 1, np.int32)
         resets[plan.table_resets] = 1
@@ -267,8 +287,12 @@ class ModelRunner:
             prev = jax.device_put(np.zeros(self.n_out, np.int32), self.replicated)
         t_launch = time.perf_counter()
         greedy = bool(np.all(sf[0, :k] < GREEDY_BELOW))  # static: no device-side branch (see sampling.sample)
-        out, self.caches, self.tables = self.serve_step(self.params, self.caches, self.tables, packed, prev,
-                                                        width=width, greedy=greedy, layout=layout)
+        if self.keep_logits:
+            out, self.caches, self.tables, self.last_logits = self._logits_step()(
+                self.params, self.caches, self.tables, packed, prev, width=width, greedy=greedy, layout=layout)
+        else:
+            out, self.caches, self.tables = self.serve_step(self.params, self.caches, self.tables, packed, prev,
+                                                            width=width, greedy=greedy, layout=layout)
         self.launch_s = time.perf_counter() - t_launch
         self.prev_ids = out
         return out

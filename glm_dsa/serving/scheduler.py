@@ -12,6 +12,20 @@ rank 0's share, the largest). When a running request needs a page and none is fr
 (by arrival) is preempted: its pages are freed and it waits again, keeping its generated tokens, which are
 recomputed as prompt when it is admitted again (its draws depend on its own seed, prompt index and token index
 only, so it continues as if never interrupted).
+
+Prefix caching (`prefix_caching=True`, over a `prefix_cache.PrefixCachingAllocator`): a page holds
+`block_size * dcp` consecutive tokens (each DCP rank its own share of them, at the same page id), so a request's
+page j covers positions [j * G, (j + 1) * G), G = block_size * dcp. As soon as a page's rows are final (every
+position scheduled, its tokens known, and with MTP the token after it known too: the nextn layer's row at the
+page's last position reads it) the page is indexed under its chain key. Rows are final once scheduled because a
+request never schedules a position twice, except speculative draft rows, which lie past its known tokens (and
+rejected ones are rolled back); the device runs steps in order and each layer writes the step's rows before it
+reads the cache, so a request admitted in the same step may already read them. At admission a request's known
+tokens are matched page by page against the index, up to the last full page before its last known token (that
+token is always computed, so its logits sample the next one): prefill starts after the matched pages, which the
+request holds shared and never writes (its own rows go to fresh pages, the last prompt page included, even when
+the whole prompt was cached). Preemption and abort release a request's hold; cached pages stay indexed until
+`allocate` evicts them.
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..model.paged_cache import PageAllocator, pages_needed
+from .prefix_cache import PrefixCachingAllocator, chain_key
 from .sampling import SamplingParams
 
 
@@ -62,6 +77,11 @@ class Request:
     spec_steps: int = 0  # MTP: steps that verified drafts of this request, the drafts, how many were accepted
     spec_drafted: int = 0
     spec_accepted: int = 0
+    # prefix caching: the chain keys of the request's first full pages (tokens never change, so kept across
+    # preemptions), and how many of `pages` were offered to the index
+    page_keys: list[bytes] = dataclasses.field(default_factory=list)
+    pages_indexed: int = 0
+    cached_tokens: int = 0  # prompt tokens its last admission found cached (not computed)
     on_token: Callable[[Request, int], None] | None = None
     on_finish: Callable[[Request], None] | None = None
 
@@ -111,11 +131,23 @@ class Scheduler:
     lookahead: MTP speculative decoding's drafts per step (0: none). With drafts, a decode request's rows are its
     last token and up to `lookahead` drafts (`Request.drafts`), its pages cover `lookahead` positions more for the
     nextn layer's chained rows, and the engine reports each step with `process_spec` (no token in flight).
+    prefix_caching: reuse cached full pages (see the module docstring); needs a `PrefixCachingAllocator` and
+    `block_size` divisible by `interleave` (so that a page's tokens are consecutive positions).
     """
 
     def __init__(self, allocator: PageAllocator, *, block_size: int, dcp: int, interleave: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, lookahead: int = 0):
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, lookahead: int = 0,
+                 prefix_caching: bool = False):
+        if prefix_caching and not isinstance(allocator, PrefixCachingAllocator):
+            raise TypeError("prefix_caching needs a PrefixCachingAllocator, got " + type(allocator).__name__)
+        if prefix_caching and block_size % interleave:
+            raise ValueError(f"prefix caching needs block_size ({block_size}) divisible by the DCP interleave "
+                             f"({interleave})")
         self.allocator = allocator
+        self.prefix_caching = prefix_caching
+        self.page_tokens = block_size * dcp  # tokens of a page across the DCP ranks (G)
+        self.prefix_queries = 0  # tokens of admitted sequences looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found cached (not computed)
         self.block_size, self.dcp, self.interleave = block_size, dcp, interleave
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -173,6 +205,7 @@ class Scheduler:
     def _release(self, r: Request) -> None:
         self.allocator.release(r.pages)
         r.pages = []
+        r.pages_indexed = 0
         r.num_computed = 0
         r.drafts = []  # drafts are proposed again after a recompute
         if r.table_row >= 0:
@@ -231,10 +264,60 @@ class Scheduler:
             r.pages.extend(self.allocator.allocate(need))
         return True
 
+    # ---- prefix caching ----------------------------------------------------------------------
+    @staticmethod
+    def _tokens(r: Request, a: int, b: int) -> list[int]:
+        """The known tokens [a, b) of `r` (prompt, then output)."""
+        n = len(r.prompt)
+        out = r.prompt[a: min(b, n)] if a < n else []
+        return out + r.output[max(a - n, 0): max(b - n, 0)] if b > n else out
+
+    def _keys(self, r: Request, n: int) -> list[bytes]:
+        """The chain keys of `r`'s first `n` pages (their tokens, and with MTP the token after each, known)."""
+        g, extra, keys = self.page_tokens, 1 if self.lookahead else 0, r.page_keys
+        while len(keys) < n:
+            j = len(keys)
+            keys.append(chain_key(keys[-1] if keys else b"", self._tokens(r, j * g, (j + 1) * g + extra)))
+        return keys[:n]
+
+    def _index(self, r: Request) -> None:
+        """Offer `r`'s pages whose rows became final to the index: every position of the page scheduled and known
+        (not a draft, not the in-flight token), and with MTP the token after the page known too."""
+        if not self.prefix_caching:
+            return
+        known = len(r.prompt) + len(r.output)
+        final = min(r.num_computed, known - (1 if self.lookahead else 0))
+        n = min(final // self.page_tokens, len(r.pages))
+        if n <= r.pages_indexed:
+            return
+        for j, key in enumerate(self._keys(r, n)[r.pages_indexed:], start=r.pages_indexed):
+            self.allocator.insert(key, r.pages[j])
+        r.pages_indexed = n
+
+    def _match(self, r: Request) -> list[int]:
+        """The cached pages `r` (waiting, nothing in flight) can start from: its longest indexed prefix of full
+        pages that ends before its last known token (always computed: its logits sample the next token)."""
+        if not self.prefix_caching:
+            return []
+        known = len(r.prompt) + len(r.output)
+        return self.allocator.match(self._keys(r, (known - 1) // self.page_tokens))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached page (running requests keep the pages they hold)."""
+        if self.prefix_caching:
+            self.allocator.reset()
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages in the prefix cache's index (per DCP rank)."""
+        return self.allocator.cached_pages if self.prefix_caching else 0
+
     def schedule(self) -> StepPlan | None:
         """The next step's rows, or None when there is nothing to compute. Finishes aborted requests first."""
         for r in [q for q in self.running + self.waiting if q.aborted]:
             self._finish(r, "abort")
+        for r in self.running:  # tokens that arrived since the last step may complete pages
+            self._index(r)
         budget = self.max_num_batched_tokens
         chunks: list[tuple[Request, int, int]] = []  # (request, start, end)
         i = 0
@@ -254,6 +337,7 @@ class Scheduler:
                 continue  # r was preempted (and was the last running request)
             chunks.append((r, r.num_computed, end))
             r.num_computed = end
+            self._index(r)  # pages this chunk completes: readable by requests admitted in this very step
             budget -= n
             i += 1
         # admission: waiting requests in arrival order while there are sequence slots, rows and pages
@@ -261,21 +345,33 @@ class Scheduler:
             r = self.waiting[0]
             if r.in_flight:  # preempted with a token in flight: admitted once it is on the host
                 break
-            n = min(r.total, budget)
-            need = self.pages_for(self._span(r, n))
+            hit = self._match(r)  # cached pages: prefill starts after them
+            start = len(hit) * self.page_tokens
+            n = min(r.total - start, budget)
+            need = self.pages_for(self._span(r, start + n)) - len(hit)
             # admitted only when its whole prompt (and output so far) fits beside what the running requests' own
             # prefills still need: admitting on the first chunk's pages alone let a long prompt in that its next
-            # chunk then preempted, recomputed and preempted again (measured: 78 preemptions in 16 requests)
-            if self.pages_for(self._span(r, r.total)) + self._promised() > self.allocator.free:
+            # chunk then preempted, recomputed and preempted again (measured: 78 preemptions in 16 requests).
+            # Cached pages of the match that nobody holds count as free until this request takes them.
+            free = self.allocator.free - (self.allocator.unheld(hit) if hit else 0)
+            if self.pages_for(self._span(r, r.total)) - len(hit) + self._promised() > free:
                 break
             self.waiting.pop(0)
-            r.pages = self.allocator.allocate(need)
+            if hit:
+                self.allocator.acquire(hit)  # before allocating: `allocate` may evict only unheld pages
+            r.pages = hit + self.allocator.allocate(need)
+            r.pages_indexed = len(hit)
+            r.cached_tokens = start
+            if self.prefix_caching:
+                self.prefix_queries += r.total
+                self.prefix_hits += start
             r.drafts = []
             r.status = Status.RUNNING
             self.running.append(r)  # arrival order is kept: every running request arrived before any waiting
             self.running.sort(key=lambda q: q.arrival)
-            chunks.append((r, 0, n))
-            r.num_computed = n
+            chunks.append((r, start, start + n))
+            r.num_computed = start + n
+            self._index(r)
             budget -= n
         if not chunks:
             return None
@@ -401,8 +497,11 @@ class Scheduler:
                     break
 
     def fail(self, reqs, error: str) -> None:
-        """Finish `reqs` with an error (a step that raised): their pages come back, the others go on."""
+        """Finish `reqs` with an error (a step that raised): their pages come back (out of the prefix cache's
+        index: the failed step may not have written them), the others go on."""
         for r in reqs:
             if not r.finished:
+                if self.prefix_caching:
+                    self.allocator.forget(r.pages)
                 r.in_flight = 0
                 self._finish(r, "error", error)

@@ -52,6 +52,15 @@ class SpecDecoder:
                                                impl=eng.impl, k=k, block_size=eng.block_size),
                              static_argnames=("width", "greedy", "layout"), donate_argnums=(2, 3, 4, 5),
                              out_shardings=shardings)
+        # tests: with keep_logits set, each step keeps the target's float32 logits of its verify rows
+        # [G, k + 1, V] (device) in last_logits, from a second compiled step
+        self.keep_logits = False
+        self.last_logits = None
+        self._step_logits = jax.jit(functools.partial(spec_serve_step_packed, config=cfg, parallel=eng.parallel,
+                                                      impl=eng.impl, k=k, block_size=eng.block_size,
+                                                      with_logits=True),
+                                    static_argnames=("width", "greedy", "layout"), donate_argnums=(2, 3, 4, 5),
+                                    out_shardings=shardings + (replicated,))
         # acceptance statistics since the engine was made
         self.steps = 0  # speculative steps run
         self.verified = 0  # sample rows that brought at least one draft
@@ -138,9 +147,13 @@ class SpecDecoder:
         packed, layout = host_buffer.pack(*arrays)
         eng.stats.h2d_bytes += packed.nbytes
         eng.stats.last_h2d_bytes = packed.nbytes
-        out, run.caches, self.caches, run.tables, self.draft_probs = self._step(
-            run.params, self.mtp_params, run.caches, self.caches, run.tables, self.draft_probs, packed,
-            width=width, greedy=greedy, layout=layout)
+        args = (run.params, self.mtp_params, run.caches, self.caches, run.tables, self.draft_probs, packed)
+        if self.keep_logits:
+            out, run.caches, self.caches, run.tables, self.draft_probs, self.last_logits = self._step_logits(
+                *args, width=width, greedy=greedy, layout=layout)
+        else:
+            out, run.caches, self.caches, run.tables, self.draft_probs = self._step(
+                *args, width=width, greedy=greedy, layout=layout)
         return out
 
     def turn(self, plan: StepPlan | None, t0: float) -> bool:

@@ -127,7 +127,7 @@ def draw_drafts(logits, keys, temperature, top_p, all_greedy: bool = False):
 
 def spec_serve_step(params, mtp_params, caches, mtp_caches, tables, draft_probs, rows, plan_rows, table_updates,
                     table_resets, vrows, gmeta, samp_u32, samp_f32, *, config, parallel, impl, k: int,
-                    block_size: int, width: int, greedy: bool = False):
+                    block_size: int, width: int, greedy: bool = False, with_logits: bool = False):
     """One speculative serving step (the MTP counterpart of `runner._serve_step`, whose block-table arguments it
     shares): the target over the step's rows, acceptance per sampling request, the nextn layer over every row,
     then k - 1 chained draft rows per request.
@@ -140,7 +140,8 @@ def spec_serve_step(params, mtp_params, caches, mtp_caches, tables, draft_probs,
     token it emits, prompt index; samp_f32 float32 [2, G]: temperature, top_p. `greedy` (static): every group is
     greedy (no sampling code is compiled in).
     Returns (int32 [G, 2k + 2]: accepted count, the k + 1 tokens (the first accepted + 1 are emitted), the next k
-    drafts; caches, mtp_caches, tables, draft_probs)."""
+    drafts; caches, mtp_caches, tables, draft_probs), and with `with_logits` (static) the target's float32 logits
+    of the verify rows [G, k + 1, V] last (for tests that compare them)."""
     tables = jnp.where(table_resets[:, None] > 0, 0, tables)
     tables = tables.at[table_updates[0], table_updates[1]].set(table_updates[2], mode="drop")
     block_tables = tables[plan_rows, :width]
@@ -215,6 +216,8 @@ def spec_serve_step(params, mtp_params, caches, mtp_caches, tables, draft_probs,
     if not greedy:  # a greedy step's distributions are never read: the buffer passes through untouched
         draft_probs = draft_probs.at[table_row].set(jnp.stack(new_q, axis=1))
     out = jnp.concatenate([accepted[:, None], emitted, jnp.stack(new_drafts, axis=1)], axis=1).astype(jnp.int32)
+    if with_logits:
+        return out, caches, mtp_caches, tables, draft_probs, logits.reshape(g, k + 1, -1)
     return out, caches, mtp_caches, tables, draft_probs
 
 
