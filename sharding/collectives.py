@@ -32,8 +32,9 @@ from .axes import DCP, TP
 @dataclasses.dataclass(frozen=True)
 class CollectiveCall:
     """One collective of a traced step: `kind` (psum, all_gather, psum_scatter, all_to_all), the mesh `axes`, the
-    `group` size (devices taking part), the local input's `shape` and `dtype`, and the bytes of the local input
-    (`in_bytes`) and output (`out_bytes`) on one device."""
+    `group` size (devices taking part), the local input's `shape` and `dtype`, the bytes of the local input
+    (`in_bytes`) and output (`out_bytes`) on one device, and the call's keywords (`options`: (name, value) pairs,
+    e.g. (("axis", 1), ("tiled", True))), so that the call can be made again alone."""
 
     kind: str
     axes: tuple[str, ...]
@@ -42,6 +43,11 @@ class CollectiveCall:
     dtype: str
     in_bytes: int
     out_bytes: int
+    options: tuple = ()
+
+    def replay(self, comm: "Collectives", x):
+        """Make this call again on `x` through `comm` (e.g. alone, to count its cost apart from the step's)."""
+        return getattr(comm, self.kind)(x, self.axes, **dict(self.options))
 
 
 def _names(axes) -> tuple[str, ...]:
@@ -70,11 +76,12 @@ class Collectives:
         finally:
             self._on.pop()
 
-    def _note(self, kind, axes, x, out_shape):
+    def _note(self, kind, axes, x, out_shape, **options):
         if self._on:
             names = _names(axes)
             self._log.append(CollectiveCall(kind, names, self.axis_size(names), tuple(x.shape), str(x.dtype),
-                                            _nbytes(x.shape, x.dtype), _nbytes(out_shape, x.dtype)))
+                                            _nbytes(x.shape, x.dtype), _nbytes(out_shape, x.dtype),
+                                            tuple(sorted(options.items()))))
 
     # the mesh's view: overridden by the stand-in
     def axis_size(self, axes) -> int:
@@ -98,7 +105,7 @@ class Collectives:
             shape[axis] *= n
         else:
             shape.insert(axis, n)
-        self._note("all_gather", axes, x, shape)
+        self._note("all_gather", axes, x, shape, axis=axis, tiled=tiled)
         return self._all_gather(x, axes, axis, tiled)
 
     def _all_gather(self, x, axes, axis, tiled):
@@ -110,7 +117,7 @@ class Collectives:
             raise ValueError("psum_scatter: only tiled=True is used by the model")
         shape = list(x.shape)
         shape[scatter_dimension] //= self.axis_size(axes)
-        self._note("psum_scatter", axes, x, shape)
+        self._note("psum_scatter", axes, x, shape, scatter_dimension=scatter_dimension, tiled=tiled)
         return self._psum_scatter(x, axes, scatter_dimension)
 
     def _psum_scatter(self, x, axes, dim):
@@ -125,7 +132,7 @@ class Collectives:
         shape = list(x.shape)
         shape[split_axis] //= n
         shape[concat_axis] *= n
-        self._note("all_to_all", axes, x, shape)
+        self._note("all_to_all", axes, x, shape, split_axis=split_axis, concat_axis=concat_axis, tiled=tiled)
         return self._all_to_all(x, axes, split_axis, concat_axis)
 
     def _all_to_all(self, x, axes, split_axis, concat_axis):

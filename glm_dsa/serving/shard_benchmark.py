@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,7 @@ from glm_dsa.model.options import StepOptions
 from glm_dsa.model.paged_cache import allocate_caches, cache_dtype, owner_slots, pages_needed
 from glm_dsa.model.shard import init_shard_params, shard_context, shard_model, shard_step
 from kernels.norms import rms_norm
-from sharding import TP_AXES, ParallelConfig
+from sharding import TP_AXES, ParallelConfig, path_str
 from sharding.dcp import local_length
 
 STAGES = ("attention_full", "attention_shared", "mlp_dense", "moe", "head")
@@ -90,7 +91,7 @@ def prefill_batch(length: int, block_size: int, vocab_size: int, rng, dcp: int =
 def stage_body(stage: str, cfg: GlmDsaConfig, ctx: StepContext):
     """The per-shard body of `stage` on the first layer of its kind: f(params, caches, x, topk, batch) -> [T, D]
     (summed over TP by `ctx.comm`). `topk`: the previous full layer's local top-k (shared attention only)."""
-    layer = stage_layers(cfg)[stage][0]
+    layer = stage_layers(cfg)["moe" if stage == "router" else stage][0]
 
     def f(params, caches, x, topk, batch):
         model = shard_model(params, cfg)  # the local shards' modules (inside shard_map on the mesh too)
@@ -106,6 +107,8 @@ def stage_body(stage: str, cfg: GlmDsaConfig, ctx: StepContext):
                            None if j is not None else topk, batch, ctx)[0]
             return out
         h = rms_norm(x, mod.post_norm[...], cfg.rms_norm_eps)
+        if stage == "router":  # the MoE's replicated part: every device routes every row (moe_width_check)
+            return mod.moe.route(h, cfg)[1]
         return mod.moe(h, cfg, ctx.options, comm=ctx.comm) if stage == "moe" else mod.mlp(h, ctx.options, ctx.comm)
     return f
 
@@ -182,7 +185,7 @@ def stage_times(sb: ShardBench, batch: StepBatch, context: int, *, stages=STAGES
 
 
 def stage_costs(sb_or_cfg, parallel: ParallelConfig, batch: StepBatch, context: int, *, params=None, caches=None,
-                dtype="bfloat16") -> dict:
+                dtype="bfloat16", stages=STAGES) -> dict:
     """Per stage: XLA's FLOPs and bytes of its xla-form program on this device's shapes, and the collectives it
     issues ([CollectiveCall]). Abstract: `params` / `caches` may be `jax.ShapeDtypeStruct` trees."""
     cfg = sb_or_cfg.cfg if isinstance(sb_or_cfg, ShardBench) else sb_or_cfg
@@ -194,8 +197,8 @@ def stage_costs(sb_or_cfg, parallel: ParallelConfig, batch: StepBatch, context: 
     x = jax.ShapeDtypeStruct((rows, cfg.hidden_size), jnp.dtype(dtype))
     topk = jax.ShapeDtypeStruct((rows, cfg.index_topk), jnp.int32)
     out = {}
-    for stage in STAGES:
-        if not stage_layers(cfg)[stage]:
+    for stage in stages:
+        if not stage_layers(cfg)["moe" if stage == "router" else stage]:
             continue
         f = stage_body(stage, cfg, ctx)
         with ctx.comm.record() as log:
@@ -300,3 +303,38 @@ def run_from_args(args, command: str | None = None, log=print) -> int:
                                          q_replicate=parallel.q_replicate, comm_backend=parallel.dcp_comm_backend,
                                          layers=cfg.num_hidden_layers, built_layers=depth))
     return 0
+
+
+def moe_width_check(cfg: GlmDsaConfig, parallel: ParallelConfig, rows: int, *, quantization="fp8",
+                    dtype="bfloat16", kv_cache_dtype: str = "fp8_ds_mla", block_size: int = 64) -> dict:
+    """The full-width MoE layer's FLOPs and bytes (`cfg` on one device, TP = 1) against TP x one device's share at
+    `rows` decode rows, counted abstractly (nothing allocated): XLA's counts of the xla-form program and the bytes
+    of the layer's weights (routed and shared experts, FP8 with their scale grids: what a decode step reads). The
+    router is replicated (every device routes every row), so it is counted apart: (full - router) / (shard -
+    router) is the split factor of the rest, TP where the experts' work splits exactly."""
+    from glm_dsa.model.shard import shard_parallel
+    rng = np.random.default_rng(0)
+    out = {}
+    for name, par in (("full", shard_parallel("1", cfg)), ("shard", parallel)):
+        params = jax.eval_shape(lambda par=par: init_shard_params(cfg, par, dtype=dtype, quantization=quantization))
+        pages = rows + 1
+        from glm_dsa.model.paged_cache import cache_shapes
+        shapes = cache_shapes(cfg, pages, block_size, kv_cache_dtype)
+        cdt = cache_dtype(kv_cache_dtype, jnp.dtype(dtype))
+        caches = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, cdt), shapes,
+                              is_leaf=lambda s: isinstance(s, tuple) and bool(s) and isinstance(s[0], int))
+        batch = step_batch(rows, 1, 2, block_size, cfg.vocab_size, rng, par.dcp, par.interleave)
+        costs = stage_costs(cfg, par, batch, 2, params=params, caches=caches, dtype=dtype, stages=("moe", "router"))
+        out[name] = {k: {"flops": v["flops"], "bytes": v["bytes"]} for k, v in costs.items()}
+        prefix = f"layers.{stage_layers(cfg)['moe'][0]}.moe."
+        nbytes = {path_str(p)[len(prefix):]: math.prod(v.shape) * jnp.dtype(v.dtype).itemsize
+                  for p, v in jax.tree_util.tree_leaves_with_path(params) if path_str(p).startswith(prefix)}
+        out[name]["weights"] = {"bytes": sum(v for k, v in nbytes.items() if not k.startswith("router"))}
+        out[name]["router_weights"] = {"bytes": sum(v for k, v in nbytes.items() if k.startswith("router"))}
+    f, s = out["full"], out["shard"]
+    for key in ("flops", "bytes"):
+        r = f["router"][key]
+        out[f"split_{key}"] = (f["moe"][key] - r) / (s["moe"][key] - r)
+    out["split_weight_bytes"] = f["weights"]["bytes"] / s["weights"]["bytes"]
+    out.update(tp=parallel.tp, rows=rows)
+    return out
