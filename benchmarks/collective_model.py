@@ -89,3 +89,26 @@ def sources(inputs: dict | None = None) -> list[str]:
     """The sources of the model's inputs, one line each."""
     inputs = inputs or load_inputs()
     return [f"{name} = {inputs['values'][name]}: {src}" for name, src in inputs["sources"].items()]
+
+
+def main(argv=None) -> int:
+    """Print the model's inputs with their sources, and the modelled time of one call (`--kind`, `--group`,
+    `--bytes`: the local input's bytes; an all-gather's output is `group` times it)."""
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kind", choices=KINDS, default="psum")
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--bytes", type=int, default=16 * 6144 * 2, help="the local input's bytes")
+    args = p.parse_args(argv)
+    inputs = load_inputs()
+    for line in sources(inputs):
+        print(line)
+    out = args.bytes * args.group if args.kind == "all_gather" else args.bytes
+    print(f"{args.kind} of {args.bytes} B over {args.group} devices: "
+          f"{collective_us(args.kind, args.group, args.bytes, out, inputs):.2f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main())

@@ -158,6 +158,11 @@ TABLES = {
         ("draft + verify ms", "spec_ms"), ("ratio", "ratio"), ("synchronous turn ms", "turn_ms"),
         ("turn ratio", "turn_ratio"), ("B=1 plain tok/s", "plain_tok_s"), ("oracle drafts tok/s", "oracle_tok_s"),
         ("oracle mean accepted length", "oracle_mean_accepted_length"))),
+    "projection": Table("projection", (
+        ("system", "system"), ("DCP", "dcp"), ("concurrency", "concurrency"), ("MTP", "mtp"),
+        ("step ms", "step_ms"), ("compute ms", "compute_ms"), ("collective ms", "collective_ms"),
+        ("output tok/s per GPU", "tok_s_per_gpu"), ("TTFT ms (one 8K prompt)", "ttft_ms"),
+        ("largest cost", "largest_cost"), ("sources", lambda r: "; ".join(r.get("sources", []))))),
     "multihost": Table("multihost", (
         ("run", "run"), ("decode ms/step", "decode_ms_per_step"), ("decode steps", "decode_steps"),
         ("prefill s", "prefill_s"), ("decode step alone ms", "decode_step_ms"))),

@@ -576,7 +576,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
     p.add_argument("--shard-of", default=None, metavar="TP[,DCP]",
                    help="run one device's share of this layout on one device, every collective a local stand-in, and "
-                        "report the decode step per stage (glm_dsa/serving/shard_benchmark.py)")
+                        "report the decode step per stage (glm_dsa/serving/shard_benchmark.py, which the CLI runs "
+                        "for this flag)")
     from glm_dsa.distributed import add_flags
     add_flags(p)
 
@@ -595,9 +596,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def run_from_args(args: argparse.Namespace, command: str | None = None) -> int:
     """Run the benchmark of parsed `add_arguments` flags and write its record to --json-out; exit code 0."""
-    if getattr(args, "shard_of", None):
-        from glm_dsa.serving import shard_benchmark
-        return shard_benchmark.run_from_args(args, command=command)
     from glm_dsa import distributed
     distributed.initialize_from_flags(args)  # a no-op in one process, or when the CLI has joined already
     res = run_bench(config_from_args(args), log=print if jax.process_index() == 0 else lambda *a, **k: None)

@@ -46,14 +46,16 @@ def test_shard_shapes_are_one_device_of_the_mesh(dcp):
     want = jax.tree.map(lambda leaf, spec: (NamedSharding(mesh, spec).shard_shape(leaf.shape), leaf.dtype), full,
                         specs)
     got = jax.tree.map(lambda leaf: (leaf.shape, leaf.dtype), local)
-    flat_w = {path_str(p): v for p, v in jax.tree_util.tree_leaves_with_path(want, is_leaf=lambda x: isinstance(x, tuple))}
-    flat_g = {path_str(p): v for p, v in jax.tree_util.tree_leaves_with_path(got, is_leaf=lambda x: isinstance(x, tuple))}
+    pair = lambda x: isinstance(x, tuple)  # noqa: E731  (a (shape, dtype) leaf)
+    flat_w = {path_str(p): v for p, v in jax.tree_util.tree_leaves_with_path(want, is_leaf=pair)}
+    flat_g = {path_str(p): v for p, v in jax.tree_util.tree_leaves_with_path(got, is_leaf=pair)}
     assert flat_g == flat_w
     assert flat_g["layers.10.moe.experts_gate"][0] == (256, 2048 // 8, 6144)  # K-major FP8 stack, width split 8 ways
     qrep = dcp > 1  # GLM-5.x's default: query replication under DCP (each rank holds its group's heads)
     assert flat_g["layers.0.attn.q_b_proj"][0][1] == (64 // (8 // dcp) if qrep else 64 // 8)
     pages = 33
-    for lc, gc in zip(jax.tree.leaves(_caches(cfg, pages, dcp, True)), jax.tree.leaves(_caches(cfg, pages, dcp, False))):
+    for lc, gc in zip(jax.tree.leaves(_caches(cfg, pages, dcp, True)),
+                      jax.tree.leaves(_caches(cfg, pages, dcp, False))):
         assert NamedSharding(mesh, cache_spec()).shard_shape(gc.shape) == lc.shape
 
 
@@ -94,10 +96,12 @@ def test_stage_compute_and_collectives_equal_the_meshs(dcp):
         assert calls == shard[stage]["collectives"], stage
         mesh_c = np.sum([_replayed_cost(c, Collectives(), mesh) for c in calls], axis=0)
         local_c = np.sum([_replayed_cost(c, standin) for c in calls], axis=0)
-        # to 1e-5 (bytes 1e-4): XLA counts a collective made alone a few units off its count inside the program, and the stand-in's
-        # rank is a constant (a few index ops of the global top-k fold away); a head or width off would be >= 1e-2
+        # to 1e-5 (bytes 1e-4): XLA counts a collective made alone a few units off its count inside the program, and
+        # the stand-in's rank is a constant (a few index ops of the global top-k fold away); a head or a width off
+        # would be >= 1e-2
         assert ca["flops"] - mesh_c[0] == pytest.approx(shard[stage]["flops"] - local_c[0], rel=1e-5), stage
-        assert ca["bytes accessed"] - mesh_c[1] == pytest.approx(shard[stage]["bytes"] - local_c[1], rel=1e-4), stage
+        want_bytes = pytest.approx(shard[stage]["bytes"] - local_c[1], rel=1e-4)
+        assert ca["bytes accessed"] - mesh_c[1] == want_bytes, stage
 
 
 def test_collectives_of_a_layer_by_hand():
