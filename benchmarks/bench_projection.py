@@ -99,8 +99,9 @@ def largest(m: dict, cfg, inputs) -> str:
     return f"{name} ({costs[name]:.3f} ms of the step)"
 
 
-def run(args, log=print) -> tuple[list[dict], dict]:
-    """The projection rows and the record's extra keys (the shard runs' per-batch figures, the MoE width check)."""
+def run(args, log=print, partial=None) -> tuple[list[dict], dict]:
+    """The projection rows and the record's extra keys (the shard runs' per-batch figures, the MoE width check);
+    `partial(rows, extra)` is called after each DCP size (a run stopped by a timeout keeps what it measured)."""
     import jax
 
     from benchmarks.collective_model import load_inputs, sources
@@ -126,9 +127,14 @@ def run(args, log=print) -> tuple[list[dict], dict]:
     check = sbm.moe_width_check(cfg.with_depth(min(8, cfg.num_hidden_layers)),
                                 shard_parallel(str(args.tp), cfg), 16, quantization=args.quantization,
                                 kv_cache_dtype=args.kv_cache_dtype)
-    log(f"MoE width check ({check['rows']} rows): full-width weights / share's = {check['split_weight_bytes']:.4f}; "
-        f"FLOPs less the router: full / share = {check['split_flops']:.4f}; XLA bytes less the router: "
-        f"{check['split_bytes']:.4f} (TP = {check['tp']})")
+    log(f"MoE width check ({check['rows']} rows, {cfg.num_hidden_layers if cfg.num_hidden_layers < 8 else 8} "
+        f"layers): full-width weights / share's = {check['split_weight_bytes']:.4f}; FLOPs less the router: full / "
+        f"share = {check['split_flops']}; XLA bytes less the router: full / share = {check['split_bytes']} "
+        f"(TP = {check['tp']}; full {check['full']}, share {check['shard']})")
+    extra = {"runs": runs, "moe_width_check": check, "model_inputs": model_sources,
+             "mtp": {"drafts": MTP_DRAFTS, "acceptance": MTP_ACCEPTANCE, "source": ACCEPTANCE_SOURCE},
+             "workload": {"input_len": args.input_len, "output_len": args.output_len, "decode_context": context,
+                          "tp": args.tp}}
     for dcp in [int(x) for x in args.dcp.split(",") if x]:
         par = shard_parallel(f"{args.tp},{dcp}", cfg)
         sb = sbm.build(cfg, par, depth=sbm.representative_depth(cfg), max_requests=max(conc),
@@ -175,19 +181,17 @@ def run(args, log=print) -> tuple[list[dict], dict]:
                     f"sum of its stages {plain['built_stages_sum_ms']:.3f} ms")
         del sb
         jax.clear_caches()
-    return rows + SGLANG, {"runs": runs, "moe_width_check": check, "model_inputs": model_sources,
-                           "mtp": {"drafts": MTP_DRAFTS, "acceptance": MTP_ACCEPTANCE, "source": ACCEPTANCE_SOURCE},
-                           "workload": {"input_len": args.input_len, "output_len": args.output_len,
-                                        "decode_context": context, "tp": args.tp}}
+        if partial is not None:
+            partial(rows + SGLANG, extra)
+    return rows + SGLANG, extra
 
 
 def main(argv=None) -> int:
     """Run the projection and write its record to --out."""
     from benchmarks.harness import record, write_json
     args = parse_args(argv)
-    rows, extra = run(args)
-    if args.out:
-        write_json(args.out, record(rows, **extra))
+    write = (lambda rows, extra: write_json(args.out, record(rows, **extra))) if args.out else None
+    run(args, partial=write)
     return 0
 
 

@@ -218,7 +218,7 @@ AREAS = {a.name: a for a in (
     Area("multihost", "N processes of one GPU against one process of N GPUs", 1200, run_multihost, min_devices=2,
          spawns=True),
     Area("projection", "GLM-5.2 FP8 on an 8-GPU node (TP 8, DCP 1 and 8) projected from one device's share on one "
-         "GPU and modelled collectives, beside SGLang's published figures", 600, run_projection),
+         "GPU and modelled collectives, beside SGLang's published figures", 570, run_projection),
 )}
 
 

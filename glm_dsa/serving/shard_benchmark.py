@@ -342,7 +342,8 @@ def moe_width_check(cfg: GlmDsaConfig, parallel: ParallelConfig, rows: int, *, q
     f, s = out["full"], out["shard"]
     for key in ("flops", "bytes"):
         r = f["router"][key]
-        out[f"split_{key}"] = (f["moe"][key] - r) / (s["moe"][key] - r)
+        counted = None not in (r, f["moe"][key], s["moe"][key])  # None: the backend has no HLO cost model
+        out[f"split_{key}"] = (f["moe"][key] - r) / (s["moe"][key] - r) if counted else None
     out["split_weight_bytes"] = f["weights"]["bytes"] / s["weights"]["bytes"]
     out.update(tp=parallel.tp, rows=rows)
     return out
