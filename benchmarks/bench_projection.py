@@ -29,7 +29,7 @@ import numpy as np
 TP = 8
 INPUT_LEN, OUTPUT_LEN = 8192, 1024
 MTP_DRAFTS, MTP_ACCEPTANCE = 3, 2.99
-ACCEPTANCE_SOURCE = "mean accepted length 2.99 at 3 drafts: InferenceX's GLM-5.2 golden curve (issue 43)"
+ACCEPTANCE_SOURCE = "mean accepted length 2.99 at 3 drafts: InferenceX's GLM-5.2 golden curve, as issue 43 gives it"
 SGLANG = [
     {"system": "SGLang (published)", "concurrency": 1, "dcp": 1, "mtp": True, "tok_s_per_gpu": 173.05 / 8,
      "tok_s_node": 173.05, "tpot_ms": 5.127, "ttft_ms": 670.0,
@@ -156,7 +156,8 @@ def run(args, log=print, partial=None) -> tuple[list[dict], dict]:
                                                     dcp, par.interleave), context, whole_step=False,
                                  iters=args.iters)
             run_d[str(c)] = {"plain": plain, "verify": verify}
-            shard_src = f"shard run: one H200 runs device (0, 0) of TP={args.tp} DCP={dcp} (this record's command)"
+            shard_src = (f"shard run: one {jax.devices()[0].device_kind} ran the first device's share of TP={args.tp} "
+                         f"DCP={dcp}, this record's command")
             coll = _collective_ms(plain, inputs)
             step = plain["compute_ms"] + coll
             base = {"system": "glm-dsa (projected)", "concurrency": c, "dcp": dcp, "ttft_ms": ttft,
