@@ -102,6 +102,16 @@ def _headline(rows: list[dict]) -> list[dict]:
     return out + [r for r in fused if r.get("pick") == "default"]
 
 
+def _sources(r: dict) -> str:
+    """A row's sources in a cell: each one's links (the record keeps the full lines), or its text where it has none
+    (the shard run, the MTP acceptance)."""
+    out = []
+    for src in r.get("sources", []):
+        links = re.findall(r"https://\S+[^\s.,;:)'\"]", src)
+        out += [u for u in links if u not in out] if links else [src]
+    return "; ".join(out)
+
+
 TABLES = {
     "headline": Table("attention", (
         ("op", "op"), ("cache", "cache"), ("B or T", lambda r: r.get("B", r.get("T"))), ("impl", "impl"),
@@ -158,6 +168,11 @@ TABLES = {
         ("draft + verify ms", "spec_ms"), ("ratio", "ratio"), ("synchronous turn ms", "turn_ms"),
         ("turn ratio", "turn_ratio"), ("B=1 plain tok/s", "plain_tok_s"), ("oracle drafts tok/s", "oracle_tok_s"),
         ("oracle mean accepted length", "oracle_mean_accepted_length"))),
+    "projection": Table("projection", (
+        ("system", "system"), ("DCP", "dcp"), ("concurrency", "concurrency"), ("MTP", "mtp"),
+        ("step ms", "step_ms"), ("compute ms", "compute_ms"), ("collective ms", "collective_ms"),
+        ("output tok/s per GPU", "tok_s_per_gpu"), ("TTFT ms (one 8K prompt)", "ttft_ms"),
+        ("largest cost", "largest_cost"), ("sources", _sources))),
     "multihost": Table("multihost", (
         ("run", "run"), ("decode ms/step", "decode_ms_per_step"), ("decode steps", "decode_steps"),
         ("prefill s", "prefill_s"), ("decode step alone ms", "decode_step_ms"))),

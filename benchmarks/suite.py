@@ -200,6 +200,12 @@ run_multihost = _args_run(
     "bench_multihost", ["--preset", "tiny", "--tp", "2", "--input-len", "16", "--output-len", "4"],
     ["--preset", "heads", "--num-layers", "2", "--tp", "2"], cpu_flag=True)
 
+run_projection = _args_run(
+    "bench_projection", ["--preset", "tiny", "--tp", "4", "--dcp", "1,2", "--concurrency", "1,2", "--input-len", "32",
+                         "--output-len", "8", "--dtype", "float32", "--quantization", "none", "--kv-cache-dtype",
+                         "auto", "--iters", "1"],
+    [])
+
 AREAS = {a.name: a for a in (
     Area("attention", "sparse MLA, indexer, fused norm/RoPE/cache write kernels beside xla", 1800, run_attention,
          gpu_only=True, spawns=True),
@@ -211,6 +217,8 @@ AREAS = {a.name: a for a in (
          min_devices=2),
     Area("multihost", "N processes of one GPU against one process of N GPUs", 1200, run_multihost, min_devices=2,
          spawns=True),
+    Area("projection", "GLM-5.2 FP8 on an 8-GPU node (TP 8, DCP 1 and 8) projected from one device's share on one "
+         "GPU and modelled collectives, beside SGLang's published figures", 570, run_projection),
 )}
 
 

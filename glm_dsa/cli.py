@@ -436,6 +436,12 @@ def cmd_demo(args) -> int:
 
 def cmd_bench(args) -> int:
     from glm_dsa.serving import benchmark
+    if args.shard_of:  # one device's share of a layout, on one device
+        if args.num_speculative_tokens:
+            raise ValueError("--shard-of times plain decode steps of one device's share; drop --num-speculative-tokens "
+                             "(benchmarks/bench_projection.py projects MTP from the share's stages)")
+        from glm_dsa.serving import shard_benchmark
+        return shard_benchmark.run_from_args(args)
     if args.num_speculative_tokens:  # MTP: draft + verify against plain decode
         return benchmark.run_mtp_from_args(args)
     return benchmark.run_from_args(args)

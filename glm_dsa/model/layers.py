@@ -2,7 +2,9 @@
 
 Every module computes on the local shard of its parameters inside `jax.shard_map`: head counts and widths
 come from the local shapes, and the one reduction a tensor-parallel split needs is a `psum` over the TP
-axes after `o_proj` and after each MLP. On a single device those collectives are no-ops.
+axes after `o_proj` and after each MLP. On a single device those collectives are no-ops. Every collective goes
+through the context's `comm` (`sharding.collectives`): the mesh's, or one device's local stand-ins of the same shapes
+(`glm_dsa.model.shard`).
 Parameter shapes come from `checkpoints.layout`, the single source of truth for names and shapes.
 """
 
@@ -19,7 +21,7 @@ from checkpoints.layout import fp8_scale_shape, kept_fp8_spec, param_specs
 from kernels import fused_norm_rope, indexer, moe, rope, sparse_mla
 from kernels.common.chunking import map_row_chunks
 from kernels.common.norms import rms_norm
-from sharding import DCP, TP, TP_AXES, ParallelConfig, dcp
+from sharding import DCP, TP, TP_AXES, Collectives, ParallelConfig, dcp
 
 from . import linear
 from .config import GlmDsaConfig
@@ -51,13 +53,15 @@ jax.tree_util.register_dataclass(StepBatch, data_fields=[f.name for f in datacla
 @dataclasses.dataclass(frozen=True)
 class StepContext:
     """Static per-step settings shared by the layers: the model, the page size, the resolved `parallel` (QREP
-    and backend decided), how to compute (`options`) and the tracer (inactive unless glm_dsa.debug.trace runs)."""
+    and backend decided), how to compute (`options`), the tracer (inactive unless glm_dsa.debug.trace runs) and
+    the collectives (`comm`: the mesh's, or `sharding.StandInCollectives` for one device's share)."""
 
     cfg: GlmDsaConfig
     block_size: int
     parallel: ParallelConfig
     options: StepOptions = dataclasses.field(default_factory=StepOptions)
     tracer: Tracer = NO_TRACE
+    comm: Collectives = dataclasses.field(default_factory=Collectives)
 
     @property
     def n(self) -> int:
@@ -93,13 +97,13 @@ def _declare(module: nnx.Module, prefix: str, names, specs: ModelSpecs, dtype) -
         setattr(module, name, nnx.Param(jnp.zeros(spec.shape, jnp.float32 if spec.fp32 else dtype)))
 
 
-def _swiglu(module, x, names, impl: str):
+def _swiglu(module, x, names, impl: str, comm: Collectives):
     """down(silu(gate(x)) * up(x)) from `module`'s three weights (bf16 or FP8; gate/up split on their output, down
     on its input over every TP device)."""
     gate, up, down = names
-    g = linear.apply(module, gate, x, split=("out", TP_AXES), impl=impl)
-    u = linear.apply(module, up, x, split=("out", TP_AXES), impl=impl)
-    return linear.apply(module, down, jax.nn.silu(g) * u, split=("in", TP_AXES), impl=impl)
+    g = linear.apply(module, gate, x, split=("out", TP_AXES), impl=impl, comm=comm)
+    u = linear.apply(module, up, x, split=("out", TP_AXES), impl=impl, comm=comm)
+    return linear.apply(module, down, jax.nn.silu(g) * u, split=("in", TP_AXES), impl=impl, comm=comm)
 
 
 class Indexer(nnx.Module):
@@ -122,7 +126,7 @@ class Indexer(nnx.Module):
         rot = rope.apply_rope(qi[..., : cfg.qk_rope_head_dim], cos[:, None], sin[:, None],
                               interleave=cfg.indexer_rope_interleave)
         qi = jnp.concatenate([rot, qi[..., cfg.qk_rope_head_dim:]], axis=-1)
-        rank = jax.lax.axis_index(DCP)
+        rank = ctx.comm.axis_index(DCP)
         kv_lens = dcp.local_length(batch.positions + 1, rank, n, inter)  # this rank's tokens at or before pos
         out = indexer.indexer_topk(qi, self.head_weights(h), index_cache, batch.token_req, kv_lens,
                                    batch.block_tables, block_size=ctx.block_size, topk=cfg.index_topk,
@@ -130,7 +134,7 @@ class Indexer(nnx.Module):
         if n == 1:
             return out
         local_pos, scores = out
-        return dcp.global_topk(scores, local_pos, rank, n=n, interleave=inter, topk=cfg.index_topk)
+        return dcp.global_topk(scores, local_pos, rank, n=n, interleave=inter, topk=cfg.index_topk, comm=ctx.comm)
 
 
 class MLA(nnx.Module):
@@ -147,7 +151,7 @@ class MLA(nnx.Module):
         """(output [T, hidden] summed over the TP devices, mla_cache, index_cache, this layer's top-k) for the
         normed rows `h`; docs/math.md §2 (MLA, Indexer) with the DCP steps of docs/math.md §6."""
         cfg, par, tr = ctx.cfg, ctx.parallel, ctx.tracer.at(self.layer)
-        rank = jax.lax.axis_index(DCP)
+        rank = ctx.comm.axis_index(DCP)
         cos, sin = rope.rope_cos_sin(batch.positions, cfg.qk_rope_head_dim, cfg.rope)
         # batch.slot_mapping is the slot on the token's owning rank; the other ranks write nothing for it.
         own_slots = jnp.where(dcp.owner(batch.positions, ctx.n, par.interleave) == rank, batch.slot_mapping, -1)
@@ -170,8 +174,8 @@ class MLA(nnx.Module):
         w_uv = self.value_up(rank, ctx)
         o_v = jnp.einsum("thr,rhd->thd", o.astype(w_uv.dtype), w_uv)
         tr.heads("attn.out", o_v)
-        out = jax.lax.psum(linear.apply(self, "o_proj", o_v, n_in=2, split=("in", TP_AXES), impl=ctx.options.impl),
-                           TP_AXES)
+        out = ctx.comm.psum(linear.apply(self, "o_proj", o_v, n_in=2, split=("in", TP_AXES), impl=ctx.options.impl,
+                                         comm=ctx.comm), TP_AXES)
         return out, mla_cache, index_cache, topk
 
     def norm_rope_cache(self, h, mla_cache, index_cache, positions, slots, ctx: StepContext):
@@ -196,7 +200,7 @@ class MLA(nnx.Module):
         cfg = ctx.cfg
         dn = cfg.qk_nope_head_dim
         heads = TP if ctx.parallel.q_replicate else TP_AXES  # QREP: the DCP group's heads, split over 'tp' only
-        q = linear.apply(self, "q_b_proj", q_n, split=("out", heads), impl=ctx.options.impl)
+        q = linear.apply(self, "q_b_proj", q_n, split=("out", heads), impl=ctx.options.impl, comm=ctx.comm)
         q_pe = rope.apply_rope(q[..., dn:], cos[:, None], sin[:, None], interleave=cfg.rope_interleave)
         q_lat = jnp.einsum("thd,rhd->thr", q[..., :dn], self.kv_b_proj[:, :, :dn])
         return jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1), q_pe
@@ -207,13 +211,13 @@ class MLA(nnx.Module):
         are merged by LSE into this rank's heads over all of the group's tokens (docs/math.md §6)."""
         n, par = ctx.n, ctx.parallel
         if n > 1 and not par.q_replicate:
-            q_rows = dcp.gather_query_heads(q_rows)  # the group's heads, rank-major
+            q_rows = dcp.gather_query_heads(q_rows, ctx.comm)  # the group's heads, rank-major
         o, lse = sparse_mla.sparse_mla(q_rows, mla_cache, slot_rows, scale=ctx.cfg.softmax_scale,
                                        kv_lora_rank=ctx.cfg.kv_lora_rank, impl=ctx.options.impl)
         if n == 1:
             return o
         tr.dcp_partials(o, lse)
-        o, lse = (dcp.merge_a2a if par.dcp_comm_backend == "a2a" else dcp.merge_ag_rs)(o, lse)
+        o, lse = (dcp.merge_a2a if par.dcp_comm_backend == "a2a" else dcp.merge_ag_rs)(o, lse, ctx.comm)
         tr.dcp_merged(o, lse)
         return o
 
@@ -230,9 +234,10 @@ class DenseMLP(nnx.Module):
     def __init__(self, specs, prefix, dtype):
         _declare(self, prefix, ("gate", "up", "down"), specs, dtype)
 
-    def __call__(self, x, options: StepOptions | None = None):
-        impl = (options or StepOptions()).impl
-        return jax.lax.psum(_swiglu(self, x, ("gate", "up", "down"), impl), TP_AXES)
+    def __call__(self, x, options: StepOptions | None = None, comm: Collectives | None = None):
+        """The MLP output [T, hidden] summed over the TP devices (`comm`: the step's collectives)."""
+        impl, comm = (options or StepOptions()).impl, comm or Collectives()
+        return comm.psum(_swiglu(self, x, ("gate", "up", "down"), impl, comm), TP_AXES)
 
 
 class MoE(nnx.Module):
@@ -262,30 +267,32 @@ class MoE(nnx.Module):
             w = w / (jnp.sum(w, axis=1, keepdims=True) + 1e-20)
         return experts, w * cfg.routed_scaling_factor
 
-    def expert_scales(self) -> dict:
+    def expert_scales(self, comm: Collectives | None = None) -> dict:
         """The FP8 experts' keywords for `moe.routed_experts`: their scale grids (this device's blocks of the expert
         width and the width slice's offset in its first block: glm_dsa.model.linear.local_grid) and their K-major layout
         (kept FP8 the stacks are the release's [E, out, in]: gate/up [E, I, D] with grids [E, I-blocks, D-blocks],
         down [E, D, I] with [E, D-blocks, I-blocks]; checkpoints.layout.kept_fp8_spec); {} for bf16 experts."""
         if linear.scale_of(self, "experts_gate") is None:
             return {}
-        width = self.experts_gate.shape[1]
-        wg, off = linear.local_grid(self.experts_gate_scale[...], width, 1, TP_AXES)
-        wu, _ = linear.local_grid(self.experts_up_scale[...], width, 1, TP_AXES)
-        wd, _ = linear.local_grid(self.experts_down_scale[...], width, 2, TP_AXES)
+        width, comm = self.experts_gate.shape[1], comm or Collectives()
+        wg, off = linear.local_grid(self.experts_gate_scale[...], width, 1, TP_AXES, comm)
+        wu, _ = linear.local_grid(self.experts_up_scale[...], width, 1, TP_AXES, comm)
+        wd, _ = linear.local_grid(self.experts_down_scale[...], width, 2, TP_AXES, comm)
         return dict(wg_scale=wg, wu_scale=wu, wd_scale=wd, i_offset=off, w_layout="nk")
 
-    def __call__(self, x, cfg: GlmDsaConfig, options: StepOptions | None = None, tracer: Tracer = NO_TRACE):
-        """The MoE output [T, hidden] summed over the TP devices; `options` picks the experts' impl and form."""
-        options = options or StepOptions()
+    def __call__(self, x, cfg: GlmDsaConfig, options: StepOptions | None = None, tracer: Tracer = NO_TRACE,
+                 comm: Collectives | None = None):
+        """The MoE output [T, hidden] summed over the TP devices; `options` picks the experts' impl and form,
+        `comm` the collectives (the mesh's by default)."""
+        options, comm = options or StepOptions(), comm or Collectives()
         experts, weights = self.route(x, cfg)
         tracer.experts(experts, weights)
         out = moe.routed_experts(x, experts, weights, self.experts_gate[...], self.experts_up[...],
                                  self.experts_down[...], impl=options.impl, mode=options.moe_mode,
-                                 **self.expert_scales())
+                                 **self.expert_scales(comm))
         if self.has_shared:
-            out = out + _swiglu(self, x, ("shared_gate", "shared_up", "shared_down"), options.impl)
-        return jax.lax.psum(out.astype(x.dtype), TP_AXES)
+            out = out + _swiglu(self, x, ("shared_gate", "shared_up", "shared_down"), options.impl, comm)
+        return comm.psum(out.astype(x.dtype), TP_AXES)
 
 
 class DecoderLayer(nnx.Module):
@@ -305,7 +312,8 @@ class DecoderLayer(nnx.Module):
                                                     topk_prev, batch, ctx)
         x = x + a
         h = rms_norm(x, self.post_norm[...], eps)
-        x = x + (self.moe(h, ctx.cfg, ctx.options, tr) if self.moe is not None else self.mlp(h, ctx.options))
+        x = x + (self.moe(h, ctx.cfg, ctx.options, tr, ctx.comm) if self.moe is not None
+                 else self.mlp(h, ctx.options, ctx.comm))
         tr.record("residual", x)
         return x, mla_cache, index_cache, topk
 
@@ -339,6 +347,6 @@ class GlmDsaModel(nnx.Module):
         x = hidden[batch.logits_indices] if return_hidden else rms_norm(x[batch.logits_indices], self.final_norm[...],
                                                                           cfg.rms_norm_eps)
         logits = jnp.einsum("td,dv->tv", x, self.lm_head[...], preferred_element_type=jnp.float32)
-        logits = jax.lax.all_gather(logits, TP_AXES, axis=1, tiled=True)[:, : cfg.vocab_size]
+        logits = ctx.comm.all_gather(logits, TP_AXES, axis=1, tiled=True)[:, : cfg.vocab_size]
         out = logits, {"mla": tuple(mla), "indexer": tuple(index)}
         return out + (hidden,) if return_hidden else out

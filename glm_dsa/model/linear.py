@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from kernels import fp8_linear, registry
 from kernels.common.fp8_formats import dequantize_weight_blocks
+from sharding import Collectives
 
 BLOCK = 128
 
@@ -31,13 +32,14 @@ def scale_of(module, name: str):
     return None if s is None else s[...]
 
 
-def local_grid(scale, width: int, axis: int, axes):
+def local_grid(scale, width: int, axis: int, axes, comm: Collectives | None = None):
     """(this device's scale blocks along `axis`, the offset of its slice inside the first of them) for a weight
-    axis of local `width` split over the mesh `axes`. A grid that already holds exactly this slice's blocks
-    (sharded on 128 boundaries, or not split) comes back as is with offset 0."""
+    axis of local `width` split over the mesh `axes` (this device's index from `comm`, the mesh's by default). A
+    grid that already holds exactly this slice's blocks (sharded on 128 boundaries, or not split) comes back as is
+    with offset 0."""
     if width % BLOCK == 0 and scale.shape[axis] == width // BLOCK:
         return scale, 0
-    start = jax.lax.axis_index(axes) * width  # the slice's first global row along the flattened axis
+    start = (comm or Collectives()).axis_index(axes) * width  # the slice's first global row along the flattened axis
     size = -(-(BLOCK - 1 + width) // BLOCK)  # the most blocks any rank's slice touches
     pad = [(0, size if i == axis % scale.ndim else 0) for i in range(scale.ndim)]
     padded = jnp.pad(scale, pad, mode="edge")  # blocks past the end are never used: any finite value
@@ -45,9 +47,10 @@ def local_grid(scale, width: int, axis: int, axes):
     return sub, (start % BLOCK).astype(jnp.int32)
 
 
-def apply(module, name: str, x, *, n_in: int = 1, split=None, impl: str = "xla"):
+def apply(module, name: str, x, *, n_in: int = 1, split=None, impl: str = "xla", comm: Collectives | None = None):
     """x [T, *in] @ module.<name> [*in, *out] -> [T, *out] (x's dtype). `split`: None, or ("in" | "out", mesh
-    axes) when TP splits that flattened axis of an FP8 weight (the float path ignores it)."""
+    axes) when TP splits that flattened axis of an FP8 weight (the float path ignores it); `comm`: the step's
+    collectives (this device's rank along those axes)."""
     w = getattr(module, name)[...]
     scale = scale_of(module, name)
     if scale is None:
@@ -60,9 +63,9 @@ def apply(module, name: str, x, *, n_in: int = 1, split=None, impl: str = "xla")
     if split is not None:
         side, axes = split
         if side == "in":
-            scale, k_off = local_grid(scale, k, 0, axes)
+            scale, k_off = local_grid(scale, k, 0, axes, comm)
         else:
-            scale, n_off = local_grid(scale, n, 1, axes)
+            scale, n_off = local_grid(scale, n, 1, axes, comm)
     if registry.decide("fp8_linear.model_form", x2, impl=impl) == "dequant":
         wd = dequantize_weight_blocks(w2, scale, k_off, n_off, dtype=x2.dtype)
         y = jnp.dot(x2, wd, preferred_element_type=jnp.float32).astype(x2.dtype)

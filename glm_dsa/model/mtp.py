@@ -23,7 +23,7 @@ from checkpoints.layout import param_specs
 from checkpoints.mtp_layout import mtp_block_config, mtp_param_specs
 from checkpoints.random import init_stats
 from kernels.common.norms import rms_norm
-from sharding import TP_AXES, ParallelConfig, cache_spec, mesh_for, param_partition_specs
+from sharding import TP_AXES, Collectives, ParallelConfig, cache_spec, mesh_for, param_partition_specs
 
 from .config import GlmDsaConfig
 from .layers import DecoderLayer, StepBatch, StepContext
@@ -60,11 +60,12 @@ class MtpLayer(nnx.Module):
         z, mla_cache, index_cache, _ = self.block(z, mla_cache, index_cache, None, batch, ctx)
         return rms_norm(z, self.head_norm[...], eps), mla_cache, index_cache
 
-    def logits(self, hn, lm_head, vocab_size: int):
-        """float32 logits [L, vocab_size] of normed rows `hn` [L, hidden] (vocab-sharded head, gathered over TP)."""
+    def logits(self, hn, lm_head, vocab_size: int, comm: Collectives | None = None):
+        """float32 logits [L, vocab_size] of normed rows `hn` [L, hidden] (vocab-sharded head, gathered over TP by
+        `comm`, the mesh's collectives by default)."""
         w = self.head[...] if self.has_head else lm_head
         logits = jnp.einsum("td,dv->tv", hn.astype(w.dtype), w, preferred_element_type=jnp.float32)
-        return jax.lax.all_gather(logits, TP_AXES, axis=1, tiled=True)[:, :vocab_size]
+        return (comm or Collectives()).all_gather(logits, TP_AXES, axis=1, tiled=True)[:, :vocab_size]
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,7 +105,7 @@ def run_mtp(target_params, mtp_params, mtp_caches, h, batch: StepBatch, *, confi
         layer = nnx.merge(graphdef, params["mtp"])
         mla, index = caches["mla"][0], caches["indexer"][0]
         hn, new_mla, new_index = layer(h, params["embed"], mla, index, batch, ctx)
-        logits = layer.logits(hn[batch.logits_indices], params["lm_head"], config.vocab_size)
+        logits = layer.logits(hn[batch.logits_indices], params["lm_head"], config.vocab_size, ctx.comm)
         return hn, logits, {"mla": (new_mla.reshape(mla.shape),), "indexer": (new_index.reshape(index.shape),)}
 
     cspecs = jax.tree.map(lambda _: cache_spec(), mtp_caches)

@@ -295,7 +295,12 @@ def _random_caches(eng: Engine, key):
     """Every cache of `eng` filled with random rows: normal values in a float cache; in an fp8_ds_mla (uint8) cache,
     valid quantised rows of normal values (finite scales: random bytes would give NaN attention, NaN hidden
     states and a degenerate routing that reads a few experts), 65536 distinct rows repeated."""
-    cfg = eng.config
+    return random_caches(eng.config, eng.caches, key)
+
+
+def random_caches(cfg: GlmDsaConfig, caches: dict, key) -> dict:
+    """`caches` ({"mla": (...), "indexer": (...)}) filled with random rows as `_random_caches` fills an engine's, each
+    on its own sharding (the caches are donated)."""
 
     def fill(c, k, kind):
         if c.dtype != jnp.uint8:
@@ -309,7 +314,7 @@ def _random_caches(eng: Engine, key):
             rows = quantize_index_rows(jax.random.normal(k1, (n, cfg.index_head_dim)))
         return jnp.tile(rows, (-(-total // n), 1))[:total].reshape(c.shape)
     out = {}
-    for i, (kind, layers) in enumerate(eng.caches.items()):
+    for i, (kind, layers) in enumerate(caches.items()):
         keys = jax.random.split(jax.random.fold_in(key, i), len(layers))
         out[kind] = type(layers)(
             jax.jit(functools.partial(fill, kind=kind), donate_argnums=0, out_shardings=c.sharding)(c, k)
@@ -569,6 +574,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json-out", default=None, help="write the results here as a JSON record (benchmarks.harness)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
+    p.add_argument("--shard-of", default=None, metavar="TP[,DCP]",
+                   help="run one device's share of this layout on one device, every collective a local stand-in, and "
+                        "report the decode step per stage (glm_dsa/serving/shard_benchmark.py, which the CLI runs "
+                        "for this flag)")
     from glm_dsa.distributed import add_flags
     add_flags(p)
 

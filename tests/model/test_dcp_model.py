@@ -166,7 +166,7 @@ def test_defect_q_norm_skipped_for_unowned_slots_is_caught(ckpt, reference, monk
 
 @pytest.mark.parametrize("backend", ["a2a", "ag_rs"])
 def test_defect_lse_merge_skipped_is_caught(ckpt, reference, monkeypatch, backend):
-    def keep_partial(o, lse):  # each rank keeps its own heads' partial over its local tokens only
+    def keep_partial(o, lse, comm=None):  # each rank keeps its own heads' partial over its local tokens only
         h = lse.shape[1] // jax.lax.axis_size(DCP)
         r = jax.lax.axis_index(DCP)
         return (jax.lax.dynamic_slice_in_dim(o, r * h, h, axis=1),

@@ -1,0 +1,349 @@
+"""`python -m glm_dsa bench --shard-of TP[,DCP]`: one device's share of a layout timed on one device, per stage.
+
+The model is `glm_dsa.model.shard`'s: the per-shard modules the mesh runs, on one device's parameter and cache
+shapes, every collective a local stand-in (`sharding.StandInCollectives`, DCP rank 0: the largest token share).
+A decode step is split into the stages its layers run:
+
+| stage | what | layers that run it |
+|---|---|---|
+| attention_full | RMSNorm, q/kv projections, norm/RoPE/cache write, indexer top-k, sparse MLA, o_proj | full layers |
+| attention_shared | the same without the indexer (IndexShare: the previous full layer's top-k) | shared layers |
+| mlp_dense | RMSNorm and the dense SwiGLU MLP | the first dense layers |
+| moe | RMSNorm, router, routed experts, shared expert | the MoE layers |
+| head | final norm, LM head (the vocab shard) | once per step |
+
+Each stage is timed alone at the step's shapes on the first layer of its kind (`device_time`: an executable looping
+it n times, (T(n_hi) - T(n_lo)) / (n_hi - n_lo): the fixed dispatch cost cancels), and the step's compute is the sum
+over the full model's layers of its stages: the depth need not be allocated or compiled (`--num-layers` sets the
+depth built; the layer counts are the preset's). The whole shard step of the built depth is timed too, as a check
+of that sum. Each stage's FLOPs and bytes are XLA's count (`cost_analysis`) of its xla-form program (the kernels'
+oracle forms: a Pallas kernel is a custom call XLA does not count), and the collectives each stage issues are the
+ones its `Collectives` recorded while tracing: kind, mesh axes, group size, bytes (the same calls the mesh's step
+makes on one device: tests/model/test_shard.py). Timing the collectives needs the devices; their modelled cost is
+benchmarks/collective_model.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm_dsa.model.config import GlmDsaConfig
+from glm_dsa.model.layers import StepBatch, StepContext
+from glm_dsa.model.options import StepOptions
+from glm_dsa.model.paged_cache import allocate_caches, cache_dtype, owner_slots, pages_needed
+from glm_dsa.model.shard import init_shard_params, shard_context, shard_model, shard_step
+from kernels.common.norms import rms_norm
+from sharding import TP_AXES, ParallelConfig, path_str
+from sharding.dcp import local_length
+
+STAGES = ("attention_full", "attention_shared", "mlp_dense", "moe", "head")
+
+
+def stage_layers(cfg: GlmDsaConfig) -> dict[str, list[int]]:
+    """The layers (indices) that run each stage; the head runs once (listed as [-1])."""
+    n = cfg.num_hidden_layers
+    return {"attention_full": [i for i in range(n) if cfg.is_full(i)],
+            "attention_shared": [i for i in range(n) if not cfg.is_full(i)],
+            "mlp_dense": [i for i in range(n) if not cfg.is_moe(i)],
+            "moe": [i for i in range(n) if cfg.is_moe(i)], "head": [-1]}
+
+
+def representative_depth(cfg: GlmDsaConfig) -> int:
+    """The fewest layers of `cfg`'s schedule that hold one layer of every stage it has."""
+    first = [ls[0] for name, ls in stage_layers(cfg).items() if ls and name != "head"]
+    return max(first) + 1
+
+
+def step_batch(b: int, rows_per_req: int, context: int, block_size: int, vocab_size: int, rng, dcp: int = 1,
+               interleave: int = 1) -> StepBatch:
+    """b requests at context `context`, each with `rows_per_req` consecutive rows ending at position
+    context - 2 + rows_per_req (1 row: a decode step; k + 1 rows: a verify step of k drafts), pages 1.. in order,
+    the slot on each position's owning DCP rank; token ids drawn from the vocabulary."""
+    last = context - 1 + rows_per_req - 1
+    pages = pages_needed(last + 1, block_size, dcp, interleave)
+    tables = (1 + np.arange(b * pages, dtype=np.int32)).reshape(b, pages)
+    req = np.repeat(np.arange(b, dtype=np.int32), rows_per_req)
+    pos = (context - 1 + np.tile(np.arange(rows_per_req), b)).astype(np.int32)
+    slots = owner_slots(tables, req, pos, block_size, dcp, interleave)
+    ids = rng.integers(0, vocab_size, b * rows_per_req).astype(np.int32)
+    return StepBatch(*(jnp.asarray(x) for x in (ids, pos, slots, req, tables,
+                                                np.arange(b * rows_per_req, dtype=np.int32))))
+
+
+def prefill_batch(length: int, block_size: int, vocab_size: int, rng, dcp: int = 1, interleave: int = 1
+                  ) -> StepBatch:
+    """One prompt of `length` tokens in one step (the logits of its last row)."""
+    pages = pages_needed(length, block_size, dcp, interleave)
+    tables = (1 + np.arange(pages, dtype=np.int32))[None]
+    pos = np.arange(length, dtype=np.int32)
+    req = np.zeros(length, np.int32)
+    slots = owner_slots(tables, req, pos, block_size, dcp, interleave)
+    ids = rng.integers(0, vocab_size, length).astype(np.int32)
+    return StepBatch(*(jnp.asarray(x) for x in (ids, pos, slots, req, tables, np.array([length - 1], np.int32))))
+
+
+def stage_body(stage: str, cfg: GlmDsaConfig, ctx: StepContext):
+    """The per-shard body of `stage` on the first layer of its kind: f(params, caches, x, topk, batch) -> [T, D]
+    (summed over TP by `ctx.comm`). `topk`: the previous full layer's local top-k (shared attention only)."""
+    layer = stage_layers(cfg)["moe" if stage == "router" else stage][0]
+
+    def f(params, caches, x, topk, batch):
+        model = shard_model(params, cfg)  # the local shards' modules (inside shard_map on the mesh too)
+        if stage == "head":
+            h = rms_norm(x[batch.logits_indices], model.final_norm[...], cfg.rms_norm_eps)
+            logits = jnp.einsum("td,dv->tv", h, model.lm_head[...], preferred_element_type=jnp.float32)
+            return ctx.comm.all_gather(logits, TP_AXES, axis=1, tiled=True)
+        mod = model.layers[layer]
+        if stage.startswith("attention"):
+            j = cfg.full_layers.index(layer) if cfg.is_full(layer) else None
+            idx = None if j is None else caches["indexer"][j]
+            out = mod.attn(rms_norm(x, mod.input_norm[...], cfg.rms_norm_eps), caches["mla"][layer], idx,
+                           None if j is not None else topk, batch, ctx)[0]
+            return out
+        h = rms_norm(x, mod.post_norm[...], cfg.rms_norm_eps)
+        if stage == "router":  # the MoE's replicated part: every device routes every row (moe_width_check)
+            return mod.moe.route(h, cfg)[1]
+        return mod.moe(h, cfg, ctx.options, comm=ctx.comm) if stage == "moe" else mod.mlp(h, ctx.options, ctx.comm)
+    return f
+
+
+def local_topk(cfg: GlmDsaConfig, rows: int, context: int, parallel: ParallelConfig) -> jax.Array:
+    """A shared layer's input top-k [rows, K] of this rank: its first local positions (K = index_topk, at most the
+    rank's tokens; padded with -1)."""
+    n_local = int(local_length(context, 0, parallel.dcp, parallel.interleave))
+    k = np.arange(cfg.index_topk)
+    return jnp.asarray(np.tile(np.where(k < n_local, k, -1), (rows, 1)).astype(np.int32))
+
+
+@dataclasses.dataclass
+class ShardBench:
+    """One device's share built on this device: config (the built depth), the layout, parameters, caches."""
+
+    cfg: GlmDsaConfig
+    full_cfg: GlmDsaConfig
+    parallel: ParallelConfig
+    params: dict
+    caches: dict
+    block_size: int
+    options: StepOptions
+
+    def ctx(self, options: StepOptions | None = None) -> StepContext:
+        return shard_context(self.cfg, self.parallel, self.block_size, options or self.options)
+
+
+def build(full_cfg: GlmDsaConfig, parallel: ParallelConfig, *, depth: int, max_requests: int, max_len: int,
+          dtype: str = "bfloat16", quantization=None, kv_cache_dtype: str = "auto", block_size: int = 64,
+          seed: int = 0, impl: str | None = None) -> ShardBench:
+    """The share of `full_cfg` cut to `depth` layers, with caches of `max_requests` sequences of `max_len` tokens
+    (this rank's pages) filled with random rows."""
+    from glm_dsa.serving.benchmark import random_caches
+    cfg = full_cfg.with_depth(depth) if depth != full_cfg.num_hidden_layers else full_cfg
+    params = init_shard_params(cfg, parallel, seed=seed, dtype=dtype, quantization=quantization)
+    pages = max_requests * pages_needed(max_len, block_size, parallel.dcp, parallel.interleave) + 1
+    dt = jnp.dtype(dtype)
+    caches = allocate_caches(cfg, pages, block_size, cache_dtype(kv_cache_dtype, dt), kv_cache_dtype=kv_cache_dtype)
+    caches = random_caches(cfg, caches, jax.random.key(seed + 1))
+    return ShardBench(cfg, full_cfg, parallel, params, caches, block_size, StepOptions(impl=impl))
+
+
+def _stage_args(sb: ShardBench, batch: StepBatch, context: int):
+    rows = batch.token_ids.shape[0]
+    dt = sb.params["embed"].dtype
+    x = jax.random.normal(jax.random.key(3), (rows, sb.cfg.hidden_size), jnp.float32).astype(dt)
+    return x, local_topk(sb.cfg, rows, context, sb.parallel)
+
+
+def looped_ms(body, carry, *consts, n_hi: int = 9, n_lo: int = 1, iters: int = 5) -> float:
+    """Milliseconds of one `body(carry, *consts) -> carry`: one executable loops it a traced number of times, timed
+    at n_hi and n_lo loops, (T(n_hi) - T(n_lo)) / (n_hi - n_lo) (the fixed dispatch cost cancels; one compile)."""
+    from glm_dsa.serving.benchmark import timeit
+    run = jax.jit(lambda n, c, *k: jax.lax.fori_loop(0, n, lambda i, c: body(c, *k), c))
+    t_hi = timeit(run, jnp.int32(n_hi), carry, *consts, warmup=2, reps=iters)
+    t_lo = timeit(run, jnp.int32(n_lo), carry, *consts, warmup=1, reps=iters)
+    return 1e3 * max(t_hi - t_lo, 1e-9) / (n_hi - n_lo)
+
+
+def stage_times(sb: ShardBench, batch: StepBatch, context: int, *, stages=STAGES, iters: int = 5) -> dict:
+    """Milliseconds of each stage (one layer's) at `batch`'s shapes on this device (see the module doc)."""
+    from glm_dsa.serving.benchmark import nudge
+    ctx = sb.ctx()
+    x, topk = _stage_args(sb, batch, context)
+    out = {}
+    for stage in stages:
+        if not stage_layers(sb.cfg)[stage]:
+            continue
+        f = stage_body(stage, sb.cfg, ctx)
+        body = lambda x, p, c, t, b, f=f: nudge(x, f(p, c, x, t, b))  # noqa: E731
+        out[stage] = looped_ms(body, x, sb.params, sb.caches, topk, batch, iters=iters)
+    return out
+
+
+def stage_costs(sb_or_cfg, parallel: ParallelConfig, batch: StepBatch, context: int, *, params=None, caches=None,
+                dtype="bfloat16", stages=STAGES) -> dict:
+    """Per stage: XLA's FLOPs and bytes of its xla-form program on this device's shapes, and the collectives it
+    issues ([CollectiveCall]). Abstract: `params` / `caches` may be `jax.ShapeDtypeStruct` trees."""
+    cfg = sb_or_cfg.cfg if isinstance(sb_or_cfg, ShardBench) else sb_or_cfg
+    params = sb_or_cfg.params if params is None else params
+    caches = sb_or_cfg.caches if caches is None else caches
+    block = jax.tree.leaves(caches["mla"])[0].shape[1]
+    ctx = shard_context(cfg, parallel, block, StepOptions(impl="xla", moe_mode="ragged"))
+    rows = batch.token_ids.shape[0]
+    x = jax.ShapeDtypeStruct((rows, cfg.hidden_size), jnp.dtype(dtype))
+    topk = jax.ShapeDtypeStruct((rows, cfg.index_topk), jnp.int32)
+    out = {}
+    for stage in stages:
+        if not stage_layers(cfg)["moe" if stage == "router" else stage]:
+            continue
+        f = stage_body(stage, cfg, ctx)
+        with ctx.comm.record() as log:
+            lowered = jax.jit(f).lower(params, caches, x, topk, batch)
+        try:
+            ca = lowered.cost_analysis()
+        except (NotImplementedError, RuntimeError, jax.errors.JaxRuntimeError):
+            ca = None  # a backend without an HLO cost model: the counts are the device's shapes', the CPU's give them
+        ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+        out[stage] = {"flops": None if ca is None else float(ca.get("flops", 0.0)),
+                      "bytes": None if ca is None else float(ca.get("bytes accessed", 0.0)), "collectives": list(log)}
+    return out
+
+
+def step_ms(sb: ShardBench, batch: StepBatch, steps: int = 5) -> float:
+    """Milliseconds of the whole shard step of the built depth (caches donated, consecutive steps)."""
+    from glm_dsa.serving.benchmark import median_seconds
+    run = jax.jit(functools.partial(shard_step, config=sb.cfg, parallel=sb.parallel, options=sb.options),
+                  donate_argnums=(1,))
+
+    def one():
+        logits, sb.caches = run(sb.params, sb.caches, batch)
+        return logits
+    return 1e3 * median_seconds(one, warmup=2, reps=1, calls_per_rep=steps)
+
+
+def projected_compute_ms(stage_ms: dict, cfg: GlmDsaConfig) -> float:
+    """A step of `cfg`'s full depth: each stage's time times the number of layers that run it."""
+    layers = stage_layers(cfg)
+    return sum(ms * len(layers[s]) for s, ms in stage_ms.items())
+
+
+def collectives_per_step(costs: dict, cfg: GlmDsaConfig) -> list:
+    """Every collective of a full-depth step: each stage's calls times the layers that run it, as
+    (stage, count, CollectiveCall)."""
+    layers = stage_layers(cfg)
+    return [(s, len(layers[s]), c) for s, v in costs.items() for c in v["collectives"]]
+
+
+def call_row(stage: str, layers: int, call) -> dict:
+    """A JSON row of one recorded collective of a stage, run by `layers` layers per step."""
+    return {"stage": stage, "layers": layers, "kind": call.kind, "axes": list(call.axes), "group": call.group,
+            "shape": list(call.shape), "dtype": call.dtype, "in_bytes": call.in_bytes, "out_bytes": call.out_bytes}
+
+
+def measure(sb: ShardBench, batch: StepBatch, context: int, *, whole_step: bool = True, iters: int = 5,
+            known: dict | None = None) -> dict:
+    """One batch's figures on the shard: stage ms, the full depth's compute ms (the sum over its layers), each
+    stage's FLOPs / bytes, the collectives a full-depth step issues, and (`whole_step`) the built depth's step ms
+    beside the sum of its stages. `known`: stage ms already measured at these shapes (stages that depend on the rows
+    only, e.g. the MoE of another DCP size's share), not timed again."""
+    known = dict(known or {})
+    stages = {**known, **stage_times(sb, batch, context, iters=iters,
+                                     stages=tuple(s for s in STAGES if s not in known))}
+    stages = {s: stages[s] for s in STAGES if s in stages}
+    costs = stage_costs(sb, sb.parallel, batch, context, dtype=sb.params["embed"].dtype)
+    out = {"rows": int(batch.token_ids.shape[0]), "context": context, "stages_ms": stages,
+           "compute_ms": projected_compute_ms(stages, sb.full_cfg),
+           "stage_flops": {k: v["flops"] for k, v in costs.items()},
+           "stage_bytes": {k: v["bytes"] for k, v in costs.items()},
+           "collectives": [call_row(s, n, c) for s, n, c in collectives_per_step(costs, sb.full_cfg)]}
+    if whole_step:
+        out["built_layers"] = sb.cfg.num_hidden_layers
+        out["built_step_ms"] = step_ms(sb, batch)
+        out["built_stages_sum_ms"] = projected_compute_ms(stages, sb.cfg)
+    return out
+
+
+def run_from_args(args, command: str | None = None, log=print) -> int:
+    """`python -m glm_dsa bench --shard-of TP[,DCP] ...`: the decode batches' stages on one device's share; writes
+    --json-out. `--num-layers N`: the model is N layers deep (all built); default: the preset's depth, with the
+    fewest layers that hold every stage built."""
+    from glm_dsa.model import presets
+    from glm_dsa.model.shard import shard_parallel
+    from glm_dsa.serving.benchmark import record, write_json
+    if args.tensor_parallel_size != 1 or args.decode_context_parallel_size != 1:
+        raise ValueError("--shard-of runs one device's share on one device: give the layout there, not with -tp / -dcp")
+    cfg = presets.get(args.preset)
+    if args.num_layers:
+        cfg = cfg.with_depth(args.num_layers)
+    parallel = shard_parallel(args.shard_of, cfg)
+    depth = args.num_layers or representative_depth(cfg)
+    ctx_len = args.decode_context or args.input_len
+    batches = [int(x) for x in args.decode_batches.split(",") if x]
+    impl = args.impls.split(",")[0] if args.impls else None
+    sb = build(cfg, parallel, depth=depth, max_requests=max(batches), max_len=ctx_len + 1, dtype=args.dtype,
+               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, impl=impl)
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for b in batches:
+        batch = step_batch(b, 1, ctx_len, sb.block_size, cfg.vocab_size, rng, parallel.dcp, parallel.interleave)
+        m = measure(sb, batch, ctx_len, whole_step=not args.no_end_to_end)
+        rows.append({"B": b, **m})
+        stages = ", ".join(f"{k} {v:.3f}" for k, v in m["stages_ms"].items())
+        line = (f"shard of TP={parallel.tp} DCP={parallel.dcp} B={b} ctx={ctx_len}: stages (ms per layer) {stages}; "
+                f"{cfg.num_hidden_layers}-layer step compute {m['compute_ms']:.3f} ms")
+        if "built_step_ms" in m:
+            line += (f"; built {m['built_layers']} layers: step {m['built_step_ms']:.3f} ms, sum of stages "
+                     f"{m['built_stages_sum_ms']:.3f} ms")
+        log(line)
+        kinds = {}
+        for c in m["collectives"]:
+            key = (c["kind"], tuple(c["axes"]), c["group"])
+            calls, nbytes = kinds.get(key, (0, 0))
+            kinds[key] = (calls + c["layers"], nbytes + c["layers"] * c["in_bytes"])
+        log("  collectives per step: " + "; ".join(f"{k} over {'x'.join(a)} (group {g}): {n} calls, {nb} B in"
+                                                for (k, a, g), (n, nb) in kinds.items()))
+    if args.json_out:
+        write_json(args.json_out, record(rows, command=command, preset=args.preset, tp=parallel.tp, dcp=parallel.dcp,
+                                         q_replicate=parallel.q_replicate, comm_backend=parallel.dcp_comm_backend,
+                                         layers=cfg.num_hidden_layers, built_layers=depth))
+    return 0
+
+
+def moe_width_check(cfg: GlmDsaConfig, parallel: ParallelConfig, rows: int, *, quantization="fp8",
+                    dtype="bfloat16", kv_cache_dtype: str = "fp8_ds_mla", block_size: int = 64) -> dict:
+    """The full-width MoE layer's FLOPs and bytes (`cfg` on one device, TP = 1) against TP x one device's share at
+    `rows` decode rows, counted abstractly (nothing allocated): XLA's counts of the xla-form program and the bytes
+    of the layer's weights (routed and shared experts, FP8 with their scale grids: what a decode step reads). The
+    router is replicated (every device routes every row), so it is counted apart: (full - router) / (shard -
+    router) is the split factor of the rest, TP where the experts' work splits exactly."""
+    from glm_dsa.model.shard import shard_parallel
+    rng = np.random.default_rng(0)
+    out = {}
+    for name, par in (("full", shard_parallel("1", cfg)), ("shard", parallel)):
+        params = jax.eval_shape(lambda par=par: init_shard_params(cfg, par, dtype=dtype, quantization=quantization))
+        pages = rows + 1
+        from glm_dsa.model.paged_cache import cache_shapes
+        shapes = cache_shapes(cfg, pages, block_size, kv_cache_dtype)
+        cdt = cache_dtype(kv_cache_dtype, jnp.dtype(dtype))
+        caches = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, cdt), shapes,
+                              is_leaf=lambda s: isinstance(s, tuple) and bool(s) and isinstance(s[0], int))
+        batch = step_batch(rows, 1, 2, block_size, cfg.vocab_size, rng, par.dcp, par.interleave)
+        costs = stage_costs(cfg, par, batch, 2, params=params, caches=caches, dtype=dtype, stages=("moe", "router"))
+        out[name] = {k: {"flops": v["flops"], "bytes": v["bytes"]} for k, v in costs.items()}
+        prefix = f"layers.{stage_layers(cfg)['moe'][0]}.moe."
+        nbytes = {path_str(p)[len(prefix):]: math.prod(v.shape) * jnp.dtype(v.dtype).itemsize
+                  for p, v in jax.tree_util.tree_leaves_with_path(params) if path_str(p).startswith(prefix)}
+        out[name]["weights"] = {"bytes": sum(v for k, v in nbytes.items() if not k.startswith("router"))}
+        out[name]["router_weights"] = {"bytes": sum(v for k, v in nbytes.items() if k.startswith("router"))}
+    f, s = out["full"], out["shard"]
+    for key in ("flops", "bytes"):
+        r = f["router"][key]
+        counted = None not in (r, f["moe"][key], s["moe"][key])  # None: the backend has no HLO cost model
+        out[f"split_{key}"] = (f["moe"][key] - r) / (s["moe"][key] - r) if counted else None
+    out["split_weight_bytes"] = f["weights"]["bytes"] / s["weights"]["bytes"]
+    out.update(tp=parallel.tp, rows=rows)
+    return out
