@@ -1,9 +1,9 @@
 """FP8 block-scaled GEMMs on the GPU: bf16 weights vs FP8 weights (W8A16 and W8A8) of the same random model.
 
-Linear layers at GLM-5.2 TP = 8 shapes (kernels/fp8_linear.py; weights [N, K]): q_a 6144 -> 2048 (replicated),
+Linear layers at GLM-5.2 TP = 8 shapes (kernels/fp8_linear/; weights [N, K]): q_a 6144 -> 2048 (replicated),
 q_b 2048 -> 16384 / 8, o_proj 16384 / 8 -> 6144. The bf16 baseline is XLA's matmul (cuBLAS) on the same weights
 dequantised to bf16; "xla_fp8" is the FP8 op's xla impl (the float32 reference). Routed experts
-(kernels/moe.py): 256 experts, hidden 6144, width 2048 (--moe_dims), top-8, uniform random routing: the bf16
+(kernels/moe/): 256 experts, hidden 6144, width 2048 (--moe_dims), top-8, uniform random routing: the bf16
 grouped-GEMM kernel vs the FP8 W8A16 one, the xla form beside them (FP8 xla only up to 128 rows: it
 dequantises every expert to float32).
 

@@ -13,7 +13,7 @@ and slot (8): 11016 / 10396 B. TB/s = those bytes / time.
 
 Ceilings timed beside the op (`--ceilings`, at the largest T): "copy" (a device copy moving the op's bytes:
 read and write half of them each), "q_copy" (a copy of q_c: the q part's 8192 B per token), and
-"q_norm_triton" (the q part alone, `fused_norm_rope_triton.q_norm_triton`, with the q fields of the configs).
+"q_norm_triton" (the q part alone, `kernels.fused_norm_rope.triton.q_norm_triton`, with the q fields of the configs).
 
 Configs: `candidates(T)` (the default launch first). Rows {"op", "cache", "T", "impl", "config", "us",
 "xla_us", "tb_s", "kernel_us", "device_us", "xla_kernel_us", "xla_device_us"} (the trace times, for xla and the

@@ -1,6 +1,6 @@
 """Indexer decode (docs/math.md §2) on the GPU: scores alone, top-k alone, scores + top-k, for the "triton" impl
-(the looped scores kernel + the select top-k kernel, kernels/topk_triton.py), the "mosaic" impl (the Mosaic GPU
-scores kernel of kernels/indexer_mosaic.py + the same top-k; FP8 caches), the previous one ("triton_old": the
+(the looped scores kernel + the select top-k kernel, kernels/indexer/topk_triton.py), the "mosaic" impl (the Mosaic GPU
+scores kernel of kernels/indexer/mosaic.py + the same top-k; FP8 caches), the previous one ("triton_old": the
 one-tile scores kernel + `lax.top_k`) and the xla op. Scores + top-k is timed in score order (config {}) and as a
 set (config {"ordered": false}: how the model calls it).
 

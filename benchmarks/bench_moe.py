@@ -1,10 +1,10 @@
-"""Routed experts (kernels/moe.py) on the GPU: the Pallas Triton grouped GEMMs against the xla forms.
+"""Routed experts (kernels/moe/) on the GPU: the Pallas Triton grouped GEMMs against the xla forms.
 
 GLM-5.2 widths: hidden 6144, expert width 2048, 256 experts, top-8, bf16 weights (19.3 GB), uniform random
 routing. T in {1, 8, 32, 128} (decode) and a prefill chunk (8192 rows). Reports time (median of `iters`
 calls of one jitted op, after a warm-up), effective TB/s over the weight bytes of the experts actually
 used (the bytes a decode step must read; % of the device's HBM peak, `benchmarks.harness.device_peaks`),
-TFLOP/s over the routed matmuls, and the speed-up over xla (the xla form `moe.pick_mode` picks, and any extra
+TFLOP/s over the routed matmuls, and the speed-up over xla (the xla form rule "moe.xla_form" picks, and any extra
 forms named in --xla_modes). The config sweep (--sweep 1) stops at each T's time budget and says what it skipped.
 
     PYTHONPATH=. python3 benchmarks/bench_moe.py --out bench_moe.json [--sweep 1]

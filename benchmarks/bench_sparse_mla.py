@@ -1,7 +1,7 @@
 """Sparse MLA (docs/math.md §5) on the GPU: the Pallas Triton kernel against the xla op, GLM-5 dims.
 
 H=64 heads, rows [512 | 64], top-k 2048 indices per query row into a 32K-token context per request, B decode
-rows, bf16 and fp8_ds_mla caches. Per (cache, B) it times the xla op, today's two-launch kernel (default
+rows, bf16 and fp8_ds_mla caches. Per (cache, B) it times the xla op, the two-launch kernel (default
 config: split-K partials, then the Pallas Triton merge launch; and the same with XLA's `merge_partials`), the
 one-launch form (`merge="kernel"`: the last program of a
 (row, head block) merges the partials in the same launch) over a few configs, and with `--sweep` more configs

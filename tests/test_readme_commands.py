@@ -22,6 +22,7 @@ EXPECT = {
     "demo": r"generated \d+: \[",
     "random-checkpoint": r"wrote a random",
     "info": r"param_bytes_per_device",
+    "info --kernels": r"decode B=1 .* sparse_mla\.auto ",
     "generate": r"generated \d+: \[",
     "bench": r"decode",
     "convert": r"converted .* -> ",
@@ -46,6 +47,8 @@ def readme_commands(text: str) -> list[str]:
 def _kind(cmd: str) -> str:
     words = shlex.split(cmd)
     if words[:2] == ["python", "-m"]:
+        if words[2:5] == ["glm_dsa", "info", "--kernels"]:  # the dispatch table, not the bytes
+            return "info --kernels"
         return words[3] if words[2] == "glm_dsa" else words[2]
     return words[1] if words[0] == "bash" else words[0]
 

@@ -1,4 +1,4 @@
-"""The Mosaic GPU indexer scores kernel (`kernels.indexer_mosaic`) on the GPU, beside the Triton one: exactness
+"""The Mosaic GPU indexer scores kernel (`kernels.indexer.mosaic`) on the GPU, beside the Triton one: exactness
 against the xla scores, then device time of the scores alone and of scores + top-k (the select kernel, entries as a
 set: how the model calls the op), per launch config. Shapes of `benchmarks/bench_indexer.py` (32 heads of 128, 32K
 context, top-k 2048, FP8 cache, pages of 64).

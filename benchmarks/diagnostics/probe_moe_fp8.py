@@ -9,10 +9,10 @@ experts through tokamax's `ragged_dot` (`tokamax_moe.py` here; overrides: `imple
 of its Mosaic GPU config); overrides {"impl": "tokamax", ...} run the MoE impl "tokamax" (`kernels/moe/tokamax.py`:
 the same library kernel with the scale layout and range steering inside the op) with `TokamaxMoEConfig` fields.
 
-    PYTHONPATH=. python3 benchmarks/probe_moe_fp8.py --dims 6144,256,256 --batches 1,32,128      # times + checks
+    PYTHONPATH=. python3 benchmarks/diagnostics/probe_moe_fp8.py --dims 6144,256,256 --batches 1,32,128      # times + checks
     ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum \\
-        python3 benchmarks/probe_moe_fp8.py --dims 6144,256,256 --batches 32 --ncu default          # per kernel
-    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/probe_moe_fp8.py --dims 256,128,8 --batches 4 \\
+        python3 benchmarks/diagnostics/probe_moe_fp8.py --dims 6144,256,256 --batches 32 --ncu default          # per kernel
+    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/diagnostics/probe_moe_fp8.py --dims 256,128,8 --batches 4 \\
         --impl triton_interpret --iters 1 --reps 2                                                   # CPU smoke run
 """
 
@@ -152,7 +152,7 @@ def main(argv=None):
             print(f"{r['T']:>5} {r['variant']:<24} {r['us']:>9.1f} {r['tb_s']:>6.2f} {r['pct_hbm']:>5.1f} "
                   f"{r['rel_err']:>9.2e} {r.get('rel_err_vs_default', float('nan')):>9.2e}")
     if args.out:
-        write_json(args.out, record(rows, command=command_line(argv, "benchmarks/probe_moe_fp8.py")))
+        write_json(args.out, record(rows, command=command_line(argv, "benchmarks/diagnostics/probe_moe_fp8.py")))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Pallas Triton kernel of the FP8 block-scaled linear layer (kernels/fp8_linear.py): y = x @ (w_q * s)^T from the
+"""Pallas Triton kernel of the FP8 block-scaled linear layer (kernels/fp8_linear/): y = x @ (w_q * s)^T from the
 e4m3 bytes of w_q [N, K] (1 byte per weight from HBM), or y = x @ (w_q * s) for a [K, N] weight (`w_layout` "kn":
 the model's own layout; the same program with the tile and scale indices swapped).
 

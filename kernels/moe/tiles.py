@@ -1,4 +1,4 @@
-"""The tile layout of the routed experts' (token, expert) pairs, shared by the xla "tiles" form (kernels/moe.py)
+"""The tile layout of the routed experts' (token, expert) pairs, shared by the xla "tiles" form (kernels/moe/reference.py)
 and the grouped-GEMM kernels (kernels/moe/triton.py): pairs sorted by expert, each expert's run padded to whole
 tiles of one expert each."""
 

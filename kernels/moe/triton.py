@@ -1,4 +1,4 @@
-"""Pallas Triton grouped GEMMs for the routed experts (kernels/moe.py), over the tile layout of `moe.tile_plan`.
+"""Pallas Triton grouped GEMMs for the routed experts (kernels/moe/), over the tile layout of `moe.tile_plan`.
 
 Two kernels, each on a grid (column block, tile) whose tile index runs fastest, so the programs in flight share
 a column block and consecutive tiles of one expert find its weight block in L2:

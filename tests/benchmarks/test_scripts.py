@@ -10,9 +10,9 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODULES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "benchmarks", "*.py")))
-#: the modules with a `main(argv)` command line (harness, suite, render and tokamax_moe are helpers; the suite's and
-#: render's command line is `python -m benchmarks`, __main__)
-SCRIPTS = [m for m in MODULES if m not in ("__init__", "harness", "tokamax_moe", "suite", "render")]
+#: the modules with a `main(argv)` command line (harness, suite and render are helpers; the suite's and render's
+#: command line is `python -m benchmarks`, __main__); benchmarks/diagnostics/ has its own test (test_diagnostics.py)
+SCRIPTS = [m for m in MODULES if m not in ("__init__", "harness", "suite", "render")]
 
 _PROBE = """
 import contextlib, importlib, io, json, sys

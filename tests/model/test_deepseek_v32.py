@@ -47,7 +47,7 @@ TINY = GlmDsaConfig(
 
 
 def yarn_inv_freq_oracle(dim, theta, factor, orig, beta_fast=32.0, beta_slow=1.0):
-    """YaRN frequencies in float64, written from the paper's definitions (not from kernels.rope): the index i
+    """YaRN frequencies in float64, written from the paper's definitions (not from kernels.common.rope): the index i
     whose wavelength 2 pi theta^(2i/dim) fits `rotations` times into the original context is
     dim ln(orig / (2 pi rotations)) / (2 ln theta); indices below the beta_fast one keep theta^(-2i/dim), above the
     beta_slow one are divided by `factor`, in between a linear blend."""

@@ -320,7 +320,7 @@ def test_fp8_cache_logit_error(name, reference_dirs):
     these models are made sharp on purpose (router margins ~1.6e-4, indexer margins ~1e-4 relative), and
     e4m3 moves each cached vector by ~2.5% (3 mantissa bits, one scale per 128 values), which flips expert
     and top-k choices; each flip is a discrete jump. A bf16 cache alone moves the same logits by up to 0.25.
-    On a model with the usual init the same comparison is ~0.003 (tests/glm_dsa/test_engine.py)."""
+    On a model with the usual init the same comparison is ~0.003 (tests/serving/test_engine.py)."""
     import glm_dsa
 
     meta, _ = load_reference(reference_dirs[name])

@@ -1,4 +1,4 @@
-"""FP8 block-scaled linear layers (kernels/fp8_linear.py): both forms, every impl, against a float64 numpy oracle of
+"""FP8 block-scaled linear layers (kernels/fp8_linear/): both forms, every impl, against a float64 numpy oracle of
 the same quantised arithmetic (the e4m3 bytes times their block scales; W8A8 also quantises x per token per
 128-column block in numpy float32), ragged 128-blocks, TP shards that start mid-block (static and traced offsets),
 the errors, and the Triton lowering at GLM-5.2 shapes."""
