@@ -326,6 +326,8 @@ def serve_multi_turn(eng: Engine, system: list[int], users, output_len: int, sta
         for i, (s, prompt) in list(streams.items()):
             r = s.request
             if r.finished:
+                if r.finish_reason == "error":  # a failed step (out of memory, say) must not pass as a figure
+                    raise RuntimeError(f"multi-turn: conversation {i}'s turn failed: {r.error}")
                 del streams[i]
                 finished += 1
                 out_tokens += len(r.output)

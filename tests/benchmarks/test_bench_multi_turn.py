@@ -18,3 +18,20 @@ def test_multi_turn_smoke():
     # (its answer's last token was never computed, so the 6th page is not complete)
     assert on["prefix_cache_hits"] == 2 * 16 + 3 * 20
     assert "multi-turn" in bench_serving.__doc__
+
+
+def test_a_failed_step_fails_the_run(monkeypatch):
+    """A step that fails (out of device memory, say) ends its requests with reason "error": the benchmark must
+    raise instead of reporting the empty run's NaN TTFT as a figure."""
+    import pytest
+
+    from glm_dsa.serving.runner import ModelRunner
+
+    def fail(self, plan, dry):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory (injected)")
+    monkeypatch.setattr(ModelRunner, "execute", fail)
+    mc = bench_serving.MultiTurnConfig(preset="tiny", conversations=2, turns=1, system_len=8, user_len=4,
+                                       output_len=2, request_rate=float("inf"), block_size=4, max_num_seqs=4,
+                                       max_num_batched_tokens=64, warm_passes=1, dtype="float32")
+    with pytest.raises(RuntimeError, match="turn failed.*injected"):
+        bench_serving.run_multi_turn_bench(mc, log=lambda *a: None)
