@@ -58,6 +58,21 @@ class _LoopStats:
     recent: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=256))
 
 
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One prompt's result of `Engine.generate(..., logprobs=N)`.
+
+    token_ids: the new tokens. logprobs: float32 logprob of each of them; top_logprobs: per token, the N most
+    likely tokens as {token_id: logprob} (N = 0: empty dicts). Logprobs are the model's distribution
+    (log_softmax of the logits, before temperature and top_p: see `sampling.token_logprobs`). finish_reason:
+    "stop" (a stop id), "length" (max_new_tokens or max_model_len)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    finish_reason: str
+
+
 @dataclasses.dataclass
 class _Seq:
     tokens: list[int]
@@ -223,7 +238,7 @@ class Engine:
         return self.runner.trace(ids, layers)
 
     def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                 stop_token_ids=None) -> list[list[int]]:
+                 stop_token_ids=None, logprobs: int | None = None) -> list[list[int]] | list[Completion]:
         """Continue each prompt (a list of token ids) by up to `max_new_tokens` tokens.
 
         Greedy at temperature 0 (and below `sampling.GREEDY_BELOW`); otherwise temperature sampling with nucleus
@@ -231,7 +246,9 @@ class Engine:
         drawn with the key fold_in(fold_in(key(seed), n), i), whatever else shares its steps. Arguments are
         checked first: TypeError / ValueError naming the argument (token ids must be integers in the vocabulary).
         A sequence stops after emitting a token of `stop_token_ids` (default: the model's EOS ids; pass [] to
-        never stop early), or on reaching max_model_len. Returns the new tokens per prompt.
+        never stop early), or on reaching max_model_len. Returns the new tokens per prompt; with `logprobs` N
+        (0-20) given, a `Completion` per prompt instead: the tokens, each one's logprob and the N best
+        alternatives' (the model's distribution before temperature and top_p), and the finish reason.
 
         The prompts go through the continuous-batching scheduler (at most max_num_seqs at once, admitted as
         others finish). Afterwards `self.last_timings` holds host-clock seconds of this call: "prefill_s" (to
@@ -245,7 +262,7 @@ class Engine:
         """
         check_positive_int("max_new_tokens", max_new_tokens, minimum=0)  # named as the caller named it
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_new_tokens,
-                                stop_token_ids=stop_token_ids)
+                                stop_token_ids=stop_token_ids, logprobs=logprobs)
         prompts = self._check_tokens(prompts, "prompt")
         self._check_idle("generate")
         reqs = [self._request(p, params, i) for i, p in enumerate(prompts)]
@@ -253,7 +270,9 @@ class Engine:
         failed = [r for r in reqs if r.finish_reason == "error"]
         if failed:
             raise RuntimeError(f"generate: prompt {failed[0].prompt_index} failed: {failed[0].error}")
-        return [list(r.output) for r in reqs]
+        if logprobs is None:
+            return [list(r.output) for r in reqs]
+        return [Completion(list(r.output), list(r.logprobs), list(r.top_logprobs), r.finish_reason) for r in reqs]
 
     def stream(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                stop_token_ids=None):
@@ -345,6 +364,8 @@ class Engine:
             raise RuntimeError(f"{what}: the engine still has requests in flight (a stream not yet finished)")
 
     def _request(self, prompt, params: SamplingParams, prompt_index: int, request_id: str | None = None) -> Request:
+        if params.logprobs is not None and self.spec is not None:
+            raise ValueError("logprobs are not reported with speculative decoding (num_speculative_tokens > 0)")
         stop = frozenset(self.config.eos_token_id if params.stop_token_ids is None else params.stop_token_ids)
         r = Request(request_id or f"req-{next(self._ids)}", list(prompt), params, stop, prompt_index)
         self.scheduler.check_fits(r)
@@ -426,11 +447,16 @@ class Engine:
         old_plan = None
         if self._pending is not None:
             old_plan, ids = self._pending
+            lp = None
+            if isinstance(ids, tuple):  # some request asked for logprobs: (ids, logprob, top ids, top logprobs)
+                ids, *lp = ids
             host_ids = np.asarray(ids)  # waits for the previous step only: the new one is queued behind it
             self.stats.syncs += not isinstance(ids, np.ndarray)
+            if lp is not None:
+                lp = [np.asarray(x) for x in lp]  # computed by the same step: already there
             tp = time.perf_counter()
             blocked = tp - tb
-            self.scheduler.process(old_plan, host_ids, tp)
+            self.scheduler.process(old_plan, host_ids, tp, logprobs=lp)
             self.stats.generated += len(old_plan.sample_reqs)
         self._pending = new
         t1 = time.perf_counter()

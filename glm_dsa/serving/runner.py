@@ -30,7 +30,7 @@ from ..model.paged_cache import (PageAllocator, allocate_caches, block_table_arr
                                  free_device_bytes, max_addressable_pages, owner_slots, pages_needed, plan_pages)
 from ..model.step import resolve_parallel, step
 from . import host_buffer
-from .sampling import GREEDY_BELOW, sample
+from .sampling import GREEDY_BELOW, MAX_LOGPROBS, sample, token_logprobs
 from .scheduler import StepPlan
 
 
@@ -44,7 +44,8 @@ def check_positive_int(name: str, value, minimum: int = 1) -> int:
 
 
 def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32,
-                prev_ids, *, config, parallel, impl, n_out: int, block_size: int, width: int, greedy: bool):
+                prev_ids, *, config, parallel, impl, n_out: int, block_size: int, width: int, greedy: bool,
+                logprobs: bool = False):
     """One serving step: update the device block table, run the model step, sample each logits row; returns the
     sampled ids padded to `n_out`, the caches and the table.
 
@@ -58,7 +59,11 @@ def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_re
     low words, token index, prompt index; samp_f32 float32 [2, L]: temperature, top_p. Logits row i samples with
     the key fold_in(fold_in(key(seed), token_index), prompt_index): a request's draws depend on its own seed,
     prompt index and token index only, never on the batch it shares a step with. `width` (static): block-table
-    columns the step reads; `greedy` (static): every sampled row is greedy (argmax only)."""
+    columns the step reads; `greedy` (static): every sampled row is greedy (argmax only); `logprobs` (static): some
+    request of the step asks for logprobs, so the step also returns, per sampled row, the sampled id's logprob
+    float32 [n_out] and the `sampling.MAX_LOGPROBS` best (ids int32, logprobs float32 [n_out, MAX_LOGPROBS]) from
+    the same logits (`sampling.token_logprobs`): the ids come back as (ids, logprob, top ids, top logprobs). A
+    step without it computes nothing more than before."""
     tables = jnp.where(table_resets[:, None] > 0, 0, tables)
     tables = tables.at[table_updates[0], table_updates[1]].set(table_updates[2], mode="drop")
     block_tables = tables[plan_rows, :width]
@@ -75,7 +80,14 @@ def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_re
         return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(words), token_index), prompt_index)
     keys = jax.vmap(key)(samp_u32[1:3].T, samp_u32[3], samp_u32[4])
     ids = sample(logits, keys, samp_f32[0], samp_f32[1], all_greedy=greedy)
-    return jnp.zeros(n_out, jnp.int32).at[: ids.shape[0]].set(ids), caches, tables
+    out = jnp.zeros(n_out, jnp.int32).at[: ids.shape[0]].set(ids)
+    if logprobs:
+        lp, top_ids, top_lp = token_logprobs(logits, ids)
+        n = ids.shape[0]
+        out = (out, jnp.zeros(n_out, jnp.float32).at[:n].set(lp),
+               jnp.zeros((n_out, MAX_LOGPROBS), jnp.int32).at[:n].set(top_ids),
+               jnp.zeros((n_out, MAX_LOGPROBS), jnp.float32).at[:n].set(top_lp))
+    return out, caches, tables
 
 
 def _serve_step_packed(params, caches, tables, packed, prev_ids, *, layout: host_buffer.Layout, **kw):
@@ -166,7 +178,7 @@ class ModelRunner:
         # the serving loop's step: block-table changes, the model step and the sampler in one executable
         self.serve_step = jax.jit(functools.partial(_serve_step_packed, config=config, parallel=self.parallel,
                                                     impl=self.impl, n_out=self.n_out, block_size=self.block_size),
-                                  static_argnames=("width", "greedy", "layout"), donate_argnums=(1, 2),
+                                  static_argnames=("width", "greedy", "layout", "logprobs"), donate_argnums=(1, 2),
                                   out_shardings=out_shardings)
         self.prev_ids = None  # device ids sampled by the last executed serving step
         self.launch_s = 0.0  # seconds the last `execute`'s jitted call took (transfers, dispatch)
@@ -233,9 +245,10 @@ class ModelRunner:
     def execute(self, plan: StepPlan, dry: set | None = None):
         """Build a scheduler plan's step inputs on the host and launch the fused serving step; returns the device
         ids (without waiting for them). What is built does not depend on the requests' lengths: rows, logits
-        rows and block-table changes only. `dry` (warmup): the static shapes already compiled; a step of one of
-        them is not launched (zeros stand for its ids), a new one is run and added. Sets `last_h2d_bytes` and
-        `launch_s`."""
+        rows and block-table changes only. When a sampled request asks for logprobs the result is the tuple (ids,
+        logprob, top ids, top logprobs) of device arrays (see `_serve_step`). `dry` (warmup): the static shapes
+        already compiled; a step of one of them is not launched (zeros stand for its ids), a new one is run and
+        added. Sets `last_h2d_bytes` and `launch_s`."""
         self.launch_s = 0.0
         rows = plan.num_rows
         t, width, nr = self.step_shapes(plan)
@@ -257,10 +270,15 @@ class ModelRunner:
             sf[0, j], sf[1, j] = r.params.temperature, r.params.top_p
         packed, layout = host_buffer.pack(row_arr, plan_rows, upd, resets, su, sf)
         self.last_h2d_bytes = packed.nbytes
+        want_lp = any(r.params.logprobs is not None for r in plan.sample_reqs)
         if dry is not None:
             shape = (t, nr, width)
             if shape in dry:
-                return np.zeros(self.n_out, np.int32)
+                ids = np.zeros(self.n_out, np.int32)
+                if want_lp:
+                    return (ids, np.zeros(self.n_out, np.float32), np.zeros((self.n_out, MAX_LOGPROBS), np.int32),
+                            np.zeros((self.n_out, MAX_LOGPROBS), np.float32))
+                return ids
             dry.add(shape)
         prev = self.prev_ids
         if prev is None:
@@ -268,7 +286,7 @@ class ModelRunner:
         t_launch = time.perf_counter()
         greedy = bool(np.all(sf[0, :k] < GREEDY_BELOW))  # static: no device-side branch (see sampling.sample)
         out, self.caches, self.tables = self.serve_step(self.params, self.caches, self.tables, packed, prev,
-                                                        width=width, greedy=greedy, layout=layout)
+                                                        width=width, greedy=greedy, layout=layout, logprobs=want_lp)
         self.launch_s = time.perf_counter() - t_launch
-        self.prev_ids = out
+        self.prev_ids = out[0] if want_lp else out
         return out
