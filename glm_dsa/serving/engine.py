@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from kernels import registry
 from sharding import ParallelConfig
 
 from ..model.config import GlmDsaConfig
@@ -89,6 +90,13 @@ class Engine:
     scheduling: the continuous-batching `Scheduler` (prefill in chunks of at most `max_num_batched_tokens` rows,
     then one decode row per live sequence per step), requests submitted from other threads, speculative decoding
     and the loop's counters. Shapes are bucketed, so a new call reuses compiled steps.
+
+    `batch_invariant=True`: a request's tokens and logprobs are bitwise the same whether it runs alone or beside
+    other requests, at any row position, with any `max_num_batched_tokens` and after a preemption (fixed mesh,
+    device and jax version): every kernel rule takes its fixed per-row choice (`kernels.registry.batch_invariant`)
+    and every serving step has the same shapes (`kernels.registry.INVARIANT_STEP_ROWS` rows, padded; at most that
+    many per step, so max_num_batched_tokens is capped there; one block-table width and request count). Not with
+    speculative decoding.
     """
 
     config = _runner_attribute("config", "The model's `GlmDsaConfig`.")
@@ -97,6 +105,7 @@ class Engine:
     dtype = _runner_attribute("dtype", "The compute dtype.")
     kv_cache_dtype = _runner_attribute("kv_cache_dtype", "The cache form: 'auto', 'bfloat16' or 'fp8_ds_mla'.")
     impl = _runner_attribute("impl", "The op implementation the steps use.")
+    batch_invariant = _runner_attribute("batch_invariant", "Whether the steps are batch-invariant (see the class).")
     max_model_len = _runner_attribute("max_model_len", "Longest sequence (prompt and output) in tokens.")
     block_size = _runner_attribute("block_size", "Tokens per cache page.")
     pages_per_seq = _runner_attribute("pages_per_seq", "Pages (per DCP rank) a sequence of max_model_len holds.")
@@ -110,7 +119,8 @@ class Engine:
                  dtype="bfloat16", kv_cache_dtype: str = "auto", max_model_len: int | None = None,
                  block_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 2048, impl: str | None = None,
-                 cache_memory_fraction: float = 0.8, num_speculative_tokens: int = 0, mtp_params=None):
+                 cache_memory_fraction: float = 0.8, num_speculative_tokens: int = 0, mtp_params=None,
+                 batch_invariant: bool = False):
         # MTP speculative decoding (glm_dsa.serving.spec_decoder): k drafts per step from the nextn layer
         # `mtp_params`; checked first, before the runner allocates anything
         self.num_speculative_tokens = check_positive_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
@@ -118,15 +128,23 @@ class Engine:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} needs the MTP (nextn) layer's "
                              "parameters (mtp_params; glm_dsa.load reads them from the checkpoint)")
         self.max_num_batched_tokens = check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        # batch-invariant mode runs every step at one row count (kernels.registry.INVARIANT_STEP_ROWS): steps hold
+        # at most that many rows, so a longer max_num_batched_tokens prefills in chunks of that size
+        step_rows = (min(self.max_num_batched_tokens, registry.INVARIANT_STEP_ROWS) if batch_invariant is True
+                     else self.max_num_batched_tokens)
+        if batch_invariant is True and self.num_speculative_tokens:
+            raise ValueError("batch_invariant=True with num_speculative_tokens > 0: the speculative step is not "
+                             "batch-invariant; turn one of them off")
         self.runner = ModelRunner(config, params, parallel=parallel, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                                   max_model_len=max_model_len, block_size=block_size, num_pages=num_pages,
                                   max_num_seqs=max_num_seqs, impl=impl, cache_memory_fraction=cache_memory_fraction,
-                                  num_speculative_tokens=self.num_speculative_tokens)
+                                  num_speculative_tokens=self.num_speculative_tokens,
+                                  batch_invariant=batch_invariant)
         self.last_timings: dict = {}  # of the last generate (see there)
         # serving: the host scheduler over the runner's pages, and the loop's state (see `step`)
         self.scheduler = Scheduler(self.allocator, block_size=self.block_size, dcp=self.parallel.dcp,
                                    interleave=self.parallel.interleave, max_num_seqs=self.max_num_seqs,
-                                   max_num_batched_tokens=self.max_num_batched_tokens,
+                                   max_num_batched_tokens=step_rows,
                                    max_model_len=self.max_model_len, lookahead=self.num_speculative_tokens)
         self._pending = None  # (plan, device ids) of the dispatched step whose ids are not processed yet
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submits and aborts from other threads
@@ -489,7 +507,7 @@ def load(path: str | os.PathLike, *, parallel: ParallelConfig | None = None, dty
     written by `python -m glm_dsa convert` / `checkpoints.save_orbax_params` (its newest committed version; an
     interrupted save is never read). Parameters go onto the devices with their target
     sharding, whatever mesh they were saved from. Extra keyword arguments (block_size, num_pages, max_num_seqs,
-    max_num_batched_tokens, impl) go to `Engine`. `num_speculative_tokens` k > 0: MTP speculative decoding, k drafts
+    max_num_batched_tokens, impl, batch_invariant: bitwise reproducible requests, see `Engine`) go to `Engine`. `num_speculative_tokens` k > 0: MTP speculative decoding, k drafts
     per step from the checkpoint's nextn layer (loaded only then; a checkpoint without one is a CheckpointError).
     `quantization`: None keeps the checkpoint's form (an FP8 release's block-scaled weights stay float8_e4m3fn on
     the devices, with their scales, and the model computes from them), "fp8" quantises a bf16/fp32 checkpoint's

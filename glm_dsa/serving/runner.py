@@ -28,6 +28,7 @@ from ..model.loading import resolve_dtype
 from ..model.mtp import mtp_cache_bytes_per_token
 from ..model.paged_cache import (PageAllocator, allocate_caches, block_table_array, cache_bytes_per_token, cache_dtype,
                                  free_device_bytes, max_addressable_pages, owner_slots, pages_needed, plan_pages)
+from ..model.options import StepOptions
 from ..model.step import resolve_parallel, step
 from . import host_buffer
 from .sampling import GREEDY_BELOW, MAX_LOGPROBS, sample, token_logprobs
@@ -44,7 +45,7 @@ def check_positive_int(name: str, value, minimum: int = 1) -> int:
 
 
 def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32,
-                prev_ids, *, config, parallel, impl, n_out: int, block_size: int, width: int, greedy: bool,
+                prev_ids, *, config, parallel, options, n_out: int, block_size: int, width: int, greedy: bool,
                 logprobs: bool = False):
     """One serving step: update the device block table, run the model step, sample each logits row; returns the
     sampled ids padded to `n_out`, the caches and the table.
@@ -74,7 +75,7 @@ def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_re
     slot = block_tables[req, lp // block_size] * block_size + lp % block_size
     slot = jnp.where(pos < 0, -1, slot).astype(jnp.int32)  # padding rows write nothing
     batch = StepBatch(token_ids.astype(jnp.int32), p, slot, req, block_tables, samp_u32[0].astype(jnp.int32))
-    logits, caches = step(params, caches, batch, config=config, parallel=parallel, impl=impl)
+    logits, caches = step(params, caches, batch, config=config, parallel=parallel, options=options)
 
     def key(words, token_index, prompt_index):
         return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(words), token_index), prompt_index)
@@ -120,12 +121,16 @@ class ModelRunner:
     def __init__(self, config: GlmDsaConfig, params, *, parallel: ParallelConfig | None = None, dtype="bfloat16",
                  kv_cache_dtype: str = "auto", max_model_len: int | None = None, block_size: int = 16,
                  num_pages: int | None = None, max_num_seqs: int = 8, impl: str | None = None,
-                 cache_memory_fraction: float = 0.8, num_speculative_tokens: int = 0):
+                 cache_memory_fraction: float = 0.8, num_speculative_tokens: int = 0, batch_invariant: bool = False):
         self.config = config
+        if not isinstance(batch_invariant, bool):
+            raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+        self.batch_invariant = batch_invariant
         self.parallel = resolve_parallel(parallel, config)
         self.dtype = resolve_dtype(dtype)
         self.kv_cache_dtype = kv_cache_dtype
         self.impl = impl or default_impl()
+        self.options = StepOptions(impl=self.impl, batch_invariant=batch_invariant)
         self.max_model_len = (min(config.max_position_embeddings, 4096) if max_model_len is None
                               else check_positive_int("max_model_len", max_model_len))
         if self.max_model_len > config.max_position_embeddings:
@@ -164,7 +169,7 @@ class ModelRunner:
                                       cache_dtype(kv_cache_dtype, self.dtype), cache_sharding, kv_cache_dtype)
         self.allocator = PageAllocator(self.num_pages)
         # the model step alone, for `run` (logits of every asked row; no sampling)
-        self.model_step = jax.jit(functools.partial(step, config=config, parallel=self.parallel, impl=self.impl),
+        self.model_step = jax.jit(functools.partial(step, config=config, parallel=self.parallel, options=self.options),
                                   donate_argnums=(1,))
         self.n_out = _bucket(self.max_num_seqs, 8)  # a serving step samples at most one row per running request
         # the block table of the running requests (scheduler table rows 0..max_num_seqs-1; the last row stays
@@ -177,7 +182,7 @@ class ModelRunner:
         out_shardings = (self.replicated, jax.tree.map(lambda c: c.sharding, self.caches), self.replicated)
         # the serving loop's step: block-table changes, the model step and the sampler in one executable
         self.serve_step = jax.jit(functools.partial(_serve_step_packed, config=config, parallel=self.parallel,
-                                                    impl=self.impl, n_out=self.n_out, block_size=self.block_size),
+                                                    options=self.options, n_out=self.n_out, block_size=self.block_size),
                                   static_argnames=("width", "greedy", "layout", "logprobs"), donate_argnums=(1, 2),
                                   out_shardings=out_shardings)
         self.prev_ids = None  # device ids sampled by the last executed serving step
@@ -194,6 +199,8 @@ class ModelRunner:
         t = _bucket(len(pos), 8)
         # capped at a full sequence's pages: a power-of-two bucket past it would double the indexer's top-k width
         width = min(_bucket(max(len(p) for p in pages), 1), self.pages_per_seq)
+        if self.batch_invariant:  # one width whatever the sequences' lengths: the indexer reads as many keys
+            width = self.pages_per_seq
         tables = block_table_array(pages, width, _bucket(len(pages), 1))
         ids, p, slot, req = (np.zeros(t, np.int32) for _ in range(4))
         slot[:] = -1  # padding rows write nothing
@@ -224,6 +231,14 @@ class ModelRunner:
         width = self.pages_per_seq if 2 * width > self.pages_per_seq else width
         # requests (and logits rows, at most one each) in buckets growing 4x, capped at max_num_seqs' bucket
         nr = min(_bucket(len(plan.requests), 8, 4), self.n_out)
+        if self.batch_invariant:
+            # one shape whatever the batch: the block-table width sets how many keys the indexer scores and selects
+            # from, so it must not follow the longest neighbour; the rows, requests and width fix every op's shapes
+            width, nr = self.pages_per_seq, self.n_out
+            if plan.num_rows > registry.INVARIANT_STEP_ROWS:
+                raise RuntimeError(f"a batch-invariant step of {plan.num_rows} rows, over its "
+                                   f"{registry.INVARIANT_STEP_ROWS} (the scheduler's budget should cap it)")
+            t = registry.INVARIANT_STEP_ROWS  # one step shape (see there)
         return t, width, nr
 
     def table_inputs(self, plan: StepPlan, t: int, nr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
