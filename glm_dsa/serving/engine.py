@@ -474,7 +474,10 @@ class Engine:
                 lp = [np.asarray(x) for x in lp]  # computed by the same step: already there
             tp = time.perf_counter()
             blocked = tp - tb
-            self.scheduler.process(old_plan, host_ids, tp, logprobs=lp)
+            if lp is None:  # the plain call, as wrappers of `process` (benchmarks' step recorders) take it
+                self.scheduler.process(old_plan, host_ids, tp)
+            else:
+                self.scheduler.process(old_plan, host_ids, tp, logprobs=lp)
             self.stats.generated += len(old_plan.sample_reqs)
         self._pending = new
         t1 = time.perf_counter()
