@@ -169,9 +169,9 @@ class DecodeStepRecorder:
         self.arrived: list[tuple[float, bool]] = []  # per processed step: when its ids were on the host, decode-only
         self._step, dispatch, process = eng.runner.serve_step, eng.runner.execute, eng.scheduler.process
 
-        def on_process(plan, ids, now=None):
+        def on_process(plan, ids, now=None, **kw):  # kw: the step's logprobs, when a request asked
             self.arrived.append((time.perf_counter() if now is None else now, plan.prefill_rows == 0))
-            return process(plan, ids, now)
+            return process(plan, ids, now, **kw)
 
         def on_dispatch(plan, dry=None):
             self._decode = plan.prefill_rows == 0

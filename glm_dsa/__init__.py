@@ -20,7 +20,7 @@ from .model.options import StepOptions
 from .model.random_init import init_params
 from .model.step import forward, step
 from .serving import sampling, text
-from .serving.engine import Engine, load
+from .serving.engine import Completion, Engine, load
 from .serving.sampling import SamplingParams
 
 # The paths the README and docs/ name from before the model and serving subpackages: `glm_dsa.configs` (the
@@ -29,6 +29,6 @@ for _name, _module in (("configs", configs), ("sampling", sampling), ("text", te
     sys.modules[f"{__name__}.{_name}"] = _module
 del _name, _module
 
-__all__ = ["ConfigError", "Engine", "GlmDsaConfig", "ParallelConfig", "SamplingParams", "StepBatch", "StepOptions",
-           "configs", "forward", "init_params", "load", "step"]
+__all__ = ["Completion", "ConfigError", "Engine", "GlmDsaConfig", "ParallelConfig", "SamplingParams", "StepBatch",
+           "StepOptions", "configs", "forward", "init_params", "load", "step"]
 __version__ = "0.1.0"

@@ -114,6 +114,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impl", default=None, choices=IMPLS,
                    help="op implementation (default: the platform's, kernels.default_impl(): 'auto' on an NVIDIA "
                         "GPU, each op's fastest Pallas kernel per shape, the xla references elsewhere)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="bitwise reproducible requests: a request's tokens and logprobs do not depend on the rest "
+                        "of the batch, its row position or prefill chunking (glm_dsa.Engine batch_invariant)")
     _add_parallel_flags(p)
     _add_distributed_flags(p)
 
@@ -159,7 +162,7 @@ def cmd_generate(args) -> int:
     eng = glm_dsa.load(args.checkpoint, parallel=_parallel(args), dtype=args.dtype,
                        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, impl=args.impl,
                        num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization,
-                       enable_prefix_caching=args.enable_prefix_caching)
+                       enable_prefix_caching=args.enable_prefix_caching, batch_invariant=args.batch_invariant)
     if tokenizer is not None:
         tokenizer.vocab_size = eng.config.vocab_size
     prompts = [tokenizer.encode(t) for t in args.prompt] + list(args.prompt_ids)
@@ -183,7 +186,8 @@ def cmd_serve(args) -> int:
     eng = glm_dsa.load(args.checkpoint, parallel=_parallel(args), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                        max_model_len=args.max_model_len, impl=args.impl, progress=False,
                        num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization,
-                       enable_prefix_caching=args.enable_prefix_caching, **engine_kw)
+                       enable_prefix_caching=args.enable_prefix_caching, batch_invariant=args.batch_invariant,
+                       **engine_kw)
     if tokenizer is not None:
         tokenizer.vocab_size = eng.config.vocab_size
     name = args.served_model_name or os.path.basename(os.path.normpath(args.checkpoint))

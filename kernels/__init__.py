@@ -33,7 +33,7 @@ def _cache_offsets(platform: str, impl: str) -> str:
     return "int32" if impl == "triton" or (impl == "auto" and platform == "gpu") else "int64"
 
 
-registry.register_rule("cache_offsets", "cache", _cache_offsets, ("int32", "int64"))
+registry.register_rule("cache_offsets", "cache", _cache_offsets, ("int32", "int64"), invariant=registry.ROW_FREE)
 
 
 __all__ = ["IMPLS", "default_impl", "chunking", "fp8_formats", "fp8_linear", "fused_norm_rope", "indexer",

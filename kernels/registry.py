@@ -13,6 +13,13 @@ default) and the forms an impl or the model picks ("moe.fp8_form", "indexer.scor
 (shapes and dtypes only), so `deciding_for("gpu")` makes a CPU answer for a GPU, and `record()` collects the
 decisions a traced step takes (`glm_dsa.model.kernel_table`, `python -m glm_dsa info --kernels`).
 
+Batch-invariant mode (`batch_invariant()`, set by a step traced with `StepOptions(batch_invariant=True)`): every
+rule declares what it chooses there (`register_rule(..., invariant=...)`): a function returning one fixed,
+per-row schedule whatever the row count (a form without reductions across rows, a fixed split count), or
+`ROW_FREE` where its choice never depends on the rows or the batch. The rule "launch_rows" fixes the row count
+the kernels' default launch configs (tiles, split counts) are chosen for (`config_rows`). So in that mode a
+row's arithmetic depends on its own inputs only, not on how many rows share its step or where it sits.
+
 `dispatch(op, impl, *args, **kwargs)` raises ValueError for an unknown impl (naming the op and the available
 impls) and for an impl that does not support the inputs (naming the constraint): never a silent fallback.
 """
@@ -77,16 +84,35 @@ def register_mosaic(op: str, target: str, *, supports=None) -> None:
     register(op, "mosaic_interpret", target, supports=supports, interpret=True)
 
 
+#: A rule's `invariant` when its choice never depends on the rows or the batch (by platform, dtypes, cache size).
+ROW_FREE = "row_free"
+
+#: The row count the kernels' launch configs are chosen for in batch-invariant mode (see `config_rows`): a
+#: middle size, so the fixed tiles suit decode batches and prefill chunks alike.
+INVARIANT_CONFIG_ROWS = 64
+
+#: The rows of every step in batch-invariant mode (the serving runner pads each step to it, and its scheduler puts
+#: at most this many rows in one). XLA picks a computation's algorithm, and with it a row's reduction order, by
+#: the computation's shape: even a row-wise RMSNorm or GEMM rounds differently at 16 rows than at 64 on the CPU,
+#: and cuBLAS picks split-K by M. One step shape makes every op's shapes the same whatever the batch, so what is
+#: left to fix is each op's choices by the row count (the rules here) and by row position. 256: a decode batch
+#: of up to 256 requests is one step; a long prefill runs in chunks of 256 rows.
+INVARIANT_STEP_ROWS = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """One choice the kernels make per shape: which impl "auto" runs (rule "<op>.auto") or which form an impl
     takes ("moe.fp8_form", "topk.auto", ...). `choose(platform, *args, **kwargs)` returns one of `choices` (None:
     any registered impl of `op`); `platform` is "gpu" or another jax backend name, an input of the rule so that
-    the table of choices for a GPU can be computed anywhere (`deciding_for`)."""
+    the table of choices for a GPU can be computed anywhere (`deciding_for`). `invariant`: the choice in
+    batch-invariant mode, a function of the same arguments returning a fixed per-row schedule, or `ROW_FREE`
+    (the rule's choice never depends on the rows or the batch: `choose` serves both modes)."""
     name: str
     op: str
     choose: Callable[..., str]
     choices: tuple[str, ...] | None = None
+    invariant: Callable[..., str] | str = ROW_FREE
 
     @property
     def summary(self) -> str:
@@ -102,11 +128,32 @@ class Decision:
     choice: str
     platform: str
     shapes: tuple
+    batch_invariant: bool = False
 
 
 _RULES: dict[str, Rule] = {}  # rule name -> Rule; filled by the op modules at import
 _PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("kernels_platform", default=None)
 _RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("kernels_record", default=None)
+_INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar("kernels_batch_invariant", default=False)
+
+
+@contextlib.contextmanager
+def batch_invariant(on: bool = True):
+    """Within the block (while a step traces) every rule decides in batch-invariant mode when `on` (see the
+    module doc); `on=False` leaves the current mode as it is."""
+    if not on:
+        yield
+        return
+    token = _INVARIANT.set(True)
+    try:
+        yield
+    finally:
+        _INVARIANT.reset(token)
+
+
+def batch_invariant_mode() -> bool:
+    """Whether the rules decide in batch-invariant mode here (inside `batch_invariant()`)."""
+    return _INVARIANT.get()
 
 
 def on_gpu() -> bool:
@@ -152,11 +199,15 @@ def record():
         _RECORD.reset(token)
 
 
-def register_rule(name: str, op: str, choose: Callable[..., str], choices: tuple[str, ...] | None = None) -> Rule:
-    """Register rule `name` of `op` (see `Rule`). Registering a name twice is an error."""
+def register_rule(name: str, op: str, choose: Callable[..., str], choices: tuple[str, ...] | None = None, *,
+                  invariant: Callable[..., str] | str) -> Rule:
+    """Register rule `name` of `op` (see `Rule`); `invariant` (required: each rule says what batch-invariant mode
+    does with it) is its fixed per-row choice, or `ROW_FREE`. Registering a name twice is an error."""
     if name in _RULES:
         raise ValueError(f"registry: rule {name!r} is already registered")
-    rule = Rule(name, op, choose, choices)
+    if invariant != ROW_FREE and not callable(invariant):
+        raise ValueError(f"registry: rule {name!r}: invariant must be a function or ROW_FREE, got {invariant!r}")
+    rule = Rule(name, op, choose, choices, invariant)
     _RULES[name] = rule
     return rule
 
@@ -181,14 +232,16 @@ def decide(name: str, *args, platform: str | None = None, **kwargs) -> str:
         raise ValueError(f"registry: unknown rule {name!r} (registered: {', '.join(_RULES)})")
     rule = _RULES[name]
     where = platform or _platform()
-    choice = rule.choose(where, *args, **kwargs)
+    invariant = _INVARIANT.get()
+    choose = rule.invariant if invariant and rule.invariant != ROW_FREE else rule.choose
+    choice = choose(where, *args, **kwargs)
     allowed = rule.choices if rule.choices is not None else tuple(i for i in impls(rule.op) if i != "auto")
     if choice not in allowed:
         raise AssertionError(f"{rule.op}: the rule {name!r} chose {choice!r}, which is not one of "
                              f"{', '.join(map(repr, allowed))}")
     log = _RECORD.get()
     if log is not None:
-        log.append(Decision(name, choice, where, _shapes(args, kwargs)))
+        log.append(Decision(name, choice, where, _shapes(args, kwargs), invariant))
     return choice
 
 
@@ -198,11 +251,40 @@ def triton_on_gpu(platform: str, *args, **kwargs) -> str:
     return "triton" if platform == "gpu" else "xla"
 
 
-def register_auto(op: str, choose: Callable[..., str] | None = None) -> None:
+def register_auto(op: str, choose: Callable[..., str] | None = None, *,
+                  invariant: Callable[..., str] | str | None = None) -> None:
     """Register "auto" for `op`: the rule "<op>.auto", `choose(platform, *args, **kwargs)` returning the impl to
-    run for these arguments (default `triton_on_gpu`)."""
-    register_rule(f"{op}.auto", op, choose or triton_on_gpu)
+    run for these arguments (default `triton_on_gpu`); `invariant` as for `register_rule` (a `choose` that reads
+    the rows must give one)."""
+    if invariant is None:
+        if choose is not None:
+            raise ValueError(f"registry: {op}.auto with its own choose must say what batch-invariant mode runs "
+                             "(invariant=a function, or ROW_FREE)")
+        invariant = ROW_FREE  # triton_on_gpu: by platform alone
+    register_rule(f"{op}.auto", op, choose or triton_on_gpu, invariant=invariant)
     register(op, "auto", _auto_placeholder)
+
+
+def _launch_rows(platform: str, t: int) -> str:
+    """The kernels' default launch configs are chosen for the step's rows ("rows"; "fixed" in batch-invariant
+    mode: `INVARIANT_CONFIG_ROWS`)."""
+    del platform, t
+    return "rows"
+
+
+def _launch_rows_invariant(platform: str, t: int) -> str:
+    del platform, t
+    return "fixed"
+
+
+register_rule("launch_rows", "launch", _launch_rows, ("rows", "fixed"), invariant=_launch_rows_invariant)
+
+
+def config_rows(t: int) -> int:
+    """The row count a kernel's default launch config (tiles, splits, warps) is chosen for: `t`, or
+    `INVARIANT_CONFIG_ROWS` in batch-invariant mode (rule "launch_rows"), so a row's schedule does not change with
+    the batch."""
+    return t if decide("launch_rows", t) == "rows" else INVARIANT_CONFIG_ROWS
 
 
 def _auto_placeholder(*args, **kwargs):  # never called: `resolve` replaces "auto" before a call

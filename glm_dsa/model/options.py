@@ -13,11 +13,14 @@ class StepOptions:
     """impl: the kernels' implementation for every op (one of `kernels.IMPLS`); None: `kernels.default_impl()`,
     resolved here at construction. moe_mode: force one xla form of `kernels.moe` (one of `kernels.moe.MODES`;
     tests, benchmarks); None: the impl's own choice. dcp_row_chunk: query rows per gather/attend/merge round
-    under DCP, a fixed workspace however long the prefill."""
+    under DCP, a fixed workspace however long the prefill. batch_invariant: every kernel rule takes its fixed
+    per-row choice (`kernels.registry.batch_invariant`: forms, impls and launch configs that do not change with
+    the rows of the step), so a row's results do not depend on the other rows of its batch."""
 
     impl: str | None = None
     moe_mode: str | None = None
     dcp_row_chunk: int = 256
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.impl is None:
@@ -26,6 +29,8 @@ class StepOptions:
             raise ValueError(f"StepOptions.impl must be one of {IMPLS} (or None for the default), got {self.impl!r}")
         if self.moe_mode is not None and self.moe_mode not in moe.MODES:
             raise ValueError(f"StepOptions.moe_mode must be one of {moe.MODES} or None, got {self.moe_mode!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise TypeError(f"StepOptions.batch_invariant must be a bool, got {self.batch_invariant!r}")
         chunk = self.dcp_row_chunk
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
             raise ValueError(f"StepOptions.dcp_row_chunk must be an integer >= 1, got {chunk!r}")

@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from kernels import registry
 from sharding import ParallelConfig, cache_spec, mesh_for, param_partition_specs, path_str
 
 from .config import GlmDsaConfig
@@ -84,7 +85,9 @@ def step(params, caches, batch: StepBatch, *, config: GlmDsaConfig, parallel: Pa
     def body(params, caches, batch):
         return nnx.merge(graphdef, params)(caches, batch, ctx)
 
-    return run_sharded(body, params, caches, batch, parallel, lambda cspecs: (P(), cspecs), config)
+    # the kernels' rules decide while the body traces: in batch-invariant mode each takes its fixed per-row choice
+    with registry.batch_invariant(options.batch_invariant):
+        return run_sharded(body, params, caches, batch, parallel, lambda cspecs: (P(), cspecs), config)
 
 
 def prefill_inputs(params, token_ids, *, config: GlmDsaConfig, parallel: ParallelConfig, block_size: int = 16,

@@ -389,10 +389,10 @@ def stage_times(eng: Engine, batch: StepBatch) -> dict[str, float]:
 
 
 def decode_engine(cfg: GlmDsaConfig, params, parallel, dtype: str, impl: str, b: int, context: int,
-                  kv_cache_dtype: str = "auto") -> Engine:
+                  kv_cache_dtype: str = "auto", batch_invariant: bool = False) -> Engine:
     """An engine of `b` sequences whose caches hold random rows, for `decode_ms_per_step` at `context`."""
     eng = Engine(cfg, params, parallel=parallel, dtype=dtype, max_model_len=context + 1, max_num_seqs=b, impl=impl,
-                 block_size=64, kv_cache_dtype=kv_cache_dtype)
+                 block_size=64, kv_cache_dtype=kv_cache_dtype, batch_invariant=batch_invariant)
     eng.caches = _random_caches(eng, jax.random.key(b))
     return eng
 
@@ -401,7 +401,7 @@ def decode_ms_per_step(eng: Engine, batch: StepBatch, steps: int = 10) -> float:
     """Milliseconds per decode step of `batch` (`decode_batch`) on `eng`: 2 warm-up steps (the compile), then
     one sample of `steps` consecutive steps blocked at the end, as a decode loop runs them. A fixed number of
     calls, so every process of a multi-process run makes the same ones."""
-    run = jax.jit(functools.partial(step, config=eng.config, parallel=eng.parallel, impl=eng.impl),
+    run = jax.jit(functools.partial(step, config=eng.config, parallel=eng.parallel, options=eng.runner.options),
                   donate_argnums=(1,))
 
     def decode_step():  # the caches are donated: each step feeds the next one's
@@ -431,6 +431,7 @@ class BenchConfig:
     decode_context_parallel_size: int = 1
     quantization: str | None = None  # "fp8": the same random model with its linear weights quantised on device
     kv_cache_dtype: str = "auto"  # paged_cache.KV_CACHE_DTYPES ("fp8_ds_mla": 656-byte MLA rows)
+    batch_invariant: bool = False  # the engine's batch-invariant mode (Engine(batch_invariant=True))
 
 
 def run_bench(bc: BenchConfig, log=print) -> dict:
@@ -458,7 +459,7 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
         if bc.end_to_end:
             eng = Engine(cfg, params, parallel=parallel, dtype=bc.dtype, max_model_len=bc.input_len + bc.output_len,
                          max_num_seqs=bc.batch, max_num_batched_tokens=bc.max_num_batched_tokens, impl=impl,
-                         kv_cache_dtype=bc.kv_cache_dtype)
+                         kv_cache_dtype=bc.kv_cache_dtype, batch_invariant=bc.batch_invariant)
             prompts = [rng.integers(0, cfg.vocab_size, bc.input_len).tolist() for _ in range(bc.batch)]
             eng.warmup(bc.batch, bc.input_len, bc.output_len)
             total = median_seconds(functools.partial(eng.generate, prompts, bc.output_len, stop_token_ids=[]),
@@ -493,7 +494,7 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
 
 def _decode_row(cfg, params, parallel, bc, impl, b, ctx, rng, stages, peaks, device) -> dict:
     """One decode batch's figures: ms per step, the attention bytes and their roofline, the stages, peak memory."""
-    eng = decode_engine(cfg, params, parallel, bc.dtype, impl, b, ctx, bc.kv_cache_dtype)
+    eng = decode_engine(cfg, params, parallel, bc.dtype, impl, b, ctx, bc.kv_cache_dtype, bc.batch_invariant)
     try:
         batch = decode_batch(b, ctx, eng.block_size, cfg.vocab_size, rng, dcp=eng.parallel.dcp)
         ms = decode_ms_per_step(eng, batch)
@@ -566,6 +567,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fp8: the random model's linear weights quantised on device to FP8 (128x128 block scales) "
                         "and computed from; none / default: all in --dtype")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the engine's batch-invariant mode (bitwise reproducible requests; see Engine)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="paged cache dtype (fp8_ds_mla: 656-byte MLA rows, as vLLM serves GLM-5.x)")
     p.add_argument("--no-end-to-end", action="store_true", help="skip the prefill + generate run")
@@ -591,7 +594,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        max_num_batched_tokens=args.max_num_batched_tokens, end_to_end=not args.no_end_to_end,
                        stages=not args.no_stages, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
                        decode_context_parallel_size=args.decode_context_parallel_size,
-                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                       batch_invariant=args.batch_invariant)
 
 
 def run_from_args(args: argparse.Namespace, command: str | None = None) -> int:

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from kernels import registry
 from sharding import ParallelConfig
 
 from ..model.config import GlmDsaConfig
@@ -58,6 +59,21 @@ class _LoopStats:
     recent: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=256))
 
 
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One prompt's result of `Engine.generate(..., logprobs=N)`.
+
+    token_ids: the new tokens. logprobs: float32 logprob of each of them; top_logprobs: per token, the N most
+    likely tokens as {token_id: logprob} (N = 0: empty dicts). Logprobs are the model's distribution
+    (log_softmax of the logits, before temperature and top_p: see `sampling.token_logprobs`). finish_reason:
+    "stop" (a stop id), "length" (max_new_tokens or max_model_len)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    finish_reason: str
+
+
 @dataclasses.dataclass
 class _Seq:
     tokens: list[int]
@@ -79,6 +95,12 @@ class Engine:
     running or finished request) reuse those pages of both caches instead of computing them (see
     glm_dsa.serving.scheduler and prefix_cache); `metrics()` counts the reuse, `reset_prefix_cache()` forgets it.
     It needs block_size divisible by the DCP interleave; otherwise it is turned off, with a warning.
+    `batch_invariant=True`: a request's tokens and logprobs are bitwise the same whether it runs alone or beside
+    other requests, at any row position, with any `max_num_batched_tokens` and after a preemption (fixed mesh,
+    device and jax version): every kernel rule takes its fixed per-row choice (`kernels.registry.batch_invariant`)
+    and every serving step has the same shapes (`kernels.registry.INVARIANT_STEP_ROWS` rows, padded; at most that
+    many per step, so max_num_batched_tokens is capped there; one block-table width and request count). Not with
+    speculative decoding.
     """
 
     config = _runner_attribute("config", "The model's `GlmDsaConfig`.")
@@ -87,6 +109,7 @@ class Engine:
     dtype = _runner_attribute("dtype", "The compute dtype.")
     kv_cache_dtype = _runner_attribute("kv_cache_dtype", "The cache form: 'auto', 'bfloat16' or 'fp8_ds_mla'.")
     impl = _runner_attribute("impl", "The op implementation the steps use.")
+    batch_invariant = _runner_attribute("batch_invariant", "Whether the steps are batch-invariant (see the class).")
     max_model_len = _runner_attribute("max_model_len", "Longest sequence (prompt and output) in tokens.")
     block_size = _runner_attribute("block_size", "Tokens per cache page.")
     pages_per_seq = _runner_attribute("pages_per_seq", "Pages (per DCP rank) a sequence of max_model_len holds.")
@@ -101,7 +124,7 @@ class Engine:
                  block_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 2048, impl: str | None = None,
                  cache_memory_fraction: float = 0.8, num_speculative_tokens: int = 0, mtp_params=None,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, batch_invariant: bool = False):
         # MTP speculative decoding (glm_dsa.serving.spec_decoder): k drafts per step from the nextn layer
         # `mtp_params`; checked first, before the runner allocates anything
         self.num_speculative_tokens = check_positive_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
@@ -109,10 +132,18 @@ class Engine:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} needs the MTP (nextn) layer's "
                              "parameters (mtp_params; glm_dsa.load reads them from the checkpoint)")
         self.max_num_batched_tokens = check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        # batch-invariant mode runs every step at one row count (kernels.registry.INVARIANT_STEP_ROWS): steps hold
+        # at most that many rows, so a longer max_num_batched_tokens prefills in chunks of that size
+        step_rows = (min(self.max_num_batched_tokens, registry.INVARIANT_STEP_ROWS) if batch_invariant is True
+                     else self.max_num_batched_tokens)
+        if batch_invariant is True and self.num_speculative_tokens:
+            raise ValueError("batch_invariant=True with num_speculative_tokens > 0: the speculative step is not "
+                             "batch-invariant; turn one of them off")
         self.runner = ModelRunner(config, params, parallel=parallel, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                                   max_model_len=max_model_len, block_size=block_size, num_pages=num_pages,
                                   max_num_seqs=max_num_seqs, impl=impl, cache_memory_fraction=cache_memory_fraction,
-                                  num_speculative_tokens=self.num_speculative_tokens)
+                                  num_speculative_tokens=self.num_speculative_tokens,
+                                  batch_invariant=batch_invariant)
         self.last_timings: dict = {}  # of the last generate (see there)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
@@ -125,7 +156,7 @@ class Engine:
         # serving: the host scheduler over the runner's pages, and the loop's state (see `step`)
         self.scheduler = Scheduler(self.allocator, block_size=self.block_size, dcp=self.parallel.dcp,
                                    interleave=self.parallel.interleave, max_num_seqs=self.max_num_seqs,
-                                   max_num_batched_tokens=self.max_num_batched_tokens,
+                                   max_num_batched_tokens=step_rows,
                                    max_model_len=self.max_model_len, lookahead=self.num_speculative_tokens,
                                    prefix_caching=enable_prefix_caching)
         self._pending = None  # (plan, device ids) of the dispatched step whose ids are not processed yet
@@ -242,7 +273,7 @@ class Engine:
         return self.runner.trace(ids, layers)
 
     def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                 stop_token_ids=None) -> list[list[int]]:
+                 stop_token_ids=None, logprobs: int | None = None) -> list[list[int]] | list[Completion]:
         """Continue each prompt (a list of token ids) by up to `max_new_tokens` tokens.
 
         Greedy at temperature 0 (and below `sampling.GREEDY_BELOW`); otherwise temperature sampling with nucleus
@@ -250,7 +281,9 @@ class Engine:
         drawn with the key fold_in(fold_in(key(seed), n), i), whatever else shares its steps. Arguments are
         checked first: TypeError / ValueError naming the argument (token ids must be integers in the vocabulary).
         A sequence stops after emitting a token of `stop_token_ids` (default: the model's EOS ids; pass [] to
-        never stop early), or on reaching max_model_len. Returns the new tokens per prompt.
+        never stop early), or on reaching max_model_len. Returns the new tokens per prompt; with `logprobs` N
+        (0-20) given, a `Completion` per prompt instead: the tokens, each one's logprob and the N best
+        alternatives' (the model's distribution before temperature and top_p), and the finish reason.
 
         The prompts go through the continuous-batching scheduler (at most max_num_seqs at once, admitted as
         others finish). Afterwards `self.last_timings` holds host-clock seconds of this call: "prefill_s" (to
@@ -264,7 +297,7 @@ class Engine:
         """
         check_positive_int("max_new_tokens", max_new_tokens, minimum=0)  # named as the caller named it
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_new_tokens,
-                                stop_token_ids=stop_token_ids)
+                                stop_token_ids=stop_token_ids, logprobs=logprobs)
         prompts = self._check_tokens(prompts, "prompt")
         self._check_idle("generate")
         reqs = [self._request(p, params, i) for i, p in enumerate(prompts)]
@@ -272,7 +305,9 @@ class Engine:
         failed = [r for r in reqs if r.finish_reason == "error"]
         if failed:
             raise RuntimeError(f"generate: prompt {failed[0].prompt_index} failed: {failed[0].error}")
-        return [list(r.output) for r in reqs]
+        if logprobs is None:
+            return [list(r.output) for r in reqs]
+        return [Completion(list(r.output), list(r.logprobs), list(r.top_logprobs), r.finish_reason) for r in reqs]
 
     def stream(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                stop_token_ids=None):
@@ -378,6 +413,8 @@ class Engine:
             raise RuntimeError(f"{what}: the engine still has requests in flight (a stream not yet finished)")
 
     def _request(self, prompt, params: SamplingParams, prompt_index: int, request_id: str | None = None) -> Request:
+        if params.logprobs is not None and self.spec is not None:
+            raise ValueError("logprobs are not reported with speculative decoding (num_speculative_tokens > 0)")
         stop = frozenset(self.config.eos_token_id if params.stop_token_ids is None else params.stop_token_ids)
         r = Request(request_id or f"req-{next(self._ids)}", list(prompt), params, stop, prompt_index)
         self.scheduler.check_fits(r)
@@ -461,11 +498,19 @@ class Engine:
         old_plan = None
         if self._pending is not None:
             old_plan, ids = self._pending
+            lp = None
+            if isinstance(ids, tuple):  # some request asked for logprobs: (ids, logprob, top ids, top logprobs)
+                ids, *lp = ids
             host_ids = np.asarray(ids)  # waits for the previous step only: the new one is queued behind it
             self.stats.syncs += not isinstance(ids, np.ndarray)
+            if lp is not None:
+                lp = [np.asarray(x) for x in lp]  # computed by the same step: already there
             tp = time.perf_counter()
             blocked = tp - tb
-            self.scheduler.process(old_plan, host_ids, tp)
+            if lp is None:  # the plain call, as wrappers of `process` (benchmarks' step recorders) take it
+                self.scheduler.process(old_plan, host_ids, tp)
+            else:
+                self.scheduler.process(old_plan, host_ids, tp, logprobs=lp)
             self.stats.generated += len(old_plan.sample_reqs)
         self._pending = new
         t1 = time.perf_counter()
@@ -498,7 +543,7 @@ def load(path: str | os.PathLike, *, parallel: ParallelConfig | None = None, dty
     written by `python -m glm_dsa convert` / `checkpoints.save_orbax_params` (its newest committed version; an
     interrupted save is never read). Parameters go onto the devices with their target
     sharding, whatever mesh they were saved from. Extra keyword arguments (block_size, num_pages, max_num_seqs,
-    max_num_batched_tokens, impl, enable_prefix_caching) go to `Engine`. `num_speculative_tokens` k > 0: MTP speculative decoding, k drafts
+    max_num_batched_tokens, impl, enable_prefix_caching, batch_invariant: bitwise reproducible requests, see `Engine`) go to `Engine`. `num_speculative_tokens` k > 0: MTP speculative decoding, k drafts
     per step from the checkpoint's nextn layer (loaded only then; a checkpoint without one is a CheckpointError).
     `quantization`: None keeps the checkpoint's form (an FP8 release's block-scaled weights stay float8_e4m3fn on
     the devices, with their scales, and the model computes from them), "fp8" quantises a bf16/fp32 checkpoint's

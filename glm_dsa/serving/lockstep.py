@@ -124,7 +124,8 @@ def encode_events(events) -> list[dict]:
             out.append({"add": {"id": x.request_id, "prompt": [int(t) for t in x.prompt], "index": x.prompt_index,
                                 "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed,
                                 "max_tokens": p.max_tokens, "stop": sorted(int(t) for t in x.stop),
-                                "stop_token_ids": None if p.stop_token_ids is None else list(p.stop_token_ids)}})
+                                "stop_token_ids": None if p.stop_token_ids is None else list(p.stop_token_ids),
+                                "logprobs": p.logprobs}})
         elif kind == "abort":
             out.append({"abort": x})
         elif kind == "reset_prefix_cache":
@@ -141,7 +142,8 @@ def decode_events(items: list[dict]) -> list[tuple[str, object]]:
         if "add" in item:
             a = item["add"]
             params = SamplingParams(temperature=a["temperature"], top_p=a["top_p"], seed=a["seed"],
-                                    max_tokens=a["max_tokens"], stop_token_ids=a["stop_token_ids"])
+                                    max_tokens=a["max_tokens"], stop_token_ids=a["stop_token_ids"],
+                                    logprobs=a.get("logprobs"))
             out.append(("add", Request(a["id"], list(a["prompt"]), params, frozenset(a["stop"]), a["index"])))
         elif "reset_prefix_cache" in item:
             out.append(("reset_prefix_cache", None))

@@ -17,8 +17,10 @@ OpenAI's error body, `param` set to the field). The rules:
   the device flushes smaller values to 0, which keeps no token); `seed` in [0, 2**64); `n` 1;
   `stop_token_ids` a list of ids >= 0; `stream_options` an object `{"include_usage": bool}`, only with
   `"stream": true`.
-- Accepted but unsupported, refused when they ask for something: `stop` (non-empty), `logprobs` (non-zero /
-  true), `echo` (true), `n` (not 1).
+- Logprobs: completions' `logprobs` is an integer in [0, `sampling.MAX_LOGPROBS`] (the alternatives per token);
+  chat's `logprobs` is a boolean and its `top_logprobs` an integer in the same range, allowed only with
+  `"logprobs": true` (OpenAI's rule).
+- Accepted but unsupported, refused when they ask for something: `stop` (non-empty), `echo` (true), `n` (not 1).
 
 What bounds a request besides its fields (the server's): the body's size (`serve --max-request-bytes`; 413),
 its JSON nesting (`MAX_JSON_DEPTH`), the prompt's length (max_model_len).
@@ -30,7 +32,7 @@ import dataclasses
 import math
 from typing import Callable
 
-from .sampling import TOP_P_MIN
+from .sampling import MAX_LOGPROBS, TOP_P_MIN
 
 COMPLETIONS, CHAT = "completions", "chat"
 BOTH = frozenset({COMPLETIONS, CHAT})
@@ -239,11 +241,12 @@ FIELDS: dict[str, Field] = {
     "n": Field(integer, equal(1, "one choice per prompt: give several prompts instead"), 1),
     "user": Field(string),
     "stop": Field(stop_strings, unsupported("; give stop_token_ids")),
-    "logprobs": Field(integer, unsupported(""), endpoints=frozenset({COMPLETIONS})),
+    "logprobs": Field(integer, between(0, MAX_LOGPROBS), endpoints=frozenset({COMPLETIONS})),
+    "top_logprobs": Field(integer, between(0, MAX_LOGPROBS), endpoints=frozenset({CHAT})),
     "echo": Field(boolean, unsupported(""), False, endpoints=frozenset({COMPLETIONS})),
 }
-# chat's logprobs is a boolean (OpenAI's chat API); same rule
-CHAT_LOGPROBS = Field(boolean, unsupported(""), False, endpoints=frozenset({CHAT}))
+# chat's logprobs is a boolean (OpenAI's chat API): whether to report the sampled tokens' logprobs
+CHAT_LOGPROBS = Field(boolean, None, False, endpoints=frozenset({CHAT}))
 
 
 def fields_of(endpoint: str) -> dict[str, Field]:
@@ -289,6 +292,8 @@ def parse_body(body, endpoint: str) -> dict:
         if f.check is not None:
             f.check(name, v)
         out[name] = v
+    if out.get("top_logprobs") is not None and not out["logprobs"]:
+        raise FieldError('top_logprobs is only allowed with "logprobs": true', "top_logprobs")
     if out.get("stream_options") is not None and not out["stream"]:
         raise FieldError("stream_options is only allowed with \"stream\": true", "stream_options")
     return out

@@ -28,10 +28,11 @@ from ..model.loading import resolve_dtype
 from ..model.mtp import mtp_cache_bytes_per_token
 from ..model.paged_cache import (allocate_caches, block_table_array, cache_bytes_per_token, cache_dtype,
                                  free_device_bytes, max_addressable_pages, owner_slots, pages_needed, plan_pages)
+from ..model.options import StepOptions
 from ..model.step import resolve_parallel, step
 from . import host_buffer
 from .prefix_cache import PrefixCachingAllocator
-from .sampling import GREEDY_BELOW, sample
+from .sampling import GREEDY_BELOW, MAX_LOGPROBS, sample, token_logprobs
 from .scheduler import StepPlan
 
 
@@ -45,8 +46,8 @@ def check_positive_int(name: str, value, minimum: int = 1) -> int:
 
 
 def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32,
-                prev_ids, *, config, parallel, impl, n_out: int, block_size: int, width: int, greedy: bool,
-                with_logits: bool = False):
+                prev_ids, *, config, parallel, options, n_out: int, block_size: int, width: int, greedy: bool,
+                logprobs: bool = False, with_logits: bool = False):
     """One serving step: update the device block table, run the model step, sample each logits row; returns the
     sampled ids padded to `n_out`, the caches and the table.
 
@@ -60,8 +61,12 @@ def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_re
     low words, token index, prompt index; samp_f32 float32 [2, L]: temperature, top_p. Logits row i samples with
     the key fold_in(fold_in(key(seed), token_index), prompt_index): a request's draws depend on its own seed,
     prompt index and token index only, never on the batch it shares a step with. `width` (static): block-table
-    columns the step reads; `greedy` (static): every sampled row is greedy (argmax only); `with_logits` (static):
-    the sampled rows' float32 logits are returned too (a fourth output, for tests that compare them)."""
+    columns the step reads; `greedy` (static): every sampled row is greedy (argmax only); `logprobs` (static): some
+    request of the step asks for logprobs, so the step also returns, per sampled row, the sampled id's logprob
+    float32 [n_out] and the `sampling.MAX_LOGPROBS` best (ids int32, logprobs float32 [n_out, MAX_LOGPROBS]) from
+    the same logits (`sampling.token_logprobs`): the ids come back as (ids, logprob, top ids, top logprobs). A
+    step without it computes nothing more than before. `with_logits` (static): the sampled rows' float32 logits
+    are returned too (a fourth output, for tests that compare them)."""
     tables = jnp.where(table_resets[:, None] > 0, 0, tables)
     tables = tables.at[table_updates[0], table_updates[1]].set(table_updates[2], mode="drop")
     block_tables = tables[plan_rows, :width]
@@ -72,13 +77,19 @@ def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_re
     slot = block_tables[req, lp // block_size] * block_size + lp % block_size
     slot = jnp.where(pos < 0, -1, slot).astype(jnp.int32)  # padding rows write nothing
     batch = StepBatch(token_ids.astype(jnp.int32), p, slot, req, block_tables, samp_u32[0].astype(jnp.int32))
-    logits, caches = step(params, caches, batch, config=config, parallel=parallel, impl=impl)
+    logits, caches = step(params, caches, batch, config=config, parallel=parallel, options=options)
 
     def key(words, token_index, prompt_index):
         return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(words), token_index), prompt_index)
     keys = jax.vmap(key)(samp_u32[1:3].T, samp_u32[3], samp_u32[4])
     ids = sample(logits, keys, samp_f32[0], samp_f32[1], all_greedy=greedy)
     out = jnp.zeros(n_out, jnp.int32).at[: ids.shape[0]].set(ids)
+    if logprobs:
+        lp, top_ids, top_lp = token_logprobs(logits, ids)
+        n = ids.shape[0]
+        out = (out, jnp.zeros(n_out, jnp.float32).at[:n].set(lp),
+               jnp.zeros((n_out, MAX_LOGPROBS), jnp.int32).at[:n].set(top_ids),
+               jnp.zeros((n_out, MAX_LOGPROBS), jnp.float32).at[:n].set(top_lp))
     return (out, caches, tables, logits) if with_logits else (out, caches, tables)
 
 
@@ -112,12 +123,16 @@ class ModelRunner:
     def __init__(self, config: GlmDsaConfig, params, *, parallel: ParallelConfig | None = None, dtype="bfloat16",
                  kv_cache_dtype: str = "auto", max_model_len: int | None = None, block_size: int = 16,
                  num_pages: int | None = None, max_num_seqs: int = 8, impl: str | None = None,
-                 cache_memory_fraction: float = 0.8, num_speculative_tokens: int = 0):
+                 cache_memory_fraction: float = 0.8, num_speculative_tokens: int = 0, batch_invariant: bool = False):
         self.config = config
+        if not isinstance(batch_invariant, bool):
+            raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+        self.batch_invariant = batch_invariant
         self.parallel = resolve_parallel(parallel, config)
         self.dtype = resolve_dtype(dtype)
         self.kv_cache_dtype = kv_cache_dtype
         self.impl = impl or default_impl()
+        self.options = StepOptions(impl=self.impl, batch_invariant=batch_invariant)
         self.max_model_len = (min(config.max_position_embeddings, 4096) if max_model_len is None
                               else check_positive_int("max_model_len", max_model_len))
         if self.max_model_len > config.max_position_embeddings:
@@ -157,7 +172,7 @@ class ModelRunner:
         # reference-counted pages with the prefix cache's index (used only when the scheduler caches prefixes)
         self.allocator = PrefixCachingAllocator(self.num_pages)
         # the model step alone, for `run` (logits of every asked row; no sampling)
-        self.model_step = jax.jit(functools.partial(step, config=config, parallel=self.parallel, impl=self.impl),
+        self.model_step = jax.jit(functools.partial(step, config=config, parallel=self.parallel, options=self.options),
                                   donate_argnums=(1,))
         self.n_out = _bucket(self.max_num_seqs, 8)  # a serving step samples at most one row per running request
         # the block table of the running requests (scheduler table rows 0..max_num_seqs-1; the last row stays
@@ -170,8 +185,8 @@ class ModelRunner:
         out_shardings = (self.replicated, jax.tree.map(lambda c: c.sharding, self.caches), self.replicated)
         # the serving loop's step: block-table changes, the model step and the sampler in one executable
         self.serve_step = jax.jit(functools.partial(_serve_step_packed, config=config, parallel=self.parallel,
-                                                    impl=self.impl, n_out=self.n_out, block_size=self.block_size),
-                                  static_argnames=("width", "greedy", "layout"), donate_argnums=(1, 2),
+                                                    options=self.options, n_out=self.n_out, block_size=self.block_size),
+                                  static_argnames=("width", "greedy", "layout", "logprobs"), donate_argnums=(1, 2),
                                   out_shardings=out_shardings)
         # tests: with keep_logits set, each executed serving step keeps its sampled rows' float32 logits
         # [rows >= len(plan.sample_rows), vocab] (device) in last_logits, from a second compiled step
@@ -189,9 +204,11 @@ class ModelRunner:
             shardings = (self.replicated, jax.tree.map(lambda c: c.sharding, self.caches), self.replicated,
                          self.replicated)
             self._serve_step_logits = jax.jit(
-                functools.partial(_serve_step_packed, config=self.config, parallel=self.parallel, impl=self.impl,
-                                  n_out=self.n_out, block_size=self.block_size, with_logits=True),
-                static_argnames=("width", "greedy", "layout"), donate_argnums=(1, 2), out_shardings=shardings)
+                functools.partial(_serve_step_packed, config=self.config, parallel=self.parallel,
+                                  options=self.options, n_out=self.n_out, block_size=self.block_size,
+                                  with_logits=True),
+                static_argnames=("width", "greedy", "layout", "logprobs"), donate_argnums=(1, 2),
+                out_shardings=shardings)
         return self._serve_step_logits
 
     def run(self, seq_idx: np.ndarray, pos: np.ndarray, tok: np.ndarray, pages: list[list[int]],
@@ -203,6 +220,8 @@ class ModelRunner:
         t = _bucket(len(pos), 8)
         # capped at a full sequence's pages: a power-of-two bucket past it would double the indexer's top-k width
         width = min(_bucket(max(len(p) for p in pages), 1), self.pages_per_seq)
+        if self.batch_invariant:  # one width whatever the sequences' lengths: the indexer reads as many keys
+            width = self.pages_per_seq
         tables = block_table_array(pages, width, _bucket(len(pages), 1))
         ids, p, slot, req = (np.zeros(t, np.int32) for _ in range(4))
         slot[:] = -1  # padding rows write nothing
@@ -233,6 +252,14 @@ class ModelRunner:
         width = self.pages_per_seq if 2 * width > self.pages_per_seq else width
         # requests (and logits rows, at most one each) in buckets growing 4x, capped at max_num_seqs' bucket
         nr = min(_bucket(len(plan.requests), 8, 4), self.n_out)
+        if self.batch_invariant:
+            # one shape whatever the batch: the block-table width sets how many keys the indexer scores and selects
+            # from, so it must not follow the longest neighbour; the rows, requests and width fix every op's shapes
+            width, nr = self.pages_per_seq, self.n_out
+            if plan.num_rows > registry.INVARIANT_STEP_ROWS:
+                raise RuntimeError(f"a batch-invariant step of {plan.num_rows} rows, over its "
+                                   f"{registry.INVARIANT_STEP_ROWS} (the scheduler's budget should cap it)")
+            t = registry.INVARIANT_STEP_ROWS  # one step shape (see there)
         return t, width, nr
 
     def table_inputs(self, plan: StepPlan, t: int, nr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -253,9 +280,10 @@ class ModelRunner:
     def execute(self, plan: StepPlan, dry: set | None = None):
         """Build a scheduler plan's step inputs on the host and launch the fused serving step; returns the device
         ids (without waiting for them). What is built does not depend on the requests' lengths: rows, logits
-        rows and block-table changes only. `dry` (warmup): the static shapes already compiled; a step of one of
-        them is not launched (zeros stand for its ids), a new one is run and added. Sets `last_h2d_bytes` and
-        `launch_s`."""
+        rows and block-table changes only. When a sampled request asks for logprobs the result is the tuple (ids,
+        logprob, top ids, top logprobs) of device arrays (see `_serve_step`). `dry` (warmup): the static shapes
+        already compiled; a step of one of them is not launched (zeros stand for its ids), a new one is run and
+        added. Sets `last_h2d_bytes` and `launch_s`."""
         self.launch_s = 0.0
         rows = plan.num_rows
         t, width, nr = self.step_shapes(plan)
@@ -277,10 +305,15 @@ class ModelRunner:
             sf[0, j], sf[1, j] = r.params.temperature, r.params.top_p
         packed, layout = host_buffer.pack(row_arr, plan_rows, upd, resets, su, sf)
         self.last_h2d_bytes = packed.nbytes
+        want_lp = any(r.params.logprobs is not None for r in plan.sample_reqs)
         if dry is not None:
             shape = (t, nr, width)
             if shape in dry:
-                return np.zeros(self.n_out, np.int32)
+                ids = np.zeros(self.n_out, np.int32)
+                if want_lp:
+                    return (ids, np.zeros(self.n_out, np.float32), np.zeros((self.n_out, MAX_LOGPROBS), np.int32),
+                            np.zeros((self.n_out, MAX_LOGPROBS), np.float32))
+                return ids
             dry.add(shape)
         prev = self.prev_ids
         if prev is None:
@@ -289,10 +322,12 @@ class ModelRunner:
         greedy = bool(np.all(sf[0, :k] < GREEDY_BELOW))  # static: no device-side branch (see sampling.sample)
         if self.keep_logits:
             out, self.caches, self.tables, self.last_logits = self._logits_step()(
-                self.params, self.caches, self.tables, packed, prev, width=width, greedy=greedy, layout=layout)
+                self.params, self.caches, self.tables, packed, prev, width=width, greedy=greedy, layout=layout,
+                logprobs=want_lp)
         else:
             out, self.caches, self.tables = self.serve_step(self.params, self.caches, self.tables, packed, prev,
-                                                            width=width, greedy=greedy, layout=layout)
+                                                            width=width, greedy=greedy, layout=layout,
+                                                            logprobs=want_lp)
         self.launch_s = time.perf_counter() - t_launch
-        self.prev_ids = out
+        self.prev_ids = out[0] if want_lp else out
         return out

@@ -24,6 +24,10 @@ GREEDY_BELOW = 1e-5
 #: logit -inf, so the draw is always token 0).
 TOP_P_MIN = float(np.finfo(np.float32).tiny)
 
+#: The most alternatives a request may ask logprobs for (OpenAI's top_logprobs bound, vLLM's default). The
+#: serving step computes this many whenever any request of the step asks, so one compiled variant serves every N.
+MAX_LOGPROBS = 20
+
 
 def _real(name: str, value) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
@@ -58,7 +62,9 @@ class SamplingParams:
 
     temperature: >= 0 and finite; below GREEDY_BELOW (and at 0) the request is greedy. top_p: in [TOP_P_MIN, 1].
     seed: any integer in [0, 2**64). max_tokens: new tokens, >= 0. stop_token_ids: None (the model's EOS ids)
-    or a list of token ids; [] never stops early.
+    or a list of token ids; [] never stops early. logprobs: None (none reported) or N in [0, MAX_LOGPROBS]:
+    each sampled token's logprob and the N most likely tokens' ones are reported (see `token_logprobs` for
+    which distribution).
     """
 
     temperature: float = 0.0
@@ -66,6 +72,7 @@ class SamplingParams:
     seed: int = 0
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         t = _real("temperature", self.temperature)
@@ -90,8 +97,13 @@ class SamplingParams:
             stop = tuple(_int(f"stop_token_ids[{j}]", s) for j, s in enumerate(stop))
             if any(s < 0 for s in stop):
                 raise ValueError(f"stop_token_ids must be non-negative token ids, got {list(stop)}")
+        lp = self.logprobs
+        if lp is not None:
+            lp = _int("logprobs", lp)
+            if not 0 <= lp <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {lp}")
         for name, v in (("temperature", t), ("top_p", p), ("seed", seed), ("max_tokens", n),
-                        ("stop_token_ids", stop)):
+                        ("stop_token_ids", stop), ("logprobs", lp)):
             object.__setattr__(self, name, v)
 
     @property
@@ -118,6 +130,23 @@ def _sample_rows(logits, keys, temperature, top_p):
     scaled = jnp.where((top_p < 1.0)[:, None], cut, scaled)
     drawn = jax.vmap(jax.random.categorical)(keys, scaled)
     return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+
+
+def token_logprobs(logits, ids, k: int = MAX_LOGPROBS):
+    """The logprobs of sampled `ids` [N] and the `k` most likely tokens of each row of `logits` [N, V].
+
+    The distribution is the model's own: log_softmax(logits) in float32, before temperature and top_p (vLLM's
+    default, "raw_logprobs"; for a greedy request it is also the distribution the argmax was taken from). So a
+    request's logprobs do not depend on how it samples, and equal a float64 log-softmax of `Engine.logits` up to
+    float32 rounding. Returns (sampled float32 [N], top ids int32 [N, k], top logprobs float32 [N, k]); the top
+    ids are in decreasing logprob order, ties by lower token id (`lax.top_k`'s order)."""
+    logits = logits.astype(jnp.float32)
+    # max-shifted logsumexp per row: each row's arithmetic reads that row only (nothing across rows)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    lse = m[:, 0] + jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1))
+    picked = jnp.take_along_axis(logits, ids[:, None].astype(jnp.int32), axis=-1)[:, 0] - lse
+    top_vals, top_ids = jax.lax.top_k(logits, k)
+    return picked, top_ids.astype(jnp.int32), top_vals - lse[:, None]
 
 
 def _all_greedy(temperature) -> bool | None:

@@ -62,6 +62,10 @@ class Request:
     prompt_index: int = 0
     arrival: int = 0
     output: list[int] = dataclasses.field(default_factory=list)
+    # with params.logprobs set: per output token, its logprob and the params.logprobs best {token id: logprob}
+    # (appended before `on_token` sees the token; kept over a preemption with the output)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # positions whose rows have been scheduled (their KV is or will be in the cache)
     in_flight: int = 0  # sampled tokens not yet on the host (1, or 2 between planning a step and processing the last)
@@ -447,11 +451,19 @@ class Scheduler:
                         None if nxt is None else arr(nxt))
 
     # ---- results ---------------------------------------------------------------------------
-    def process(self, plan: StepPlan, ids: np.ndarray, now: float | None = None) -> None:
+    def process(self, plan: StepPlan, ids: np.ndarray, now: float | None = None, logprobs=None) -> None:
         """Take a finished step's sampled ids (one per `plan.sample_rows`): append them, emit them and finish the
-        requests they end."""
-        for r, tok in zip(plan.sample_reqs, ids[: len(plan.sample_reqs)].tolist()):
+        requests they end. `logprobs`: None, or the step's (logprob [n], top ids [n, k], top logprobs [n, k])
+        host arrays, recorded for the requests that asked (their `logprobs` / `top_logprobs`)."""
+        for j, (r, tok) in enumerate(zip(plan.sample_reqs, ids[: len(plan.sample_reqs)].tolist())):
             if self._arrived(r):
+                n = r.params.logprobs
+                if n is not None:
+                    if logprobs is None:
+                        raise RuntimeError(f"request {r.request_id} asked for logprobs, and its step computed none")
+                    lp, top_ids, top_lp = logprobs
+                    r.logprobs.append(float(lp[j]))
+                    r.top_logprobs.append({int(t): float(v) for t, v in zip(top_ids[j, :n], top_lp[j, :n])})
                 self._emit(r, tok, now)
 
     def _arrived(self, r: Request) -> bool:

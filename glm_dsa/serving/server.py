@@ -21,6 +21,13 @@ Shutdown (SIGTERM / SIGINT, `serve`): the server stops accepting connections and
 in flight get `shutdown_timeout` seconds to finish, then they are aborted (streams end with finish_reason
 "abort" and `data: [DONE]`); the engine loop stops and `serve` returns.
 
+Logprobs (`logprobs` N on completions, `logprobs: true` with `top_logprobs` N on chat) are the model's
+distribution, log_softmax of the logits before temperature and top_p (vLLM's default), in OpenAI's shapes:
+completions `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}` (text_offset counts the
+token strings before each one), chat `{content: [{token, logprob, bytes, top_logprobs: [{token, logprob,
+bytes}]}]}`; streamed chunks carry their own tokens' entries. A token's string is its own decoding, or
+"token_id:N" (vLLM's form) when the checkpoint has no tokenizer.
+
 Sampling follows OpenAI's defaults (temperature 1, top_p 1, max_tokens 16 for completions capped at the room
 the prompt leaves, that room for chat); `seed` (default: a random one per request), `stop_token_ids` and
 `ignore_eos` are vLLM's extensions.
@@ -291,6 +298,39 @@ def create_app(engine, *, model_name: str, tokenizer=None, template: str | None 
                        f"Please reduce the length of the {where} or completion.", name)
         return asked
 
+    def logprobs_of(f: dict) -> int | None:
+        """The alternatives per token a request asks for (None: no logprobs): completions' `logprobs`, or chat's
+        `top_logprobs` (0 when absent) under `"logprobs": true`."""
+        if "top_logprobs" in f:  # chat
+            return (f["top_logprobs"] or 0) if f["logprobs"] else None
+        return f["logprobs"]
+
+    def token_text(t: int) -> str:
+        return tokenizer.decode([t], skip_special_tokens=False) if tokenizer is not None else f"token_id:{t}"
+
+    def logprobs_body(request, start: int, stop: int, chat: bool, offset: int = 0):
+        """OpenAI's logprobs object of output tokens [start, stop) of `request` (None when it asked for none);
+        `offset`: text_offset of its first token (completions)."""
+        if request.params.logprobs is None:
+            return None
+        ids = request.output[start:stop]
+        lps = request.logprobs[start:stop]
+        tops = request.top_logprobs[start:stop]
+        if chat:
+            def entry(t, lp):
+                text = token_text(t)
+                return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top.items()]}
+                                for t, lp, top in zip(ids, lps, tops)]}
+        texts = [token_text(t) for t in ids]
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": texts, "token_logprobs": lps,
+                "top_logprobs": [{token_text(a): v for a, v in top.items()} for top in tops],
+                "text_offset": offsets}
+
     def params_of(f: dict, max_tokens: int) -> SamplingParams:
         stop = f["stop_token_ids"]
         if f["ignore_eos"]:
@@ -301,7 +341,7 @@ def create_app(engine, *, model_name: str, tokenizer=None, template: str | None 
         try:
             return SamplingParams(temperature=f["temperature"], top_p=f["top_p"],
                                   seed=secrets.randbits(63) if seed is None else seed, max_tokens=max_tokens,
-                                  stop_token_ids=stop)
+                                  stop_token_ids=stop, logprobs=logprobs_of(f))
         except (TypeError, ValueError) as e:  # the table checks these first; kept as the last word
             raise _bad(str(e), str(e).split(" ", 1)[0])
 
@@ -381,7 +421,8 @@ def create_app(engine, *, model_name: str, tokenizer=None, template: str | None 
         choices = []
         for i, s in enumerate(streams):
             text = await asyncio.to_thread(detokenize, s.output)
-            c = {"index": i, "finish_reason": finish_reason(s), "logprobs": None}
+            lp = await asyncio.to_thread(logprobs_body, s.request, 0, len(s.output), chat)
+            c = {"index": i, "finish_reason": finish_reason(s), "logprobs": lp}
             if chat:
                 c["message"] = {"role": "assistant", "content": text}
             else:
@@ -398,12 +439,12 @@ def create_app(engine, *, model_name: str, tokenizer=None, template: str | None 
     async def sse(rid, created, streams, chat, want_ids, usage, f):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(i, text, ids, reason, role=False):
+        def chunk(i, text, ids, reason, role=False, lp=None):
             if chat:
                 delta = {"role": "assistant", "content": text} if role else {"content": text}
-                c = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}
+                c = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": lp}
             else:
-                c = {"index": i, "text": text, "finish_reason": reason, "logprobs": None}
+                c = {"index": i, "text": text, "finish_reason": reason, "logprobs": lp}
             if want_ids:
                 c["token_ids"] = ids
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name,
@@ -412,10 +453,16 @@ def create_app(engine, *, model_name: str, tokenizer=None, template: str | None 
             for i, s in enumerate(streams):  # prompts stream one after another; all of them run concurrently
                 detok = _Detokenizer(tokenizer)
                 first = True
+                k = 0  # output tokens sent; a token's logprobs are recorded before the stream yields it
+                offset = 0
                 async for tok in s:
                     text = await asyncio.to_thread(detok.add, [tok])  # decodes the whole output so far
-                    yield chunk(i, text, [tok], None, role=first)
+                    lp = await asyncio.to_thread(logprobs_body, s.request, k, k + 1, chat, offset)
+                    if lp is not None and not chat:
+                        offset += sum(map(len, lp["tokens"]))
+                    yield chunk(i, text, [tok], None, role=first, lp=lp)
                     first = False
+                    k += 1
                 try:
                     reason = finish_reason(s)
                 except APIError as e:

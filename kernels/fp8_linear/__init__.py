@@ -135,4 +135,12 @@ def _model_form(platform: str, x, *, impl: str) -> str:
 
 
 registry.register_auto("fp8_linear")
-registry.register_rule("fp8_linear.model_form", "fp8_linear", _model_form, ("dequant", "fp8_linear"))
+def _model_form_invariant(platform: str, x, *, impl: str) -> str:
+    """Batch-invariant mode: always this op ("fp8_linear"), whose rows are independent and whose launch config
+    is fixed (`registry.config_rows`); "dequant" would hand the GEMM to XLA, whose algorithm varies with rows."""
+    del platform, x, impl
+    return "fp8_linear"
+
+
+registry.register_rule("fp8_linear.model_form", "fp8_linear", _model_form, ("dequant", "fp8_linear"),
+                       invariant=_model_form_invariant)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .. import registry
 from ..common.fp8_formats import FP8, WEIGHT_BLOCK, block_count, load_e4m3, quantize_activation_blocks
 from ..common.triton_common import MASKED_ROW, col_range, dot, with_options
 from .config import Fp8LinearConfig, cdiv, default_config  # noqa: F401 (default_config: read from here)
@@ -119,7 +120,7 @@ def fp8_matmul(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0, 
     kn = w_layout == "kn"
     n = w_q.shape[1] if kn else w_q.shape[0]
     k_blocks = w_scale.shape[0] if kn else w_scale.shape[1]
-    cfg = config or default_config(t, n, k, form, jnp.dtype(x.dtype).itemsize)
+    cfg = config or default_config(registry.config_rows(t), n, k, form, jnp.dtype(x.dtype).itemsize)
     cfg = with_options(cfg, overrides, "fp8_linear")
     bm, bn, bk, ks = cfg.bm, cfg.bn, cfg.bk, cfg.k_split
     static = isinstance(n_offset, int) and isinstance(k_offset, int)

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .. import registry
 from ..common import fp8_formats as f8
 from ..common import rope
 from ..common.triton_common import MASKED_ROW, check_addressable, div_rn, is_pow2, with_options
@@ -645,7 +646,7 @@ def fused_norm_rope_cache_triton(q_c, kv_c, positions, slot_mapping, q_norm_w, k
             raise ValueError(f"fused_norm_rope: indexer cache pitch {idx_flat.shape[1]} < its row width {need} "
                              f"(Di={Di}, {'fp8' if idx_fp8 else index_cache.dtype})")
     # an option given as None keeps the config's value
-    cfg = with_options(config or default_config(T, mla_fp8 or idx_fp8),
+    cfg = with_options(config or default_config(registry.config_rows(T), mla_fp8 or idx_fp8),
                        {k: v for k, v in overrides.items() if v is not None}, "fused_norm_rope")
     if (mla_fp8 or idx_fp8) and cfg.cache_rows < FP8_MIN_CACHE_ROWS:
         raise ValueError(f"fused_norm_rope triton: cache_rows {cfg.cache_rows} with an FP8 cache; it needs "
@@ -687,7 +688,7 @@ def q_norm_triton(q_c, q_norm_w, *, eps: float = 1e-6, config: FusedNormRopeConf
     fields of `config` (q_rows, q_programs, q_warps or num_warps, num_stages). For benchmarks: it shows what
     the q stream costs by itself, and it is the first launch of layout "two_launch"."""
     T, Rq = q_c.shape
-    cfg = with_options(config or default_config(T), {k: v for k, v in overrides.items() if v is not None},
+    cfg = with_options(config or default_config(registry.config_rows(T)), {k: v for k, v in overrides.items() if v is not None},
                        "fused_norm_rope")
     if T == 0:
         return q_c

@@ -112,10 +112,30 @@ def _choose_indexer(platform: str, q, weights, k_cache, token_req, kv_lens, bloc
 registry.register("indexer", "xla", indexer_topk_xla)
 registry.register_triton("indexer", "kernels.indexer.triton:indexer_topk_triton",
                          supports="kernels.indexer.triton:supports")
-registry.register_auto("indexer", _choose_indexer)
+def _choose_indexer_invariant(platform: str, *args, **kwargs) -> str:
+    """Batch-invariant mode: Triton on a GPU for every row count (with per-row scores: `_scores_form_invariant`),
+    never the Mosaic kernel that the rows' count picks; xla off the GPU."""
+    del args, kwargs
+    return "triton" if platform == "gpu" else "xla"
+
+
+def _choose_topk_invariant(platform: str, *args, **kwargs) -> str:
+    """Batch-invariant mode: `lax.top_k` for every row count (ties by lower position)."""
+    del platform, args, kwargs
+    return "xla"
+
+
+def _scores_form_invariant(platform: str, t: int, requests: int, float32_cache: bool) -> str:
+    """Batch-invariant mode: the per-row scores kernel, whatever mix of prefill and decode rows the step holds."""
+    del platform, t, requests, float32_cache
+    return "per_row"
+
+
+registry.register_auto("indexer", _choose_indexer, invariant=_choose_indexer_invariant)
 registry.register_mosaic("indexer", "kernels.indexer.mosaic:indexer_topk_mosaic",
                          supports="kernels.indexer.mosaic:supports")
 registry.register("topk", "xla", topk_positions)
 registry.register_triton("topk", "kernels.indexer.topk_triton:topk_select", supports=select_supports)
-registry.register_auto("topk", _choose_topk)
-registry.register_rule("indexer.scores_form", "indexer", _scores_form, ("row_block", "per_row"))
+registry.register_auto("topk", _choose_topk, invariant=_choose_topk_invariant)
+registry.register_rule("indexer.scores_form", "indexer", _scores_form, ("row_block", "per_row"),
+                       invariant=_scores_form_invariant)

@@ -213,7 +213,7 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
     `interpret`: run under the Pallas interpreter."""
     t, h, di = q.shape
     s = block_tables.shape[1] * block_size
-    cfg = config or default_config(t, s, k_cache.dtype)
+    cfg = config or default_config(registry.config_rows(t), s, k_cache.dtype)
     # an option given as None keeps the config's value
     cfg = with_options(cfg, {k: v for k, v in overrides.items() if v is not None}, "indexer")
     block_t = cfg.block_t

@@ -28,4 +28,11 @@ def choose_impl(platform: str, o, lse, **kernel_options) -> str:
 registry.register("lse_merge", "xla", merge_splits_xla)
 registry.register_triton("lse_merge", "kernels.lse_merge.triton:merge_partials_triton",
                          supports="kernels.lse_merge.triton:supports")
-registry.register_auto("lse_merge", choose_impl)
+def choose_invariant(platform: str, o, lse, **kernel_options) -> str:
+    """Batch-invariant mode: the xla merge for every shape (each row's splits in index order, nothing across
+    rows), not the kernel whose support depends on the shape."""
+    del platform, o, lse, kernel_options
+    return "xla"
+
+
+registry.register_auto("lse_merge", choose_impl, invariant=choose_invariant)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .. import registry
 from ..common.triton_common import with_options
 from .config import MergeConfig, default_config  # noqa: F401 (default_config: read from here)
 
@@ -77,7 +78,7 @@ def merge_partials_triton(o, lse, *, config: MergeConfig | None = None, interpre
     if why:
         raise ValueError(f"lse_merge triton: {why}")
     n, t, h, r = o.shape
-    cfg = with_options(config or default_config(t, h, r), overrides, "lse_merge")
+    cfg = with_options(config or default_config(registry.config_rows(t), h, r), overrides, "lse_merge")
     bh, br = _largest_pow2_divisor(h, cfg.block_h), _largest_pow2_divisor(r, cfg.block_r)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(

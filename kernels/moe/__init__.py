@@ -210,7 +210,21 @@ def _choose(platform: str, x, experts, weights, wg, wu, wd, *, w_layout: str = "
 
 registry.register("moe", "xla", experts_xla)
 registry.register_triton("moe", "kernels.moe.triton:grouped_swiglu")
-registry.register_auto("moe", _choose)
-registry.register_rule("moe.xla_form", "moe", _xla_form, MODES)
-registry.register_rule("moe.fp8_form", "moe", _fp8_form, ("w8a8", "w8a16", "dequant"))
+def _xla_form_invariant(platform: str, t: int, k: int, n_exp: int) -> str:
+    """Batch-invariant mode: "gather" for every row count (each (row, expert) pair on its own, the k results
+    summed in a fixed order), never the dense form's sum over every expert that more rows switch to."""
+    del platform, t, k, n_exp
+    return "gather"
+
+
+def _fp8_form_invariant(platform: str, t: int, k: int, n_exp: int, d: int, i: int, i_offset) -> str:
+    """Batch-invariant mode: "w8a16" for every row count (the rows as given, against e4m3 weights converted in
+    registers), not the forms the mean rows per expert picks."""
+    del platform, t, k, n_exp, d, i, i_offset
+    return "w8a16"
+
+
+registry.register_auto("moe", _choose, invariant=registry.ROW_FREE)
+registry.register_rule("moe.xla_form", "moe", _xla_form, MODES, invariant=_xla_form_invariant)
+registry.register_rule("moe.fp8_form", "moe", _fp8_form, ("w8a8", "w8a16", "dequant"), invariant=_fp8_form_invariant)
 registry.register("moe", "tokamax", "kernels.moe.tokamax:routed_experts", supports="kernels.moe.tokamax:supports")

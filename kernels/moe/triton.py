@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .. import registry
 from ..common import fp8_formats
 from ..common.fp8_formats import FP8, WEIGHT_BLOCK as FP8_BLOCK, load_e4m3, quantize_activation_blocks
 from ..common.triton_common import MASKED_ROW, col_range, div_rn, dot, gather, with_options
@@ -455,7 +456,7 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     if act:
         x, x_scale = quantize_activation_blocks(x)
         x_scale = x_scale.T  # [D-blocks, T]: one contiguous row of scales per block
-    cfg = config or default_config(t, k, n_exp, d, i, jnp.dtype(out_dtype if fp8 else wg.dtype).itemsize, form,
+    cfg = config or default_config(registry.config_rows(t), k, n_exp, d, i, jnp.dtype(out_dtype if fp8 else wg.dtype).itemsize, form,
                                   w_layout)
     cfg = with_options(cfg, overrides, "moe")
     if cfg.swap_ab and not (act and nk):

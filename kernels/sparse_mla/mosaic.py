@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .. import registry
 from ..common import fp8_formats
 from ..lse_merge import merge_partials, merge_splits
 from ..common.mosaic_common import wait_async_copies
@@ -746,7 +747,7 @@ def sparse_mla_mosaic(q, cache, indices, *, scale: float, kv_lora_rank: int,
     if indices.shape[0] != q.shape[0]:
         raise ValueError(f"sparse_mla_mosaic: indices rows {indices.shape[0]} != query rows {q.shape[0]}")
     # the schedule is part of the default's register split: share_p=False asks for the default of that schedule
-    config = config or default_config(q.shape[0], indices.shape[1], cache.dtype == jnp.uint8,
+    config = config or default_config(registry.config_rows(q.shape[0]), indices.shape[1], cache.dtype == jnp.uint8,
                                       share_p=overrides.get("share_p", True) is not False)
     if overrides:
         config = dataclasses.replace(config, **overrides)

@@ -11,11 +11,14 @@ ROW_CHUNK = 64  # query rows per chunk in the xla form: bounds the gathered [chu
 
 
 def _gather_rows(cache, slots, kv_lora_rank, rope_dim):
-    """Cache rows at `slots` as [..., R + Dr]: bf16 rows as stored, fp8_ds_mla rows dequantised to float32."""
+    """Cache rows at `slots` as [..., R + Dr]: bf16 rows as stored; fp8_ds_mla rows by SPEC.md §3's read rule, the
+    one every impl follows: kv as bf16(float32(e4m3) x scale) (the value a bf16 MMA sees), k_pe as stored, both
+    held in float32 for the float32 accumulation."""
     rows = cache[slots]
     if cache.dtype != jnp.uint8:
         return rows
     kv, k_pe = fp8_formats.dequantize_mla_rows(rows, kv_lora_rank, rope_dim)
+    kv = kv.astype(jnp.bfloat16).astype(jnp.float32)  # one rounding to bf16, as the kernels' tiles hold it
     return jnp.concatenate([kv, k_pe.astype(jnp.float32)], axis=-1)
 
 

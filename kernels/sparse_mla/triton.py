@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .. import registry
 from ..common import fp8_formats
 from ..lse_merge import merge_partials, merge_splits
 from ..common.triton_common import (check_addressable, col_range, dot, gather, is_pow2, u8_to_bf16, u8_to_f32, u8_words,
@@ -212,7 +213,7 @@ def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, con
     if why:
         raise ValueError(f"sparse_mla triton: {why}")
     k = indices.shape[1]
-    cfg = config or default_config(t, h, k, fp8, jnp.dtype(cache.dtype).itemsize)
+    cfg = config or default_config(registry.config_rows(t), h, k, fp8, jnp.dtype(cache.dtype).itemsize)
     # an option given as None keeps the config's value
     cfg = with_options(cfg, {k: v for k, v in overrides.items() if v is not None}, "sparse_mla")
     bh = cfg.block_h

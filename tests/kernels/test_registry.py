@@ -106,13 +106,41 @@ def test_every_choice_is_a_registered_rule():
     """The rules the package registers, one per choice (a new choice made elsewhere is a new rule here)."""
     assert {r.name for r in registry.rules()} == {
         "cache_offsets", "fp8_linear.auto", "fp8_linear.model_form", "fused_norm_rope.auto", "indexer.auto",
-        "indexer.scores_form", "lse_merge.auto", "moe.auto", "moe.fp8_form", "moe.xla_form", "sparse_mla.auto",
-        "topk.auto"}
+        "indexer.scores_form", "launch_rows", "lse_merge.auto", "moe.auto", "moe.fp8_form", "moe.xla_form",
+        "sparse_mla.auto", "topk.auto"}
     assert all(r.summary for r in registry.rules())  # each says what it picks (info --kernels prints it)
     with registry.deciding_for("gpu"):
         assert registry.decide("cache_offsets", impl="auto") == "int32"
     assert registry.decide("cache_offsets", impl="auto") == "int64"  # "auto" is xla off the GPU
     assert registry.decide("cache_offsets", impl="triton") == "int32"
+
+
+def test_batch_invariant_rules_choose_alike_for_every_row_count():
+    """In batch-invariant mode each rule that reads the rows takes one choice for 1 to 8192 rows (on the GPU, where
+    the default rules switch by rows), and the kernels' launch configs are chosen for one row count; outside it
+    the default rules do switch (the comparison can fail)."""
+    rows = (1, 16, 64, 512, 8192)
+
+    def choices(invariant):
+        out = {}
+        with registry.deciding_for("gpu"), registry.batch_invariant(invariant):
+            for t in rows:
+                out.setdefault("moe.xla_form", set()).add(registry.decide("moe.xla_form", t, 8, 256))
+                out.setdefault("moe.fp8_form", set()).add(registry.decide("moe.fp8_form", t, 8, 256, 7168, 256, 0))
+                out.setdefault("indexer.scores_form", set()).add(registry.decide("indexer.scores_form", t, 4, False))
+                x = jax.ShapeDtypeStruct((t, 7168), jnp.bfloat16)
+                out.setdefault("fp8_linear.model_form", set()).add(
+                    registry.decide("fp8_linear.model_form", x, impl="auto"))
+                out.setdefault("config_rows", set()).add(registry.config_rows(t))
+        return out
+    assert all(len(v) == 1 for v in choices(True).values()), choices(True)
+    assert choices(True)["config_rows"] == {registry.INVARIANT_CONFIG_ROWS}
+    assert all(len(v) > 1 for v in choices(False).values()), choices(False)
+    assert not registry.batch_invariant_mode()  # the mode ends with its block
+    with pytest.raises(ValueError, match="invariant"):
+        registry.register_rule("test.unsaid", "test", lambda platform: "a", ("a",), invariant="sometimes")
+    with pytest.raises(ValueError, match="must say what batch-invariant mode runs"):
+        registry.register_auto("test_op_unsaid", lambda platform: "xla")
 
 
 def test_unknown_impl_raises_even_when_moe_mode_forces_xla():

@@ -68,7 +68,12 @@ BAD_FIELDS = [
     ("/v1/completions", _body(return_token_ids=1), "return_token_ids"),
     ("/v1/completions", _body(echo=True), "echo"),
     ("/v1/completions", _body(echo="no"), "echo"),
-    ("/v1/completions", _body(logprobs=1), "logprobs"),
+    ("/v1/completions", _body(logprobs=-1), "logprobs"),
+    ("/v1/completions", _body(logprobs=21), "logprobs"),
+    ("/v1/completions", _body(logprobs=1.5), "logprobs"),
+    ("/v1/completions", _body(logprobs=2.0), "logprobs"),
+    ("/v1/completions", _body(logprobs=True), "logprobs"),
+    ("/v1/completions", _body(top_logprobs=2), "top_logprobs"),  # a chat-only field
     ("/v1/completions", _body(stop="x"), "stop"),
     ("/v1/completions", _body(stop=[1]), "stop"),
     ("/v1/completions", _body(user=5), "user"),
@@ -83,8 +88,12 @@ BAD_FIELDS = [
     ("/v1/chat/completions", _chat(n=True), "n"),
     ("/v1/chat/completions", _chat(top_p=1e-40), "top_p"),
     ("/v1/chat/completions", _chat(max_completion_tokens=-1), "max_completion_tokens"),
-    ("/v1/chat/completions", _chat(logprobs=True), "logprobs"),
     ("/v1/chat/completions", _chat(logprobs=1), "logprobs"),  # chat's logprobs is a boolean
+    ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=-1), "top_logprobs"),
+    ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=3.0), "top_logprobs"),
+    ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=False), "top_logprobs"),
+    ("/v1/chat/completions", _chat(top_logprobs=2), "top_logprobs"),  # only with "logprobs": true
     ("/v1/chat/completions", _chat(echo=False), "echo"),  # a completions-only field
     ("/v1/chat/completions", _chat(messages=[{"role": 1, "content": "x"}]), "messages"),
     ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": 5}]), "messages"),

@@ -98,6 +98,53 @@ def test_streaming_yields_the_same_tokens_and_text(client, eng, ckpt):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_the_openai_client_reads_logprobs(client, eng, ckpt):
+    """Completions and chat, plain and streamed: each token's logprob and its alternatives as `generate(...,
+    logprobs=N)` reports them for the same prompt (the oracle of those is a float64 log-softmax of the logits:
+    test_logprobs.py), in OpenAI's shapes."""
+    tok = text.load_tokenizer(ckpt)
+    p = _prompts(2, [6])[0]
+    want = eng.generate([p], 4, stop_token_ids=[], logprobs=3)[0]
+    names = [tok.decode([t], skip_special_tokens=False) for t in want.token_ids]
+
+    def close(a, b):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    r = client.completions.create(model=MODEL, prompt=p, max_tokens=4, logprobs=3, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == names and lp.text_offset == [sum(map(len, names[:j])) for j in range(4)]
+    close(lp.token_logprobs, want.logprobs)
+    for got, top in zip(lp.top_logprobs, want.top_logprobs):
+        assert list(got) == [tok.decode([t], skip_special_tokens=False) for t in top]
+        close(list(got.values()), list(top.values()))
+    streamed = [c.choices[0].logprobs for c in client.completions.create(model=MODEL, prompt=p, max_tokens=4,
+                                                                          logprobs=3, stream=True, **GREEDY)]
+    streamed = [x for x in streamed if x is not None]  # the final chunk (finish_reason) carries none
+    assert [t for x in streamed for t in x.tokens] == names
+    assert [o for x in streamed for o in x.text_offset] == lp.text_offset
+    close([v for x in streamed for v in x.token_logprobs], want.logprobs)
+
+    chat_ids = tok.encode("user : hello ; assistant :", add_special_tokens=False)
+    want = eng.generate([chat_ids], 3, stop_token_ids=[], logprobs=2)[0]
+    msgs = [{"role": "user", "content": "hello"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, logprobs=True, top_logprobs=2,
+                                       **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == [tok.decode([t], skip_special_tokens=False) for t in want.token_ids]
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    close([c.logprob for c in content], want.logprobs)
+    for c, top in zip(content, want.top_logprobs):
+        assert len(c.top_logprobs) == 2
+        close([a.logprob for a in c.top_logprobs], list(top.values()))
+    streamed = [c.choices[0].logprobs for c in client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=3, logprobs=True, stream=True, **GREEDY)]
+    entries = [e for x in streamed if x is not None for e in x.content]
+    close([e.logprob for e in entries], want.logprobs)
+    assert all(e.top_logprobs == [] for e in entries)  # top_logprobs absent: 0 alternatives
+    # without logprobs the choices carry none
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, **GREEDY)
+    assert r.choices[0].logprobs is None
+
+
 BAD = [  # (body, status, words of the message)
     (b"{not json", 400, "not valid JSON"),
     ({"model": "gpt-9", "prompt": [1, 2]}, 404, "does not exist"),

@@ -1,0 +1,106 @@
+"""On the GPU: batch-invariant mode at the bench preset's widths (4 layers), bf16 and FP8 weights, bf16 and
+fp8_ds_mla caches. A target prompt (longer than index_topk, so the indexer's selection is sparse) alone against
+the same prompt in batches of 8, 32 and 128 random others at three row positions, with max_num_batched_tokens
+512, 2048, 8192 (and 100: chunks below the step's rows), and under a page budget that forces preemption: every
+one of 64 decode steps' logprobs (and their top alternatives) bitwise equal, and the prefill's last-token
+logprobs (the first sampled token's). The default mode is the negative control: its differences are printed
+(`-s`), not asserted. bf16 weights of the bench preset take ~70 GB: an H200."""
+
+import functools
+
+import numpy as np
+import pytest
+
+import glm_dsa
+from glm_dsa.model.random_init import init_params
+
+pytestmark = pytest.mark.gpu
+
+CFG = glm_dsa.configs.bench  # GLM-5.2 widths, 4 layers
+NEW = 64
+TARGET_LEN = CFG.index_topk + 100  # the indexer selects 2048 of more keys: sparse attention
+MAX_LEN = 4096
+
+
+def _prompts(seed, lengths):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, CFG.vocab_size, int(n)).tolist() for n in lengths]
+
+
+TARGET = _prompts(7, [TARGET_LEN])[0]
+
+
+def _others(n, seed):
+    return _prompts(seed, np.random.default_rng(seed).integers(16, 600, n))
+
+
+@functools.lru_cache(maxsize=2)
+def _params(weights):
+    return init_params(CFG, seed=0, dtype="bfloat16", quantization="fp8" if weights == "fp8" else None)
+
+
+def _engine(weights, kv, invariant, mbt=8192, num_pages=None):
+    return glm_dsa.Engine(CFG, _params(weights), dtype="bfloat16", kv_cache_dtype=kv, max_model_len=MAX_LEN,
+                          max_num_seqs=129, max_num_batched_tokens=mbt, num_pages=num_pages,
+                          batch_invariant=invariant)
+
+
+def _run(eng, prompts, at):
+    return eng.generate(prompts, max_new_tokens=NEW, stop_token_ids=[], logprobs=5)[at]
+
+
+def _bits(c):
+    return (c.token_ids, np.asarray(c.logprobs, np.float32).tobytes(),
+            [(list(t), np.asarray(list(t.values()), np.float32).tobytes()) for t in c.top_logprobs])
+
+
+def _first_difference(a, b):
+    """(step, |logprob difference|) of the first step whose logprobs or alternatives differ, or None."""
+    for j in range(NEW):
+        if (a.token_ids[j], a.logprobs[j], a.top_logprobs[j]) != (b.token_ids[j], b.logprobs[j], b.top_logprobs[j]):
+            return j, abs(a.logprobs[j] - b.logprobs[j])
+    return None
+
+
+def _cases():
+    for n in (8, 32, 128):
+        others = _others(n, n)
+        for at in (0, n // 2, n):
+            yield f"{n} others, row {at}", others[:at] + [TARGET] + others[at:], at
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_ds_mla"])
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_bitwise_alone_and_in_batches(weights, kv):
+    eng = _engine(weights, kv, True)
+    alone = _run(eng, [TARGET], 0)
+    assert _bits(_run(eng, [TARGET], 0)) == _bits(alone), "run to run"
+    for what, prompts, at in _cases():
+        got = _run(eng, prompts, at)
+        assert _bits(got) == _bits(alone), (what, _first_difference(got, alone))
+    for mbt in (100, 512, 2048):  # 8192 is the engine above
+        eng.scheduler.max_num_batched_tokens = min(mbt, eng.scheduler.max_num_batched_tokens)
+        got = _run(eng, _others(8, 3)[:4] + [TARGET] + _others(8, 3)[4:], 4)
+        assert _bits(got) == _bits(alone), (f"max_num_batched_tokens={mbt}", _first_difference(got, alone))
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_ds_mla"])
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_bitwise_after_preemption(weights, kv):
+    alone = _run(_engine(weights, kv, True), [TARGET], 0)
+    pages = -(-(TARGET_LEN + NEW) // 16) + 40  # the target and a few others at once: the rest preempt
+    eng = _engine(weights, kv, True, num_pages=pages + 1)
+    got = _run(eng, _others(8, 11) + [TARGET], 8)
+    assert eng.last_timings["preemptions"] > 0
+    assert _bits(got) == _bits(alone), _first_difference(got, alone)
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_ds_mla"])
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_default_mode_negative_control(weights, kv):
+    """Recorded, not asserted: whether the default mode's numbers move with the batch (run with -s)."""
+    eng = _engine(weights, kv, False)
+    alone = _run(eng, [TARGET], 0)
+    for what, prompts, at in _cases():
+        print(f"default mode, {weights} weights, {kv} cache, {what}: first difference (step, |dlogprob|) = "
+              f"{_first_difference(_run(eng, prompts, at), alone)}")
