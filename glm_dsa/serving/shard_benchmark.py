@@ -12,8 +12,12 @@ A decode step is split into the stages its layers run:
 | moe | RMSNorm, router, routed experts, shared expert | the MoE layers |
 | head | final norm, LM head (the vocab shard) | once per step |
 
-Each stage is timed alone at the step's shapes on the first layer of its kind (`device_time`: an executable looping
-it n times, (T(n_hi) - T(n_lo)) / (n_hi - n_lo): the fixed dispatch cost cancels), and the step's compute is the sum
+Each stage is timed alone at the step's shapes on the first layer of its kind (`looped_ms`: an executable looping
+it n times, (T(n_hi) - T(n_lo)) / (n_hi - n_lo): the fixed dispatch cost cancels). The attention stages write this
+step's rows into the layer's caches as the step does, so the loop carries the caches and the executable takes them
+donated (`stage_loop`): the write is in place, as in the step. Held as loop constants instead, every iteration would
+copy the whole layer cache to give the write (the GPU kernel aliases its cache input to its output) a buffer of its
+own, a copy the step never makes and one that grows with the cache. The step's compute is the sum
 over the full model's layers of its stages: the depth need not be allocated or compiled (`--num-layers` sets the
 depth built; the layer counts are the preset's). The whole shard step of the built depth is timed too, as a check
 of that sum. Each stage's FLOPs and bytes are XLA's count (`cost_analysis`) of its xla-form program (the kernels'
@@ -88,29 +92,40 @@ def prefill_batch(length: int, block_size: int, vocab_size: int, rng, dcp: int =
     return StepBatch(*(jnp.asarray(x) for x in (ids, pos, slots, req, tables, np.array([length - 1], np.int32))))
 
 
-def stage_body(stage: str, cfg: GlmDsaConfig, ctx: StepContext):
+def stage_body(stage: str, cfg: GlmDsaConfig, ctx: StepContext, *, with_caches: bool = False):
     """The per-shard body of `stage` on the first layer of its kind: f(params, caches, x, topk, batch) -> [T, D]
-    (summed over TP by `ctx.comm`). `topk`: the previous full layer's local top-k (shared attention only)."""
+    (summed over TP by `ctx.comm`). `topk`: the previous full layer's local top-k (shared attention only).
+    `with_caches`: f returns (output, caches) with the attention stages' cache writes in the caches (the timer's
+    form, `stage_loop`); other stages return the caches they were given."""
     layer = stage_layers(cfg)["moe" if stage == "router" else stage][0]
 
-    def f(params, caches, x, topk, batch):
+    def body(params, caches, x, topk, batch):
         model = shard_model(params, cfg)  # the local shards' modules (inside shard_map on the mesh too)
         if stage == "head":
             h = rms_norm(x[batch.logits_indices], model.final_norm[...], cfg.rms_norm_eps)
             logits = jnp.einsum("td,dv->tv", h, model.lm_head[...], preferred_element_type=jnp.float32)
-            return ctx.comm.all_gather(logits, TP_AXES, axis=1, tiled=True)
+            return ctx.comm.all_gather(logits, TP_AXES, axis=1, tiled=True), caches
         mod = model.layers[layer]
         if stage.startswith("attention"):
             j = cfg.full_layers.index(layer) if cfg.is_full(layer) else None
             idx = None if j is None else caches["indexer"][j]
-            out = mod.attn(rms_norm(x, mod.input_norm[...], cfg.rms_norm_eps), caches["mla"][layer], idx,
-                           None if j is not None else topk, batch, ctx)[0]
-            return out
+            out, mla, idx, _ = mod.attn(rms_norm(x, mod.input_norm[...], cfg.rms_norm_eps), caches["mla"][layer],
+                                        idx, None if j is not None else topk, batch, ctx)
+            mla_all = list(caches["mla"])
+            mla_all[layer] = mla.reshape(caches["mla"][layer].shape)
+            index_all = list(caches["indexer"])
+            if j is not None:
+                index_all[j] = idx.reshape(caches["indexer"][j].shape)
+            return out, {**caches, "mla": tuple(mla_all), "indexer": tuple(index_all)}
         h = rms_norm(x, mod.post_norm[...], cfg.rms_norm_eps)
         if stage == "router":  # the MoE's replicated part: every device routes every row (moe_width_check)
-            return mod.moe.route(h, cfg)[1]
-        return mod.moe(h, cfg, ctx.options, comm=ctx.comm) if stage == "moe" else mod.mlp(h, ctx.options, ctx.comm)
-    return f
+            return mod.moe.route(h, cfg)[1], caches
+        out = mod.moe(h, cfg, ctx.options, comm=ctx.comm) if stage == "moe" else mod.mlp(h, ctx.options, ctx.comm)
+        return out, caches
+
+    if with_caches:
+        return body
+    return lambda params, caches, x, topk, batch: body(params, caches, x, topk, batch)[0]
 
 
 def local_topk(cfg: GlmDsaConfig, rows: int, context: int, parallel: ParallelConfig) -> jax.Array:
@@ -159,28 +174,51 @@ def _stage_args(sb: ShardBench, batch: StepBatch, context: int):
     return x, local_topk(sb.cfg, rows, context, sb.parallel)
 
 
-def looped_ms(body, carry, *consts, n_hi: int = 9, n_lo: int = 1, iters: int = 5) -> float:
-    """Milliseconds of one `body(carry, *consts) -> carry`: one executable loops it a traced number of times, timed
-    at n_hi and n_lo loops, (T(n_hi) - T(n_lo)) / (n_hi - n_lo) (the fixed dispatch cost cancels; one compile)."""
-    from glm_dsa.serving.benchmark import timeit
-    run = jax.jit(lambda n, c, *k: jax.lax.fori_loop(0, n, lambda i, c: body(c, *k), c))
-    t_hi = timeit(run, jnp.int32(n_hi), carry, *consts, warmup=2, reps=iters)
-    t_lo = timeit(run, jnp.int32(n_lo), carry, *consts, warmup=1, reps=iters)
-    return 1e3 * max(t_hi - t_lo, 1e-9) / (n_hi - n_lo)
+def stage_loop(stage: str, sb: ShardBench, ctx: StepContext | None = None):
+    """The executable `stage_times` times for `stage`: run(n, (x, caches), params, topk, batch) -> (x, caches) loops
+    the stage n times (n traced: one compile for every n), each iteration's input the last one's output nudged by
+    it (`nudge`: a dependency XLA cannot remove). The caches are carried and donated, so the attention stages'
+    cache writes update them in place as the step's donated caches are, not a copy of the layer cache per
+    iteration."""
+    from glm_dsa.serving.benchmark import nudge
+    f = stage_body(stage, sb.cfg, ctx or sb.ctx(), with_caches=True)
+
+    def body(carry, params, topk, batch):
+        x, caches = carry
+        out, caches = f(params, caches, x, topk, batch)
+        return nudge(x, out), caches
+    return jax.jit(lambda n, carry, *k: jax.lax.fori_loop(0, n, lambda i, c: body(c, *k), carry), donate_argnums=(1,))
+
+
+def looped_ms(run, carry, *consts, n_hi: int = 9, n_lo: int = 1, iters: int = 5) -> tuple[float, object]:
+    """(milliseconds of one loop iteration of `run(n, carry, *consts) -> carry`, the carry after the runs): timed at
+    n_hi and n_lo iterations, (T(n_hi) - T(n_lo)) / (n_hi - n_lo) (the fixed dispatch cost cancels; one compile).
+    `run` may take the carry donated: each call gets the last one's output, and the caller's `carry` is consumed
+    (use the one returned)."""
+    from glm_dsa.serving.benchmark import median_seconds
+    state = [carry]
+
+    def call(n):
+        def once():
+            state[0] = run(n, state[0], *consts)
+            return state[0]
+        return once
+    t_hi = median_seconds(call(jnp.int32(n_hi)), warmup=2, reps=iters)
+    t_lo = median_seconds(call(jnp.int32(n_lo)), warmup=1, reps=iters)
+    return 1e3 * max(t_hi - t_lo, 1e-9) / (n_hi - n_lo), state[0]
 
 
 def stage_times(sb: ShardBench, batch: StepBatch, context: int, *, stages=STAGES, iters: int = 5) -> dict:
-    """Milliseconds of each stage (one layer's) at `batch`'s shapes on this device (see the module doc)."""
-    from glm_dsa.serving.benchmark import nudge
+    """Milliseconds of each stage (one layer's) at `batch`'s shapes on this device (see the module doc). The caches
+    are carried through the loops donated (`stage_loop`); `sb.caches` is left holding the updated ones."""
     ctx = sb.ctx()
     x, topk = _stage_args(sb, batch, context)
     out = {}
     for stage in stages:
         if not stage_layers(sb.cfg)[stage]:
             continue
-        f = stage_body(stage, sb.cfg, ctx)
-        body = lambda x, p, c, t, b, f=f: nudge(x, f(p, c, x, t, b))  # noqa: E731
-        out[stage] = looped_ms(body, x, sb.params, sb.caches, topk, batch, iters=iters)
+        out[stage], (x, sb.caches) = looped_ms(stage_loop(stage, sb, ctx), (x, sb.caches), sb.params, topk, batch,
+                                               iters=iters)
     return out
 
 
