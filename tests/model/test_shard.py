@@ -174,19 +174,6 @@ def test_stage_loop_writes_the_caches_in_place(impl):
         assert mem.temp_size_in_bytes < layer_bytes / 2, (stage, mem.temp_size_in_bytes, layer_bytes)
 
 
-def test_stage_sum_is_not_more_than_the_whole_step():
-    """The built layers' stages, each timed alone and summed (the head once), against the whole step of the same
-    depth and batch, both timed here in this process: the sum is at most 1.5 times the step (one decode row, caches
-    of 128 2K-token sequences in the kernels' GPU form, interpreted: a stage that copied the cache it writes counts
-    several times the step). Only that side is asserted: on CPU the whole step of a model this small is mostly the
-    fixed cost of a call, which the stage timer cancels and the step's time keeps."""
-    sb, batch = _small_share("triton_interpret", 128, 1)
-    stages = sbm.stage_times(sb, batch, 2048, iters=3)
-    total = sbm.projected_compute_ms(stages, sb.cfg)
-    step = sbm.step_ms(sb, batch)
-    assert total < 1.5 * step, (stages, total, step)
-
-
 @pytest.mark.parametrize("value, needle", [
     ("3", "num_attention_heads (64) is not divisible by tensor_parallel_size (3)"),
     ("8,3", "DCP (3) must divide TP (8)"),
