@@ -112,6 +112,8 @@ def _choose_indexer(platform: str, q, weights, k_cache, token_req, kv_lens, bloc
 registry.register("indexer", "xla", indexer_topk_xla)
 registry.register_triton("indexer", "kernels.indexer.triton:indexer_topk_triton",
                          supports="kernels.indexer.triton:supports")
+
+
 def _choose_indexer_invariant(platform: str, *args, **kwargs) -> str:
     """Batch-invariant mode: Triton on a GPU for every row count (with per-row scores: `_scores_form_invariant`),
     never the Mosaic kernel that the rows' count picks; xla off the GPU."""

@@ -28,6 +28,8 @@ def choose_impl(platform: str, o, lse, **kernel_options) -> str:
 registry.register("lse_merge", "xla", merge_splits_xla)
 registry.register_triton("lse_merge", "kernels.lse_merge.triton:merge_partials_triton",
                          supports="kernels.lse_merge.triton:supports")
+
+
 def choose_invariant(platform: str, o, lse, **kernel_options) -> str:
     """Batch-invariant mode: the xla merge for every shape (each row's splits in index order, nothing across
     rows), not the kernel whose support depends on the shape."""

@@ -45,12 +45,8 @@ def choose_impl(platform: str, q, cache, indices, *, scale: float, kv_lora_rank:
 registry.register("sparse_mla", "xla", sparse_mla_xla)
 registry.register_triton("sparse_mla", "kernels.sparse_mla.triton:sparse_mla_triton",
                          supports="kernels.sparse_mla.triton:supports")
-def choose_invariant(platform: str, q, cache, indices, *, scale: float, kv_lora_rank: int, **kernel_options) -> str:
-    """Batch-invariant mode: `choose_impl`'s choice, which reads the head count, cache format and options but
-    not the rows (the kernels' split counts are fixed through `registry.config_rows`)."""
-    return choose_impl(platform, q, cache, indices, scale=scale, kv_lora_rank=kv_lora_rank, **kernel_options)
-
-
-registry.register_auto("sparse_mla", choose_impl, invariant=choose_invariant)
+# batch-invariant mode keeps `choose_impl`'s choice: it reads the head count, cache format and options, never the
+# rows (the kernels' split counts are fixed through `registry.config_rows`)
+registry.register_auto("sparse_mla", choose_impl, invariant=registry.ROW_FREE)
 registry.register_mosaic("sparse_mla", "kernels.sparse_mla.mosaic:sparse_mla_mosaic",
                          supports="kernels.sparse_mla.mosaic:supports")
