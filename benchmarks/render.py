@@ -152,6 +152,14 @@ TABLES = {
         ("TPOT p50 / p99 ms", lambda r: f"{fmt(r.get('tpot_ms_p50'))} / {fmt(r.get('tpot_ms_p99'))}"),
         ("steps", "steps"), ("mean running", "mean_running")),
         keep=lambda r: r.get("check") == "serving"),
+    "serving_prefix": Table("serving", (
+        ("prefix caching", lambda r: "on" if r["setting"] == "prefix_caching" else "off"), ("turns", "turns"),
+        ("output tok/s", "output_tokens_per_s"),
+        ("TTFT p50 / p99 ms", lambda r: f"{fmt(r.get('ttft_ms_p50'))} / {fmt(r.get('ttft_ms_p99'))}"),
+        ("prompt tokens cached / queried", lambda r: f"{r['prefix_cache_hits']} / {r['prefix_cache_queries']}"),
+        ("TTFT p50 speed-up", "ttft_p50_speedup"), ("output tok/s ratio", "output_tokens_per_s_ratio"),
+        ("preemptions", "preemptions")),
+        keep=lambda r: r.get("check") == "multi_turn"),
     "dcp_timing": Table("dcp", (
         ("variant", "variant"), ("total s", "total_s"), ("prefill s", "prefill_s"),
         ("decode ms/step", "decode_ms_per_step"), ("params GiB / device", gib("param_bytes_per_device")),

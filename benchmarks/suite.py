@@ -183,10 +183,34 @@ def _args_run(module: str, smoke_argv: list[str], argv: list[str], flag: str = "
     return run
 
 
-run_serving = _args_run(
-    "bench_serving", ["--preset", "tiny", "--num-requests", "4", "--input-len", "16", "--output-len", "4",
-                      "--max-num-seqs", "2", "--warm-passes", "1"],
-    ["--host-overhead-batches", "1,32,128"], cpu_flag=True)
+#: the serving area's workloads: random prompts (continuous batching against static groups; host overhead per
+#: decode step), then the multi-turn chat with automatic prefix caching against without (32 conversations x 4
+#: turns on a 2K-token system prompt, Poisson arrivals; both engines get the same pages)
+SERVING_RUNS = (
+    (["--preset", "tiny", "--num-requests", "4", "--input-len", "16", "--output-len", "4", "--max-num-seqs", "2",
+      "--warm-passes", "1"],
+     ["--host-overhead-batches", "1,32,128"]),
+    (["--preset", "tiny", "--workload", "multi-turn", "--conversations", "2", "--turns", "2", "--system-len", "32",
+      "--user-len", "4", "--output-len", "2", "--block-size", "16", "--max-num-seqs", "2", "--warm-passes", "1"],
+     ["--workload", "multi-turn", "--conversations", "32", "--turns", "4", "--system-len", "2048", "--user-len", "64",
+      "--output-len", "128", "--request-rate", "4", "--block-size", "64", "--max-num-seqs", "32",
+      "--max-num-batched-tokens", "8192", "--num-pages", "1600"]),
+)
+
+
+def run_serving(smoke: bool, work: str) -> tuple[list[dict], dict]:
+    """`benchmarks/bench_serving.py`'s rows of each of `SERVING_RUNS` (`main` with those arguments): one results
+    file whose `sources` are the runs, every row naming its own (`source`)."""
+    from benchmarks import bench_serving
+    rows, sources = [], []
+    for i, (smoke_argv, argv) in enumerate(SERVING_RUNS):
+        args = (["--cpu"] if _on_cpu() else []) + smoke_argv if smoke else argv
+        rec = _bench_record(bench_serving.main, args, work, f"bench_serving_{i}")
+        sources.append({k: rec[k] for k in ("date", "commit", "device", "jax", "command")})
+        rows += [{**r, "source": i} for r in rec["rows"]]
+    return rows, {"sources": sources}
+
+
 run_dcp = _args_run(
     "bench_dcp", ["--preset", "tiny", "--tp", "2", "--dcp", "2", "--variants", "qrep:a2a", "--input-len", "16",
                   "--output-len", "2", "--batch", "1", "--identity-steps", "2", "--identity-prompt-len", "16",
