@@ -240,11 +240,13 @@ def stage_costs(sb_or_cfg, parallel: ParallelConfig, batch: StepBatch, context: 
             continue
         f = stage_body(stage, cfg, ctx)
         with ctx.comm.record() as log:
-            lowered = jax.jit(f).lower(params, caches, x, topk, batch)
+            traced = jax.jit(f).trace(params, caches, x, topk, batch)
+        # lowered for the CPU whatever the device: the GPU client has no HLO cost model for a program not compiled,
+        # and the counts of the xla-form program are the shapes', not the backend's
         try:
-            ca = lowered.cost_analysis()
+            ca = traced.lower(lowering_platforms=("cpu",)).cost_analysis()
         except (NotImplementedError, RuntimeError, jax.errors.JaxRuntimeError):
-            ca = None  # a backend without an HLO cost model: the counts are the device's shapes', the CPU's give them
+            ca = None  # no CPU backend in this process (JAX_PLATFORMS names only the GPU)
         ca = ca[0] if isinstance(ca, (list, tuple)) else ca
         out[stage] = {"flops": None if ca is None else float(ca.get("flops", 0.0)),
                       "bytes": None if ca is None else float(ca.get("bytes accessed", 0.0)), "collectives": list(log)}
