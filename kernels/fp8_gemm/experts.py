@@ -5,7 +5,7 @@ y[t] = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, j],
 channels once (before the gather, so T rows are quantised, not T x k), the (token, expert) pairs placed in
 tile-aligned groups (`reference.group_layout`), gate and up by one GEMM with the SwiGLU epilogue (the config's
 swiglu: gate and up read as stored, two operands), h stored in x's dtype and quantised per row per 128 channels,
-the down GEMM in float32 and the weighted combine in XLA.
+the down GEMM (stored in x's dtype) and the weighted combine in float32 in XLA.
 
 Layouts (`layout`): "grouped" (prefill: 128-row tiles of one expert, the rows on wgmma's M side) and "swap_ab"
 (decode: 8-64-row tiles, the weights on wgmma's M side); `kernels.moe` picks one per shape (its rule
@@ -30,7 +30,7 @@ def expert_configs(layout: str, t: int, k: int, n_exp: int) -> tuple[Fp8GemmConf
     """(up config, down config) of the routed experts at T rows of k experts among n_exp.
 
     grouped: 128-row tiles; gate+up 128 gate + 128 up rows a tile in 3 stages, down 128-column tiles in 4 stages
-    (float32 output; the configs the benchmark runs at prefill). swap_ab: tiles of about the mean rows per
+    (both fit float32 outputs; the configs the benchmark runs at prefill). swap_ab: tiles of about the mean rows per
     expert (a power of two in [8, 64]); gate+up 64 gate + 64 up rows per compute warpgroup in 4 stages, down 128
     rows a tile in 6 (the pipeline takes no more stages than K blocks)."""
     if layout == "grouped":
@@ -62,8 +62,9 @@ def routed_experts_w8a8(x, experts, weights, w_gate, w_up, s_gate, s_up, w_down,
                         up_config: Fp8GemmConfig, down_config: Fp8GemmConfig, impl: str = "mosaic"):
     """float32 [T, D]. x [T, D] (float); experts int [T, k], weights [T, k]; w_gate, w_up e4m3 [E, I, D] with scales
     [E, I/128, D/128]; w_down e4m3 [E, D, I] with scales [E, D/128, I/128] (each expert in the release's [out, in]
-    form). up_config must be a swiglu config; both configs share tile_m. h is stored in x's dtype between the
-    GEMMs. impl: "mosaic", "mosaic_interpret" or "xla" (`fp8_gemm.grouped_matmul`)."""
+    form). up_config must be a swiglu config; both configs share tile_m. h and each pair's down output are stored
+    in x's dtype (as the Triton kernels store them: half the bytes of float32 for bf16 rows), the weighted sum over
+    a token's experts is float32. impl: "mosaic", "mosaic_interpret" or "xla" (`fp8_gemm.grouped_matmul`)."""
     from . import grouped_matmul
     if not up_config.swiglu or down_config.swiglu or up_config.tile_m != down_config.tile_m:
         raise ValueError(f"routed_experts_w8a8: up_config must be swiglu, down_config not, with one tile_m; got "
@@ -81,8 +82,8 @@ def routed_experts_w8a8(x, experts, weights, w_gate, w_up, s_gate, s_up, w_down,
     h = grouped_matmul(a_rows, s_rows, (w_gate, w_up), (s_gate, s_up), tile_group, impl=impl, config=up_config,
                        out_dtype=h_dtype)
     h_q, h_s = quantize_rows(h)
-    y = grouped_matmul(h_q, h_s, w_down, s_down, tile_group, impl=impl, config=down_config, out_dtype=jnp.float32)
-    return (y[dest] * weights.reshape(-1, 1).astype(jnp.float32)).reshape(t, k, d).sum(axis=1)
+    y = grouped_matmul(h_q, h_s, w_down, s_down, tile_group, impl=impl, config=down_config, out_dtype=h_dtype)
+    return (y[dest].astype(jnp.float32) * weights.reshape(-1, 1).astype(jnp.float32)).reshape(t, k, d).sum(axis=1)
 
 
 def supports(x, experts, weights, wg, wu, wd, *, wg_scale=None, wu_scale=None, wd_scale=None, i_offset=0,
@@ -104,16 +105,19 @@ def supports(x, experts, weights, wg, wu, wd, *, wg_scale=None, wu_scale=None, w
 
 def routed_experts(x, experts, weights, wg, wu, wd, *, wg_scale, wu_scale, wd_scale, i_offset=0,
                    w_layout: str = "nk", layout: str = "grouped", up_config: Fp8GemmConfig | None = None,
-                   down_config: Fp8GemmConfig | None = None, interpret: bool = False):
+                   down_config: Fp8GemmConfig | None = None, config_rows: int | None = None,
+                   interpret: bool = False):
     """The MoE impl "mosaic" (`kernels.moe.routed_experts`' arguments for FP8 K-major experts, see `supports`):
     float32 [T, D]. `layout` "grouped" or "swap_ab" (`kernels.moe` passes its rule's choice); `up_config` /
-    `down_config` override `expert_configs`; `interpret` runs the kernels under the Mosaic GPU interpreter."""
+    `down_config` override `expert_configs`, chosen for `config_rows` rows (default T; `kernels.moe` passes the
+    registry's `config_rows`, fixed in batch-invariant mode); `interpret` runs the kernels under the Mosaic GPU
+    interpreter."""
     why = supports(x, experts, weights, wg, wu, wd, wg_scale=wg_scale, wu_scale=wu_scale, wd_scale=wd_scale,
                    i_offset=i_offset, w_layout=w_layout)
     if why:
         raise ValueError(f"moe: impl 'mosaic' does not support these inputs: {why}")
     t, k = experts.shape
-    up, down = expert_configs(layout, t, k, wg.shape[0])
+    up, down = expert_configs(layout, t if config_rows is None else config_rows, k, wg.shape[0])
     return routed_experts_w8a8(x, experts, weights, wg, wu, wg_scale, wu_scale, wd, wd_scale,
                                up_config=up_config or up, down_config=down_config or down,
                                impl="mosaic_interpret" if interpret else "mosaic")

@@ -124,6 +124,7 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: 
             if impl not in MOSAIC_IMPLS:  # a kernel impl asked for the form (or the rule chose it): the same run mode
                 impl = "mosaic_interpret" if impl.endswith("_interpret") else "mosaic"
             layout = kernel_options.pop("layout", None) or mosaic_layout(experts.shape[0], experts.shape[1], e)
+            kernel_options.setdefault("config_rows", registry.config_rows(experts.shape[0]))
             return registry.dispatch("moe", impl, x, experts, weights, wg, wu, wd, w_layout=w_layout, layout=layout,
                                      **fp8, **kernel_options)
         if form == "dequant":  # prefill: the bf16 kernels over the experts dequantised in x's dtype

@@ -46,9 +46,9 @@ def _np_quantize_rows(a):
 
 def _oracle_w8a8(x, experts, weights, qg, qu, qd, wg_scale, wu_scale, wd_scale, dequantised=False, **_):
     """float64 [T, D] of the W8A8 routed experts over K-major stacks: x and h quantised per row and 128 channels,
-    each 128-K partial scaled by the row's and the weight block's scales, h rounded to x's dtype first (the
-    kernels store it so). `dequantised`: the float function of the dequantised experts instead (no activation
-    rounding), to show the bound tells W8A8 from it."""
+    each 128-K partial scaled by the row's and the weight block's scales, h and each pair's down output rounded to
+    x's dtype (the kernels store them so). `dequantised`: the float function of the dequantised experts instead
+    (no activation rounding), to show the bound tells W8A8 from it."""
     dec = lambda q: np.asarray(jnp.asarray(q).astype(jnp.float32), np.float64)  # noqa: E731
     xf = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
 
@@ -71,7 +71,10 @@ def _oracle_w8a8(x, experts, weights, qg, qu, qd, wg_scale, wu_scale, wd_scale, 
         h = g / (1 + np.exp(-g)) * u
         if not dequantised:
             h = np.asarray(jnp.asarray(h, jnp.float32).astype(x.dtype).astype(jnp.float32), np.float64)
-        y[rows] += np.asarray(weights, np.float64)[rows, slot][:, None] * gemm(h, dec(qd[e]), sd)
+        down = gemm(h, dec(qd[e]), sd)
+        if not dequantised:  # each pair's output stored in x's dtype, then weighted and summed in float32
+            down = np.asarray(jnp.asarray(down, jnp.float32).astype(x.dtype).astype(jnp.float32), np.float64)
+        y[rows] += np.asarray(weights, np.float64)[rows, slot][:, None] * down
     return y
 
 
@@ -103,7 +106,7 @@ def test_mosaic_experts_match_the_w8a8_rule(name):
 
 def test_kernel_impls_run_the_form_as_mosaic():
     """form "w8a8_mosaic" under a Triton impl is impl "mosaic" in that impl's run mode (the same program), its
-    layout by the rule "moe.mosaic_layout" unless given."""
+    layout by the rule "moe.mosaic_layout" unless given, its launch configs for the registry's `config_rows`."""
     args, fp8 = _inputs(6, 2, 4, 256, 128, seed=0)
     trace = lambda **kw: str(jax.make_jaxpr(functools.partial(moe.routed_experts, **fp8, **kw))(*args))  # noqa
     interpreted = trace(impl="mosaic_interpret")
@@ -113,7 +116,7 @@ def test_kernel_impls_run_the_form_as_mosaic():
     assert trace(impl="mosaic_interpret", layout="grouped") != interpreted
     with registry.record() as log:
         jax.eval_shape(functools.partial(moe.routed_experts, impl="mosaic_interpret", **fp8), *args)
-    assert [(d.rule, d.choice) for d in log] == [("moe.mosaic_layout", "swap_ab")]
+    assert [(d.rule, d.choice) for d in log] == [("moe.mosaic_layout", "swap_ab"), ("launch_rows", "rows")]
 
 
 def test_mosaic_refuses_what_it_does_not_take():
