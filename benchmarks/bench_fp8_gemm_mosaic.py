@@ -1,27 +1,40 @@
-"""The Mosaic GPU W8A8 grouped GEMM (kernels/fp8_gemm) at GLM-5.2 widths against its baselines, in one run.
+"""The Mosaic GPU W8A8 routed experts (kernels/fp8_gemm, MoE impl "mosaic") at GLM-5.2 widths against the current
+forms, in one run.
 
-Shapes (256 experts, top-8, hidden 6144, expert width 2048; uniform random routing):
-  prefill, TP = 1, 8192 tokens (65536 routed rows): gate+up [rows, 6144] x [4096, 6144]^T per expert, and down
-    [rows, 2048] x [6144, 2048]^T;
-  decode, TP = 8 shard (width 256), T = 32 and 128: gate+up N = 512, K = 6144; down N = 6144, K = 256.
-Each grouped GEMM runs a few configs; the rows name each. Baselines in the same process: XLA's bf16 matmul of the
-same FLOPs (prefill: one dense [rows, K] x [K, N]; decode: `jax.lax.ragged_dot` in bf16 at the same groups), XLA's
-e4m3 x e4m3 dot (per-tensor, no block scales) where it compiles, the activation quantisation (`quantize_rows`) alone,
-and the repo's Triton W8A8 MoE (kernels/moe.py impl "triton", form "w8a8", K-major experts: gate/up and down
-together, against the sum of our two GEMMs).
+Shapes (256 experts, top-8, hidden 6144, expert width 2048; uniform random routing, K-major FP8 stacks with 128 x 128
+block scales as the model keeps them):
+  prefill, TP = 1, 8192 tokens (65536 routed rows): the whole routed-experts op (x quantised, rows grouped, gate+up
+    GEMM with the SwiGLU epilogue, h quantised, down GEMM, combine) with the "grouped" layout, against the current
+    FP8 prefill form (Triton impl, form "dequant": the experts dequantised to bf16, then the bf16 grouped GEMM) and
+    XLA's bf16 matmul of the same FLOPs (one dense [rows, 6144] x [6144, 4096] and [rows, 2048] x [2048, 6144]);
+  decode, the TP = 8 shard (width 256), T = 32 and 128: the whole op with the "swap_ab" layout, against the current
+    FP8 decode form (Triton impl, form "w8a8") and XLA's bf16 experts (impl "xla" over the same experts in bf16);
+  the activation quantisation alone (`quantize_rows`, one pass, against `quantize_rows_barrier`, the formulation
+    it replaced) at x's and h's prefill shapes.
+The full run (no --quick) adds the grouped GEMMs alone at a few launch configs, the Triton W8A8 form at prefill and
+the bf16 Triton experts at decode.
 
-Times are device time from CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`), the median of --iters calls:
-device_us sums every kernel of the call (the kernel plus the wrapper's small scale transposes), kernel_us the
-longest kernel alone. TF/s count the real rows (not the tile padding); hbm_fraction is the bytes the op must read
-(the used experts' e4m3 weights and scales, the e4m3 rows) over the time, over 4.8 TB/s.
-Writes moe.json-schema rows (DESIGN.md) to --out.
+Times are device time from CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`): the median over --iters calls
+of the sum of every kernel of the call. TF/s count the real routed rows; hbm_fraction is the bytes the op must read
+(the used experts' e4m3 weights and scales, or bf16 weights for the bf16 rows) over the time, over 4.8 TB/s (the
+results schema's H200 figure; an H100 has 3.35 TB/s). Each FP8 op's output is compared with the Triton form of the
+same row (rel_diff: W8A8 against W8A8 is bf16-rounding close, against "dequant" about 3%, the activation rounding).
 
-    PYTHONPATH=. python benchmarks/bench_fp8_gemm_mosaic.py --out fp8_gemm_mosaic.json
+Writes the record to --out: `rows` in benchmarks/results/moe.json's schema (DESIGN.md: op moe_prefill / moe_decode,
+weights, rows, tp, impl, device_us, tflops, hbm_fraction, plus form, dims, experts_used, rel_diff), `detail_rows`
+(GEMMs alone, quantisation, the dense baseline), `failed` (what raised, with the error). Every row is printed as a
+JSON line and the record rewritten as it comes, so a run cut short keeps what it measured.
+
+    PYTHONPATH=. python benchmarks/bench_fp8_gemm_mosaic.py --quick --out fp8_mosaic.json    # ~3 min, one H100/H200
+    PYTHONPATH=. python benchmarks/bench_fp8_gemm_mosaic.py --out fp8_mosaic_full.json      # ~6 min
+    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/bench_fp8_gemm_mosaic.py --smoke --out /tmp/s.json  # CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -31,230 +44,282 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import fp8_gemm
-from kernels.fp8_gemm import Fp8GemmConfig
+from benchmarks.harness import command_line, record, write_json
+from kernels import fp8_gemm, moe
+from kernels.fp8_gemm import Fp8GemmConfig, experts as fp8_experts
 
-E, TOPK, D, I = 256, 8, 6144, 2048
-HBM = 4.8e12
+HBM = 4.8e12  # the results schema's bytes/s (DESIGN.md)
 E4M3 = jnp.float8_e4m3fn
-ROWS = []
-RECORD = {}
 
 
-def emit(**row):
-    """Print the row and rewrite the record with it, so a run cut short still leaves its rows."""
-    ROWS.append(row)
-    print(json.dumps(row), flush=True)
-    if RECORD.get("path"):
-        with open(RECORD["path"], "w") as fh:
-            json.dump({k: v for k, v in RECORD.items() if k != "path"} | {"rows": ROWS}, fh, indent=1)
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """The model's routed-experts widths: experts, top-k, hidden, full expert width, the decode TP."""
+    experts: int = 256
+    topk: int = 8
+    hidden: int = 6144
+    width: int = 2048
+    decode_tp: int = 8
 
 
-def measure(f, *args, iters):
-    """(median device seconds of all kernels, median seconds of the longest kernel) over `iters` calls."""
-    from jax.experimental.mosaic.gpu import profiler
-    jax.block_until_ready(f(*args))
-    _, per = profiler.measure(f, aggregate=False, iterations=iters)(*args)
-    total = statistics.median(sum(t for _, t in it) for it in per) * 1e-3
-    longest = statistics.median(max(t for _, t in it) for it in per) * 1e-3
-    return total, longest
+GLM52 = Dims()
+SMOKE = Dims(experts=8, topk=2, hidden=256, width=256, decode_tp=2)
 
 
-def name(cfg):
-    return (f"tm{cfg.tile_m}_tn{cfg.tile_n}_s{cfg.stages}" + ("_swap" if cfg.swap_ab else "")
-            + ("_swiglu" if cfg.swiglu else "") + (f"_msub{cfg.m_sub}" if cfg.m_sub > 1 else ""))
+class Run:
+    """The rows, the record file and the budget of one run."""
+
+    def __init__(self, args):
+        self.args, self.t0 = args, time.time()
+        self.rows, self.detail, self.failed = [], [], []
+        self.on_gpu = jax.default_backend() == "gpu"
+        self.kernel = "mosaic" if self.on_gpu else "mosaic_interpret"
+        self.triton = "triton" if self.on_gpu else "triton_interpret"
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+    def over_budget(self, what: str) -> bool:
+        if self.args.budget_s and self.elapsed() > self.args.budget_s:
+            print(f"skipped (budget {self.args.budget_s} s spent): {what}", flush=True)
+            self.failed.append({"what": what, "error": "skipped: budget spent"})
+            return True
+        return False
+
+    def emit(self, row: dict, detail: bool = False):
+        (self.detail if detail else self.rows).append(row)
+        print(json.dumps(row), flush=True)
+        self.write()
+
+    def fail(self, what: str, e: Exception):
+        traceback.print_exc()
+        self.failed.append({"what": what, "error": repr(e)[:400]})
+        self.write()
+
+    def write(self):
+        if self.args.out:
+            write_json(self.args.out, record(self.rows, command=command_line(script=__file__),
+                                             detail_rows=self.detail, failed=self.failed,
+                                             elapsed_s=round(self.elapsed(), 1)))
+
+    def measure(self, f, *args) -> float:
+        """Median device seconds of `f(*args)` (CUPTI: every kernel of the call) over --iters calls; on a CPU
+        (--smoke) the median wall time."""
+        out = jax.block_until_ready(f(*args))
+        del out
+        if not self.on_gpu:
+            times = []
+            for _ in range(self.args.iters):
+                t = time.perf_counter()
+                jax.block_until_ready(f(*args))
+                times.append(time.perf_counter() - t)
+            return statistics.median(times)
+        from jax.experimental.mosaic.gpu import profiler
+        _, per = profiler.measure(f, aggregate=False, iterations=self.args.iters)(*args)
+        return statistics.median(sum(t for _, t in it) for it in per) * 1e-3
 
 
 def random_e4m3(key, shape):
-    """Random e4m3 bytes (NaN codes replaced), drawn as uint32 words: uint8 draws build a 4x larger array first,
-    which for the 6.4 GB gate/up stack ran out of memory on an H100."""
+    """Random finite e4m3 values over the format's range (bytes drawn as uint32 words: uint8 draws build a 4x
+    larger array first, which for the 6.4 GB TP = 1 stacks ran out of memory on an H100)."""
     *lead, last = shape
-    b = jax.lax.bitcast_convert_type(jax.random.bits(key, (*lead, last // 4), jnp.uint32), jnp.uint8)
-    b = b.reshape(shape)
+    b = jax.lax.bitcast_convert_type(jax.random.bits(key, (*lead, last // 4), jnp.uint32), jnp.uint8).reshape(shape)
     return jax.lax.bitcast_convert_type(jnp.where((b & 0x7F) == 0x7F, b ^ 0x01, b), E4M3)
 
 
-def routing(key, t):
-    """experts [t, 8] distinct per row, uniform; group sizes [E]."""
-    experts = jnp.argsort(jax.random.uniform(key, (t, E)), axis=1)[:, :TOPK].astype(jnp.int32)
-    return experts, jnp.bincount(experts.reshape(-1), length=E).astype(jnp.int32)
+def experts_fp8(key, dims: Dims, width: int):
+    """K-major FP8 stacks (gate/up [E, width, D], down [E, D, width]) and their scale grids (scales spread over
+    2^-12..2^-6, so the random e4m3 weights have products of a realistic size)."""
+    ks = jax.random.split(key, 6)
+    e, d = dims.experts, dims.hidden
+    gate, up, down = random_e4m3(ks[0], (e, width, d)), random_e4m3(ks[1], (e, width, d)), random_e4m3(
+        ks[2], (e, d, width))
+    grid = lambda k, r, c: jax.random.uniform(k, (e, r // 128, c // 128), jnp.float32, 2.0 ** -12, 2.0 ** -6)  # noqa
+    return (gate, up, down), dict(wg_scale=grid(ks[3], width, d), wu_scale=grid(ks[4], width, d),
+                                  wd_scale=grid(ks[5], d, width), w_layout="nk")
 
 
-def grouped_case(tag, stage, sizes, n, k, configs, *, tp, iters, key, check):
-    """Our kernel at each config on rows grouped by `sizes`; returns the best device seconds."""
-    rows = int(np.asarray(sizes).sum())
+def routing(key, t: int, dims: Dims):
+    """experts [t, k] distinct per row (uniform), routing weights [t, k], and how many experts are used."""
+    k1, k2 = jax.random.split(key)
+    experts = jnp.argsort(jax.random.uniform(k1, (t, dims.experts)), axis=1)[:, :dims.topk].astype(jnp.int32)
+    weights = jax.random.uniform(k2, (t, dims.topk), jnp.float32, 0.1, 1.0)
+    return experts, weights, int(np.unique(np.asarray(experts)).size)
+
+
+def rel_diff(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def routed(run: Run, stage: str, t: int, tp: int, dims: Dims, key, quick: bool):
+    """The whole routed-experts op at T rows: the Mosaic W8A8 experts against the current Triton form, and XLA bf16
+    (prefill: the dense matmul of the same FLOPs; decode: impl "xla" over bf16 experts)."""
+    width = dims.width // tp
     ks = jax.random.split(key, 3)
-    w_q = random_e4m3(ks[0], (E, n, k))
-    w_s = jax.random.uniform(ks[1], (E, n // 128, k // 128), jnp.float32, 2.0 ** -12, 2.0 ** -6)
-    used = int((np.asarray(sizes) > 0).sum())
-    flops = 2.0 * rows * n * k
-    best = None
-    for cfg in configs:
+    (wg, wu, wd), fp8 = experts_fp8(ks[0], dims, width)
+    experts, weights, used = routing(ks[1], t, dims)
+    x = jax.random.normal(ks[2], (t, dims.hidden), jnp.bfloat16)
+    op = "moe_prefill" if stage == "prefill" else "moe_decode"
+    flops = 2.0 * t * dims.topk * 3 * width * dims.hidden
+    fp8_read = used * 3 * width * dims.hidden * (1 + 4 / 128 / 128)
+    base = dict(op=op, rows=t, tp=tp, dims=[dims.hidden, width, dims.experts], experts_used=used)
+    layout = "grouped" if stage == "prefill" else "swap_ab"
+    triton_forms = ["dequant"] + ([] if quick else ["w8a8"]) if stage == "prefill" else ["w8a8"]
+    outs = {}
+    for impl, form in [(run.kernel, "w8a8_mosaic")] + [(run.triton, f) for f in triton_forms]:
+        what = f"{op} T={t} {impl} {form}"
+        if run.over_budget(what):
+            continue
         try:
-            m_tiles = -(-rows // cfg.tile_m) + E - 1
-            _, tg = fp8_gemm.group_layout(sizes, cfg.tile_m, m_tiles)
-            x = jax.random.normal(ks[2], (m_tiles * cfg.tile_m, k), jnp.bfloat16)
-            a_q, s_a = jax.jit(fp8_gemm.quantize_rows)(x)
-            del x
-            f = jax.jit(lambda a, sa, w, sw, t, cfg=cfg: fp8_gemm.grouped_matmul(a, sa, w, sw, t, impl="mosaic",
-                                                                               config=cfg))
-            if check:
-                out = np.asarray(f(a_q, s_a, w_q, w_s, tg)[:cfg.tile_m * 2].astype(jnp.float32), np.float64)
-                rg = np.asarray(fp8_gemm.row_groups(tg, cfg.tile_m))[:cfg.tile_m * 2]
-                ref = fp8_gemm.oracle(a_q[:cfg.tile_m * 2], s_a[:cfg.tile_m * 2], w_q, w_s, rg)
-                if cfg.swiglu:
-                    ref = fp8_gemm.swiglu_interleaved(ref)
-                err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-            else:
-                err = None
-            t, kt = measure(f, a_q, s_a, w_q, w_s, tg, iters=iters)
-            read = used * n * k * (1 + 4 / 128 / 128) + rows * k * (1 + 4 / 128)
-            emit(op=f"fp8_grouped_gemm_{tag}", stage=stage, weights="fp8", rows=rows, tp=tp, impl="mosaic",
-                 config=name(cfg), N=n, K=k, device_us=t * 1e6, kernel_us=kt * 1e6, tflops=flops / t / 1e12,
-                 hbm_fraction=read / t / HBM, rel_err_first_tiles=err)
-            if best is None or t < best:
-                best = t
-            del a_q, s_a
-        except Exception as e:  # a config that fails to compile or run is reported, not fatal
-            traceback.print_exc()
-            emit(op=f"fp8_grouped_gemm_{tag}", stage=stage, impl="mosaic", error=repr(e)[:300], config=name(cfg))
-    return best
-
-
-def baselines_dense(tag, rows, n, k, *, iters, key):
-    ks = jax.random.split(key, 2)
-    x = jax.random.normal(ks[0], (rows, k), jnp.bfloat16)
-    w = jax.random.normal(ks[1], (k, n), jnp.bfloat16)
-    t, _ = measure(jax.jit(lambda a, b: a @ b), x, w, iters=iters)
-    emit(op=f"dense_gemm_{tag}", weights="bf16", rows=rows, impl="xla_bf16_dense", N=n, K=k, device_us=t * 1e6,
-         tflops=2.0 * rows * n * k / t / 1e12)
-    t, _ = measure(jax.jit(fp8_gemm.quantize_rows), x, iters=iters)
-    emit(op=f"quantize_rows_{tag}", rows=rows, K=k, impl="xla", device_us=t * 1e6,
-         hbm_fraction=rows * k * (2 + 1 + 4 / 128) / t / HBM)
+            opts = dict(layout=layout) if form == "w8a8_mosaic" else dict(form=form)
+            f = jax.jit(functools.partial(moe.routed_experts, impl=impl, **opts, **fp8))
+            sec = run.measure(f, x, experts, weights, wg, wu, wd)
+            outs[form] = np.asarray(f(x, experts, weights, wg, wu, wd))
+            row = dict(base, weights="fp8", impl=impl, form=form, device_us=sec * 1e6, tflops=flops / sec / 1e12,
+                       hbm_fraction=fp8_read / sec / HBM)
+            if form != "w8a8_mosaic" and "w8a8_mosaic" in outs:
+                row["rel_diff_mosaic"] = rel_diff(outs["w8a8_mosaic"], outs[form])
+            if form == "w8a8_mosaic":
+                up, down = fp8_experts.expert_configs(layout, t, dims.topk, dims.experts)
+                row.update(layout=layout, config=[dataclasses.asdict(up), dataclasses.asdict(down)])
+            run.emit(row)
+        except Exception as e:  # a form that fails to compile or run is reported, not fatal
+            run.fail(what, e)
+        print("elapsed", round(run.elapsed(), 1), flush=True)
+    del wg, wu, wd
+    if run.over_budget(f"{op} T={t} xla bf16"):
+        return
     try:
-        xq = x.astype(E4M3)
-        wq = w.T.astype(E4M3)
-        f = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
-                                                     preferred_element_type=jnp.bfloat16))
-        t, _ = measure(f, xq, wq, iters=iters)
-        emit(op=f"dense_gemm_{tag}", weights="fp8_per_tensor", rows=rows, impl="xla_e4m3_dense", N=n, K=k,
-             device_us=t * 1e6, tflops=2.0 * rows * n * k / t / 1e12)
+        kb = jax.random.split(ks[0], 3)
+        if stage == "prefill":  # the same FLOPs as one dense GEMM chain (what cuBLAS does at this size)
+            rows = t * dims.topk
+            xr = jax.random.normal(kb[0], (rows, dims.hidden), jnp.bfloat16)
+            w_up = jax.random.normal(kb[1], (dims.hidden, 2 * width), jnp.bfloat16) * 0.01
+            w_dn = jax.random.normal(kb[2], (width, dims.hidden), jnp.bfloat16) * 0.01
+            f = jax.jit(lambda a, b, c: (jax.nn.silu(a @ b[:, :width]) * (a @ b[:, width:])) @ c)
+            sec = run.measure(f, xr, w_up, w_dn)
+            run.emit(dict(base, weights="bf16", impl="xla", form="dense_same_flops", device_us=sec * 1e6,
+                          tflops=flops / sec / 1e12, hbm_fraction=None))
+        else:
+            e, d = dims.experts, dims.hidden
+            bg = jax.random.normal(kb[0], (e, d, width), jnp.bfloat16) * 0.01
+            bu = jax.random.normal(kb[1], (e, d, width), jnp.bfloat16) * 0.01
+            bd = jax.random.normal(kb[2], (e, width, d), jnp.bfloat16) * 0.01
+            impls = ["xla"] + ([] if quick else [run.triton])
+            for impl in impls:
+                f = jax.jit(functools.partial(moe.routed_experts, impl=impl))
+                sec = run.measure(f, x, experts, weights, bg, bu, bd)
+                run.emit(dict(base, weights="bf16", impl=impl, form=moe.pick_mode(t, dims.topk, e) if impl == "xla"
+                              else "bf16", device_us=sec * 1e6, tflops=flops / sec / 1e12,
+                              hbm_fraction=used * 3 * width * d * 2 / sec / HBM))
     except Exception as e:
-        emit(op=f"dense_gemm_{tag}", impl="xla_e4m3_dense", error=repr(e)[:300])
+        run.fail(f"{op} T={t} xla bf16", e)
 
 
-def ragged_bf16(tag, sizes, n, k, *, iters, key):
-    try:
-        rows = int(np.asarray(sizes).sum())
-        ks = jax.random.split(key, 2)
-        x = jax.random.normal(ks[0], (rows, k), jnp.bfloat16)
-        w = jax.random.normal(ks[1], (E, k, n), jnp.bfloat16)
-        f = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g))
-        t, _ = measure(f, x, w, sizes, iters=iters)
-        used = int((np.asarray(sizes) > 0).sum())
-        emit(op=f"ragged_dot_{tag}", weights="bf16", rows=rows, impl="xla_bf16_ragged_dot", N=n, K=k,
-             device_us=t * 1e6, tflops=2.0 * rows * n * k / t / 1e12,
-             hbm_fraction=(used * n * k * 2 + rows * k * 2) / t / HBM)
-    except Exception as e:
-        emit(op=f"ragged_dot_{tag}", impl="xla_bf16_ragged_dot", error=repr(e)[:300])
+def quantize(run: Run, shapes, key):
+    """`quantize_rows` (one pass) against `quantize_rows_barrier` at the given [rows, K] shapes of bf16."""
+    for rows, k in shapes:
+        x = jax.random.normal(key, (rows, k), jnp.bfloat16)
+        outs = []
+        for name, fn in (("one_pass", fp8_gemm.quantize_rows), ("barrier", fp8_gemm.quantize_rows_barrier)):
+            what = f"quantize_rows {rows}x{k} {name}"
+            if run.over_budget(what):
+                continue
+            try:
+                f = jax.jit(fn)
+                sec = run.measure(f, x)
+                outs.append(np.asarray(f(x)[0]).view(np.uint8))
+                run.emit(dict(op="quantize_rows", rows=rows, K=k, impl="xla", form=name, device_us=sec * 1e6,
+                              hbm_fraction=rows * k * (2 + 1 + 4 / 128) / sec / HBM,
+                              same_bits=bool(np.array_equal(outs[0], outs[-1]))), detail=True)
+            except Exception as e:
+                run.fail(what, e)
+        del x
 
 
-def triton_moe(t_rows, width, tp, *, iters, key, op):
-    """The repo's Triton W8A8 MoE (gate/up + SwiGLU + down + combine) at this shape."""
-    try:
-        from kernels import moe
-        ks = jax.random.split(key, 8)
-        experts, sizes = routing(ks[0], t_rows)
-        weights = jax.random.uniform(ks[1], (t_rows, TOPK), jnp.float32)
-        x = jax.random.normal(ks[2], (t_rows, D), jnp.bfloat16)
-        wg, wu = random_e4m3(ks[3], (E, width, D)), random_e4m3(ks[4], (E, width, D))
-        wd = random_e4m3(ks[5], (E, D, width))
-        sg = jax.random.uniform(ks[6], (E, width // 128, D // 128), jnp.float32, 2.0 ** -12, 2.0 ** -6)
-        sd = jax.random.uniform(ks[7], (E, D // 128, width // 128), jnp.float32, 2.0 ** -12, 2.0 ** -6)
-        f = jax.jit(lambda x, ex, w, a, b, c, s1, s2, s3: moe.routed_experts(
-            x, ex, w, a, b, c, impl="triton", wg_scale=s1, wu_scale=s2, wd_scale=s3, w_layout="nk", form="w8a8"))
-        t, _ = measure(f, x, experts, weights, wg, wu, wd, sg, sg, sd, iters=iters)
-        used = int((np.asarray(sizes) > 0).sum())
-        read = used * 3 * width * D * (1 + 4 / 128 / 128)
-        emit(op=op, weights="fp8", rows=t_rows, tp=tp, impl="triton_w8a8", device_us=t * 1e6,
-             tflops=2.0 * t_rows * TOPK * 3 * width * D / t / 1e12, hbm_fraction=read / t / HBM)
-        return t
-    except Exception as e:
-        traceback.print_exc()
-        emit(op=op, impl="triton_w8a8", error=repr(e)[:300])
-        return None
-
-
-def decode(args, key, t0):
-    """Decode rows at the TP = 8 shard: our two GEMMs, XLA's bf16 ragged_dot, the Triton W8A8 MoE."""
-    width = I // 8
-    for t_rows in (32,) if args.quick else (32, 128):
-        _, sizes = routing(jax.random.fold_in(key, t_rows), t_rows)
-        tms = ((8,) if args.quick else (8, 16)) if t_rows == 32 else (16, 32)
-        up = grouped_case("gate_up", "decode", sizes, 2 * width, D,
-                          [Fp8GemmConfig(tile_m=tm, tile_n=128, stages=s, swap_ab=True)
-                           for tm in tms for s in (8,)],
-                          tp=8, iters=args.iters, key=key, check=True)
-        down = grouped_case("down", "decode", sizes, D, width,
-                            [Fp8GemmConfig(tile_m=tm, tile_n=128, stages=2, swap_ab=True) for tm in tms],
-                            tp=8, iters=args.iters, key=key, check=True)
-        ragged_bf16("gate_up", sizes, 2 * width, D, iters=args.iters, key=key)
-        if up and down:
-            used = int((np.asarray(sizes) > 0).sum())
-            read = used * 3 * width * D * (1 + 4 / 128 / 128)
-            emit(op="moe_decode", weights="fp8", rows=t_rows, tp=8, impl="mosaic_gemms_only",
-                 device_us=(up + down) * 1e6, hbm_fraction=read / (up + down) / HBM)
-        print("elapsed", time.time() - t0, flush=True)
-
-
-def triton_baselines(args, key, t0, parts):
-    """The Triton W8A8 MoE at the decode and prefill shapes (last: its compiles are the slowest part)."""
-    if "decode" in parts:
-        for t_rows in (32, 128):
-            triton_moe(t_rows, I // 8, 8, iters=args.iters, key=key, op="moe_decode")
-            print("elapsed", time.time() - t0, flush=True)
-    if "prefill" in parts:
-        triton_moe(8192, I, 1, iters=args.iters, key=key, op="moe_prefill")
-        print("elapsed", time.time() - t0, flush=True)
+def gemms(run: Run, stage: str, t: int, tp: int, dims: Dims, key):
+    """The grouped GEMMs alone (no quantisation, gather or combine) at a few launch configs."""
+    width = dims.width // tp
+    (wg, wu, wd), fp8 = experts_fp8(key, dims, width)
+    experts, _, used = routing(key, t, dims)
+    if stage == "prefill":
+        ups = [fp8_gemm.PREFILL_SWIGLU, Fp8GemmConfig(tile_n=256, stages=2, swiglu=True)]
+        downs = [Fp8GemmConfig(tile_n=128, stages=4), Fp8GemmConfig(tile_n=256, stages=3),
+                 Fp8GemmConfig(tile_m=256, tile_n=128, stages=3, m_sub=2)]
+    else:
+        ups = [Fp8GemmConfig(tile_m=tm, tile_n=256, stages=s, swap_ab=True, swiglu=True) for tm in (8, 16)
+               for s in (4, 6)]
+        downs = [Fp8GemmConfig(tile_m=tm, tile_n=128, stages=6, swap_ab=True) for tm in (8, 16)]
+    pairs = t * dims.topk
+    for which, configs, w, s, k, n in (("gate_up", ups, (wg, wu), (fp8["wg_scale"], fp8["wu_scale"]), dims.hidden,
+                                        width),
+                                       ("down", downs, wd, fp8["wd_scale"], width, dims.hidden)):
+        for cfg in configs:
+            what = f"grouped gemm {stage} {which} {cfg}"
+            if run.over_budget(what):
+                return
+            try:
+                dest, tg = fp8_experts.pair_layout(experts, dims.experts, cfg.tile_m)
+                m = tg.shape[0] * cfg.tile_m
+                a_q, s_a = fp8_gemm.quantize_rows(jax.random.normal(key, (m, k), jnp.bfloat16))
+                f = jax.jit(functools.partial(fp8_gemm.grouped_matmul, impl=run.kernel, config=cfg))
+                sec = run.measure(f, a_q, s_a, w, s, tg)
+                flops = 2.0 * pairs * k * n * (2 if cfg.swiglu else 1)
+                read = used * n * k * (2 if cfg.swiglu else 1) * (1 + 4 / 128 / 128) + pairs * k
+                run.emit(dict(op="fp8_grouped_gemm", stage=stage, which=which, rows=t, tp=tp, impl=run.kernel,
+                              config=dataclasses.asdict(cfg), N=n, K=k, device_us=sec * 1e6,
+                              tflops=flops / sec / 1e12, hbm_fraction=read / sec / HBM), detail=True)
+                del a_q, s_a
+            except Exception as e:
+                run.fail(what, e)
 
 
 def main(argv: list[str] | None = None):
-    """Time the W8A8 grouped GEMM and its baselines at GLM-5.2 widths; write the rows to --out."""
-    p = argparse.ArgumentParser()
+    """Time the Mosaic W8A8 routed experts and their baselines; write the record to --out."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="fp8_gemm_mosaic.json")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--only", default="prefill,decode")
-    p.add_argument("--quick", action="store_true", help="one config per GEMM, decode at T = 32 only, no Triton")
+    p.add_argument("--iters", type=int, default=10, help="profiled calls per measurement (median)")
+    p.add_argument("--only", default="quantize,prefill,decode",
+                   help="parts: quantize, prefill, decode (and gemms: the grouped GEMMs alone; on without --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="~3 min on one H100/H200: the whole op at prefill 8192 and decode 32/128 beside the current "
+                        "Triton forms and XLA bf16, the quantisation; no GEMM config sweep, no Triton W8A8 prefill")
+    p.add_argument("--decode_rows", default="32,128")
+    p.add_argument("--prefill_rows", type=int, default=8192)
+    p.add_argument("--budget_s", type=float, default=0.0,
+                   help="skip what starts after this many seconds (0: no budget; --quick: 170)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny widths (8 experts, top-2, hidden 256) under the interpreters: a CPU check of the script")
     args = p.parse_args(argv)
+    if args.quick and not args.budget_s:
+        args.budget_s = 170.0
+    dims = SMOKE if args.smoke else GLM52
+    if args.smoke:
+        args.prefill_rows, args.decode_rows, args.iters = min(args.prefill_rows, 64), "4", min(args.iters, 2)
+    run = Run(args)
+    parts = set(args.only.split(","))
+    if not args.quick and not args.smoke:
+        parts.add("gemms")
+    print("device", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
     key = jax.random.key(0)
-    dev = jax.devices()[0].device_kind
-    print("device", dev, "jax", jax.__version__, flush=True)
-    parts = args.only.split(",")
-    RECORD.update(path=args.out, date=time.strftime("%Y-%m-%d"), device=dev, jax=jax.__version__,
-                  command="python benchmarks/bench_fp8_gemm_mosaic.py " + " ".join(
-                      f"--{k} {v}" for k, v in vars(args).items() if k != "out"))
-    t0 = time.time()
+    if "quantize" in parts:
+        t = args.prefill_rows
+        quantize(run, [(t, dims.hidden), (t * dims.topk, dims.width)], jax.random.fold_in(key, 1))
     if "prefill" in parts:
-        t_rows = 8192
-        _, sizes = routing(jax.random.fold_in(key, t_rows), t_rows)
-        up = grouped_case("gate_up", "prefill", sizes, 2 * I, D,
-                          [Fp8GemmConfig(tile_n=128, stages=4), Fp8GemmConfig(tile_n=256, stages=3, swiglu=True),
-                           Fp8GemmConfig(tile_m=256, tile_n=128, stages=3, m_sub=2)][:2 if args.quick else 3],
-                          tp=1, iters=args.iters, key=key, check=True)
-        down = None if args.quick else grouped_case("down", "prefill", sizes, D, I,
-                            [Fp8GemmConfig(tile_n=128, stages=4)],
-                            tp=1, iters=args.iters, key=key, check=True)
-        print("elapsed", time.time() - t0, flush=True)
-        baselines_dense("gate_up", t_rows * TOPK, 2 * I, D, iters=args.iters, key=key)
-        if up and down:
-            emit(op="moe_prefill", weights="fp8", rows=t_rows, tp=1, impl="mosaic_gemms_only",
-                 device_us=(up + down) * 1e6, tflops=2.0 * t_rows * TOPK * 3 * I * D / (up + down) / 1e12)
+        routed(run, "prefill", args.prefill_rows, 1, dims, jax.random.fold_in(key, 2), args.quick or args.smoke)
     if "decode" in parts:
-        decode(args, key, t0)
-    if not args.quick:
-        triton_baselines(args, key, t0, parts)
-    print("done", time.time() - t0, flush=True)
+        for t in (int(r) for r in args.decode_rows.split(",")):
+            routed(run, "decode", t, dims.decode_tp, dims, jax.random.fold_in(key, 3 + t), args.quick or args.smoke)
+    if "gemms" in parts:
+        gemms(run, "prefill", args.prefill_rows, 1, dims, jax.random.fold_in(key, 4))
+        for t in (int(r) for r in args.decode_rows.split(",")):
+            gemms(run, "decode", t, dims.decode_tp, dims, jax.random.fold_in(key, 5 + t))
+    run.write()
+    print("done", round(run.elapsed(), 1), "s;", len(run.rows), "rows,", len(run.detail), "detail rows,",
+          len(run.failed), "failed", flush=True)
+    return 1 if any(not f["error"].startswith("skipped") for f in run.failed) else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

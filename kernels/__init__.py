@@ -16,7 +16,7 @@ from . import registry
 from .common import chunking, fp8_formats, norms, rope
 from . import fp8_linear, fused_norm_rope, indexer, lse_merge, moe, sparse_mla
 
-IMPLS = ("xla", "triton", "triton_interpret", "auto")  # every op's impls ("mosaic": sparse_mla and indexer)
+IMPLS = ("xla", "triton", "triton_interpret", "auto")  # every op's impls ("mosaic": sparse_mla, indexer, moe)
 
 
 def default_impl() -> str:

@@ -7,22 +7,25 @@ import dataclasses
 WGMMA_M = 64  # rows of one warpgroup's wgmma
 BLOCK = 128  # the FP8 scale block; every K step is one block
 SMEM_LIMIT = 232448  # shared memory one CTA may take on Hopper (Mosaic GPU's max_smem_bytes)
+SWAP_SWIGLU_MAX_M = 128  # swap_ab + swiglu: two running 64 x tile_m accumulators and a partial per warpgroup
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8GemmConfig:
     """One launch shape.
 
-    swap_ab False (prefill: many rows per group): a CTA tile is `tile_m` activation rows x `tile_n` output
-    columns; each compute warpgroup owns 64 x m_sub rows (tile_m = 64 x m_sub x compute_wgs) and all tile_n
-    columns, issued as m_sub x tile_n / 128 wgmmas of 64 x 128 per K block (one weight scale each), each waited
-    for and promoted before the next, so only one 64 x 128 partial is live beside the running accumulators
+    swap_ab False (prefill: many rows per group): a CTA tile is `tile_m` activation rows x `tile_n` weight rows;
+    each compute warpgroup owns 64 x m_sub rows (tile_m = 64 x m_sub x compute_wgs) and all the tile's weight rows,
+    issued as m_sub x tile_n / 128 wgmmas of 64 x 128 per K block (one weight scale each), each waited for and
+    promoted before the next, so only one 64 x 128 partial is live beside the running accumulators
     (m_sub x tile_n / 128 <= 2 of them: 128 float32 registers a thread).
-    swiglu (swap_ab False, tile_n 256): the weight rows of each 256-row tile are 128 gate rows then the matching
-    128 up rows (`interleave_gate_up`), and the epilogue stores silu(gate) * up: an output of N / 2 columns.
     swap_ab True (decode: few rows per group): the weights sit on wgmma's M side. A CTA tile is `tile_n` weight
-    rows (64 per compute warpgroup, at most one 128-row scale block) x `tile_m` activation rows (wgmma's N: a
-    multiple of 8, at most 256); the kernel writes out^T and the wrapper transposes it.
+    rows (64 per compute warpgroup and weight operand, at most one 128-row scale block) x `tile_m` activation rows
+    (wgmma's N: a multiple of 8, at most 256); the kernel writes out^T and the wrapper transposes it.
+    swiglu: two weight operands, gate and up (each [G, N, K], the release's [out, in] experts as stored), and the
+    epilogue stores silu(gate) * up, [M, N]. A tile's `tile_n` weight rows are half gate rows, half the matching up
+    rows: 128 + 128 (swap_ab False, tile_n 256), or 64 + 64 per compute warpgroup (swap_ab, tile_n 128 x
+    compute_wgs, tile_m <= 128: two running accumulators of 64 x tile_m).
     stages: K blocks in flight in shared memory (the producer warpgroup's TMA ring)."""
     tile_m: int = 128
     tile_n: int = 128
@@ -40,14 +43,17 @@ class Fp8GemmConfig:
         if self.compute_wgs not in (1, 2):
             raise ValueError(f"Fp8GemmConfig.compute_wgs must be 1 or 2, got {self.compute_wgs}")
         if self.swap_ab:
-            if self.tile_n != WGMMA_M * self.compute_wgs:
-                raise ValueError(f"Fp8GemmConfig: swap_ab needs tile_n = 64 x compute_wgs = "
-                                 f"{WGMMA_M * self.compute_wgs}, got {self.tile_n}")
+            if self.tile_n != WGMMA_M * self.compute_wgs * self.n_operands:
+                raise ValueError(f"Fp8GemmConfig: swap_ab needs tile_n = 64 x compute_wgs x weight operands = "
+                                 f"{WGMMA_M * self.compute_wgs * self.n_operands}, got {self.tile_n}")
             if self.tile_m % 8 or self.tile_m > 256:
                 raise ValueError(f"Fp8GemmConfig: swap_ab needs tile_m a multiple of 8 up to 256 (wgmma's N), "
                                  f"got {self.tile_m}")
-            if self.m_sub != 1 or self.swiglu:
-                raise ValueError("Fp8GemmConfig: swap_ab takes m_sub 1 and no swiglu")
+            if self.m_sub != 1:
+                raise ValueError("Fp8GemmConfig: swap_ab takes m_sub 1")
+            if self.swiglu and self.tile_m > SWAP_SWIGLU_MAX_M:
+                raise ValueError(f"Fp8GemmConfig: swap_ab with swiglu takes tile_m up to {SWAP_SWIGLU_MAX_M} (two "
+                                 f"64 x tile_m accumulators a warpgroup), got {self.tile_m}")
         else:
             if self.tile_m != WGMMA_M * self.m_sub * self.compute_wgs:
                 raise ValueError(f"Fp8GemmConfig: tile_m must be 64 x m_sub x compute_wgs = "
@@ -64,9 +70,25 @@ class Fp8GemmConfig:
             raise ValueError(f"Fp8GemmConfig {self}: {self.smem_bytes()} bytes of shared memory, over {SMEM_LIMIT}")
 
     @property
+    def n_operands(self) -> int:
+        """Weight operands: 2 (gate, up) for swiglu, else 1."""
+        return 2 if self.swiglu else 1
+
+    @property
+    def operand_rows(self) -> int:
+        """Rows of each weight operand in one CTA tile (the output columns of a tile: out^T rows under swap_ab)."""
+        return self.tile_n // self.n_operands
+
+    @property
     def n_sub(self) -> int:
-        """128-column wgmmas per warpgroup and K block (1 under swap_ab)."""
-        return 1 if self.swap_ab else self.tile_n // BLOCK
+        """wgmmas per warpgroup, m sub-tile and K block: tile_n / 128 (swap_ab: one per weight operand)."""
+        return self.n_operands if self.swap_ab else self.tile_n // BLOCK
+
+    @property
+    def operand_blocks(self) -> int:
+        """128-row weight-scale blocks of one operand's rows in one warpgroup's wgmmas (1 but for a plain
+        tile_n 256)."""
+        return self.n_sub // self.n_operands
 
     def out_tile(self) -> tuple[int, int]:
         """One warpgroup's store tile: 64 x 128 output (swap_ab: 64 weight rows x tile_m rows of out^T)."""
@@ -83,3 +105,5 @@ class Fp8GemmConfig:
 
 PREFILL = Fp8GemmConfig()
 DECODE = Fp8GemmConfig(tile_m=16, tile_n=128, stages=6, swap_ab=True)
+PREFILL_SWIGLU = Fp8GemmConfig(tile_n=256, stages=3, swiglu=True)
+DECODE_SWIGLU = Fp8GemmConfig(tile_m=16, tile_n=256, stages=4, swap_ab=True, swiglu=True)

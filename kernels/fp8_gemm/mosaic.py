@@ -7,14 +7,17 @@ g the group of row r's tile (rows grouped by group in tiles of `tile_m`, `refere
 A persistent launch (one CTA per SM) walks the (row tile, column tile) pairs, column tile fastest, so the CTAs in
 flight share a row tile in L2 and stream the group's weights. Per tile, a warp-specialised pipeline
 (`plgpu.emit_pipeline_warp_specialized`): the producer warpgroup TMA-copies each K block's e4m3 row tile, weight
-tile and their scales into a ring of `stages` buffers; each compute warpgroup, per K block, issues its wgmma into
-a fresh accumulator, waits for it, and adds partial x (s_a * s_w) to its running float32 accumulator (the
+tile(s) and their scales into a ring of `stages` buffers; each compute warpgroup, per K block, issues its wgmma
+into a fresh accumulator, waits for it, and adds partial x (s_a * s_w) to its running float32 accumulator (the
 promotion that keeps fp8 wgmma's short accumulator to one block). The two compute warpgroups interleave: one
 scales while the other's wgmma runs. The epilogue stores bf16 (or float32) through shared memory by TMA.
 Tiles whose group is -1 store zeros and read nothing.
 
 swap_ab (decode): the weight rows go on wgmma's M side (64 per compute warpgroup) and the few activation rows of
 a group on its N side (8..256), so the tensor core is not 3/4 idle on a 16-row tile; the kernel writes out^T.
+
+swiglu: two weight operands, gate and up, as stored (each [G, N, K]); a tile reads the same rows of both, and the
+epilogue stores silu(gate) * up.
 
 Scales travel with the tiles: the activation scales as s_a^T [K/128, M] (a tile's scales for one K block are one
 contiguous run), the weight scales as [G, K/128, 32 N/128] with each scale repeated 32 times: every stage's
@@ -41,12 +44,12 @@ SCALE_REPEAT = TMA_SMEM_ALIGN // 4  # float32 copies of each weight scale: one s
 
 
 def scale_block_widths(config: Fp8GemmConfig) -> tuple[int, int]:
-    """float32 widths of one stage's activation-scale block and weight-scale block. Every stage's buffer must
-    start on a TMA_SMEM_ALIGN boundary, so each block is a multiple of 128 bytes: the activation block covers
-    tile_m scales rounded up to 32 (a decode tile of 8 rows reads 24 scales past it, from padding), the weight
-    block SCALE_REPEAT copies of each of its n_sub scales."""
+    """float32 widths of one stage's activation-scale block and of each weight operand's scale block. Every
+    stage's buffer must start on a TMA_SMEM_ALIGN boundary, so each block is a multiple of 128 bytes: the
+    activation block covers tile_m scales rounded up to 32 (a decode tile of 8 rows reads 24 scales past it, from
+    padding), a weight block SCALE_REPEAT copies of each of the operand's `operand_blocks` scales."""
     per = TMA_SMEM_ALIGN // 4
-    return -(-config.tile_m // per) * per, SCALE_REPEAT * config.n_sub
+    return -(-config.tile_m // per) * per, SCALE_REPEAT * config.operand_blocks
 
 
 def _tile_transforms(cols: int, dtype):
@@ -59,26 +62,30 @@ def _tile_transforms(cols: int, dtype):
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-def _kernel(group_ref, a_ref, sa_ref, w_ref, sw_ref, o_ref, *, config: Fp8GemmConfig, m_tiles: int, n_tiles: int,
-            k_blocks: int):
+def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int, n_tiles: int, k_blocks: int):
     cfg = config
+    n_w = cfg.n_operands
+    w_refs, sw_refs, o_ref = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w]
     wgs, n_sub, swap = cfg.compute_wgs, cfg.n_sub, cfg.swap_ab
+    w_rows = cfg.operand_rows
     f32 = jnp.float32
     out_r, out_c = cfg.out_tile()
     e4m3 = _tile_transforms(BLOCK, FP8)
     sa_w, sw_w = scale_block_widths(cfg)
 
     def make_pipeline(body, compute_context):
-        # a (rows) tile [tile_m, 128], w tile [tile_n, 128], s_a^T run [1, tile_m], s_w run [1, 4 n_sub]
+        # a (rows) tile [tile_m, 128], each weight operand's tile [operand_rows, 128], s_a^T run [1, sa_w], each
+        # operand's s_w run [1, sw_w]
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k_blocks,),
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((cfg.tile_m, BLOCK), lambda k: (0, k), transforms=e4m3, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((cfg.tile_n, BLOCK), lambda k: (0, k), transforms=e4m3, memory_space=plgpu.SMEM),
+                *[plgpu.BlockSpec((w_rows, BLOCK), lambda k: (0, k), transforms=e4m3, memory_space=plgpu.SMEM)
+                  for _ in range(n_w)],
                 plgpu.BlockSpec((1, sa_w), lambda k: (k, 0), memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((1, sw_w), lambda k: (k, 0), memory_space=plgpu.SMEM),
+                *[plgpu.BlockSpec((1, sw_w), lambda k: (k, 0), memory_space=plgpu.SMEM) for _ in range(n_w)],
             ],
             wg_axis="wg",
             num_compute_wgs=wgs,
@@ -87,10 +94,11 @@ def _kernel(group_ref, a_ref, sa_ref, w_ref, sw_ref, o_ref, *, config: Fp8GemmCo
         )
 
     def operands(m_idx, n_idx, g):
+        sw_col = (n_idx * w_rows // BLOCK) * SCALE_REPEAT
         return (a_ref.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m)],
-                w_ref.at[g, pl.ds(n_idx * cfg.tile_n, cfg.tile_n)],
+                *[w.at[g, pl.ds(n_idx * w_rows, w_rows)] for w in w_refs],
                 sa_ref.at[:, pl.ds(m_idx * cfg.tile_m, sa_w)],
-                sw_ref.at[g, :, pl.ds((n_idx * cfg.tile_n // BLOCK) * SCALE_REPEAT, sw_w)])
+                *[s.at[g, :, pl.ds(sw_col, sw_w)] for s in sw_refs])
 
     ignore = lambda *_, **__: None  # noqa: E731  (the allocations do not depend on the body)
 
@@ -110,7 +118,7 @@ def _kernel(group_ref, a_ref, sa_ref, w_ref, sw_ref, o_ref, *, config: Fp8GemmCo
         def out_window(m_idx, n_idx, i, s):
             """The gmem window of this warpgroup's store tile (m sub-tile i, column block s)."""
             if swap:  # out^T [N, M]: weight rows x activation rows
-                return o_ref.at[pl.ds(n_idx * cfg.tile_n + wg * WGMMA_M, WGMMA_M),
+                return o_ref.at[pl.ds(n_idx * w_rows + wg * WGMMA_M, WGMMA_M),
                                 pl.ds(m_idx * cfg.tile_m, cfg.tile_m)]
             cols = n_idx * BLOCK if cfg.swiglu else n_idx * cfg.tile_n + s * BLOCK
             return o_ref.at[pl.ds(m_idx * cfg.tile_m + wg * wg_rows + i * WGMMA_M, WGMMA_M), pl.ds(cols, BLOCK)]
@@ -123,7 +131,7 @@ def _kernel(group_ref, a_ref, sa_ref, w_ref, sw_ref, o_ref, *, config: Fp8GemmCo
 
         def store_all(accs, m_idx, n_idx):
             for i in range(cfg.m_sub):
-                if cfg.swiglu:  # gate block, then its up block: silu(gate) * up
+                if cfg.swiglu:  # the gate accumulator, then the up one: silu(gate) * up
                     gate, up = accs[i * n_sub], accs[i * n_sub + 1]
                     store(gate / (1.0 + jnp.exp(-gate)) * up, out_window(m_idx, n_idx, i, 0))
                 else:
@@ -142,9 +150,19 @@ def _kernel(group_ref, a_ref, sa_ref, w_ref, sw_ref, o_ref, *, config: Fp8GemmCo
             def compute_context(run):
                 store_all(run(tuple(zeros() for _ in range(cfg.m_sub * n_sub))), m_idx, n_idx)
 
-            def body(_, a_smem, w_smem, sa_smem, sw_smem, accs):
+            def body(_, a_smem, *rest):
+                w_smems, sa_smem, sw_smems, accs = rest[:n_w], rest[n_w], rest[n_w + 1:2 * n_w + 1], rest[-1]
+
+                def weight(s):
+                    """(the smem rows of wgmma s of m sub-tile i, as a function of i; its weight scale)"""
+                    j, b = (s, 0) if cfg.swiglu else (0, s)  # operand, 128-row block inside the operand's tile
+                    scale = sw_smems[j][0, b * SCALE_REPEAT]
+                    if swap:
+                        return (lambda i: w_smems[j].at[my_rows(i)]), scale
+                    return (lambda i: w_smems[j].at[pl.ds(b * BLOCK, BLOCK)]), scale
+
+                ws = [weight(s) for s in range(n_sub)]
                 new = []
-                sws = [sw_smem[0, s * SCALE_REPEAT] for s in range(n_sub)]
                 for i in range(cfg.m_sub):
                     if swap:
                         sa = plgpu.load(sa_smem.at[0, pl.ds(0, cfg.tile_m)], layout=plgpu.Layout.WGMMA.reduce(0),
@@ -153,16 +171,17 @@ def _kernel(group_ref, a_ref, sa_ref, w_ref, sw_ref, o_ref, *, config: Fp8GemmCo
                         sa = plgpu.load(sa_smem.at[0, my_rows(i)], layout=plgpu.Layout.WGMMA.reduce(1),
                                         optimized=False)
                     for s in range(n_sub):
+                        w_tile, sw = ws[s]
+
                         def mma(acc_ref):
                             if swap:
-                                plgpu.wgmma(acc_ref, w_smem.at[my_rows(i)], a_smem.transpose((1, 0)))
+                                plgpu.wgmma(acc_ref, w_tile(i), a_smem.transpose((1, 0)))
                             else:
-                                plgpu.wgmma(acc_ref, a_smem.at[my_rows(i)],
-                                            w_smem.at[pl.ds(s * BLOCK, BLOCK)].transpose((1, 0)))
+                                plgpu.wgmma(acc_ref, a_smem.at[my_rows(i)], w_tile(i).transpose((1, 0)))
                             return acc_ref[...]
 
                         part = pl.run_scoped(mma, plgpu.ACC((out_r, out_c), f32))
-                        scale = lax.broadcast_in_dim(sa * sws[s], (out_r, out_c), [1] if swap else [0])
+                        scale = lax.broadcast_in_dim(sa * sw, (out_r, out_c), [1] if swap else [0])
                         new.append(accs[i * n_sub + s] + part * scale)
                 return tuple(new)
 
@@ -178,16 +197,17 @@ def _kernel(group_ref, a_ref, sa_ref, w_ref, sw_ref, o_ref, *, config: Fp8GemmCo
 
 
 @functools.partial(jax.jit, static_argnames=("config", "out_dtype", "interpret"))
-def _run(a_q, a_scale, w_q, w_scale, tile_group, *, config, out_dtype, interpret):
+def _run(a_q, a_scale, w_qs, w_scales, tile_group, *, config, out_dtype, interpret):
     m, k = a_q.shape
-    g, n, _ = w_q.shape
+    g, n, _ = w_qs[0].shape
     kb = k // BLOCK
-    m_tiles, n_tiles = m // config.tile_m, n // config.tile_n
+    m_tiles, n_tiles = m // config.tile_m, n // config.operand_rows
     sa_w, _ = scale_block_widths(config)
     # [KB, M + pad]: the last tile's block of sa_w scales stays inside the array
     sa_t = jnp.pad(a_scale.astype(jnp.float32).T, ((0, 0), (0, sa_w - config.tile_m)), constant_values=1.0)
-    sw = jnp.repeat(jnp.swapaxes(w_scale.astype(jnp.float32), 1, 2), SCALE_REPEAT, axis=2)  # [G, KB, 32 NB]
-    out_shape = (n, m) if config.swap_ab else (m, n // 2 if config.swiglu else n)
+    sws = [jnp.repeat(jnp.swapaxes(s.astype(jnp.float32), 1, 2), SCALE_REPEAT, axis=2)  # [G, KB, 32 NB]
+           for s in w_scales]
+    out_shape = (n, m) if config.swap_ab else (m, n)
     kernel = plgpu.kernel(
         functools.partial(_kernel, config=config, m_tiles=m_tiles, n_tiles=n_tiles, k_blocks=kb),
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
@@ -197,49 +217,58 @@ def _run(a_q, a_scale, w_q, w_scale, tile_group, *, config, out_dtype, interpret
         thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    out = kernel(tile_group.astype(jnp.int32), a_q, sa_t, w_q, sw)
+    out = kernel(tile_group.astype(jnp.int32), a_q, sa_t, *w_qs, *sws)
     return out.T if config.swap_ab else out
 
 
-def interleave_gate_up(w_gate, w_up, s_gate, s_up):
-    """The swiglu configs' weight layout: gate [G, I, K] and up [G, I, K] (I a multiple of 128) with their scale
-    grids [G, I/128, K/128] -> [G, 2I, K] and [G, 2I/128, K/128], gate block j then up block j for each j."""
-    g, i, k = w_gate.shape
-    w = jnp.stack([w_gate.reshape(g, i // BLOCK, BLOCK, k), w_up.reshape(g, i // BLOCK, BLOCK, k)], axis=2)
-    s = jnp.stack([s_gate, s_up], axis=2)
-    return w.reshape(g, 2 * i, k), s.reshape(g, 2 * i // BLOCK, k // BLOCK)
+def operand_list(w, name: str, config: Fp8GemmConfig) -> tuple:
+    """The weight operands as a tuple: (gate, up) for swiglu configs, (w,) otherwise (TypeError naming `name`)."""
+    pair = isinstance(w, (tuple, list))
+    if config.swiglu != pair or (pair and len(w) != 2):
+        want = "a pair (gate, up)" if config.swiglu else "one array"
+        raise TypeError(f"fp8 grouped matmul: {name} must be {want} for {config}, got "
+                        f"{type(w).__name__}{' of ' + str(len(w)) if pair else ''}")
+    return tuple(w) if pair else (w,)
 
 
-def check_operands(a_q, a_scale, w_q, w_scale, tile_group, config: Fp8GemmConfig) -> None:
-    """Refuse operands the kernel does not take, naming the shapes (TypeError for dtypes, ValueError for shapes)."""
-    if jnp.dtype(a_q.dtype) != FP8 or jnp.dtype(w_q.dtype) != FP8:
-        raise TypeError(f"fp8 grouped matmul: a_q and w_q must be float8_e4m3fn, got {a_q.dtype}, {w_q.dtype}")
-    if a_q.ndim != 2 or w_q.ndim != 3 or a_q.shape[1] != w_q.shape[2]:
-        raise ValueError(f"fp8 grouped matmul: a_q [M, K] and w_q [G, N, K], got {a_q.shape}, {w_q.shape}")
+def check_operands(a_q, a_scale, w_q, w_scale, tile_group, config: Fp8GemmConfig) -> tuple[tuple, tuple]:
+    """Refuse operands the kernel does not take, naming the shapes (TypeError for dtypes and operand counts,
+    ValueError for shapes); returns the weights and their scales as tuples (`operand_list`)."""
+    w_qs, w_ss = operand_list(w_q, "w_q", config), operand_list(w_scale, "w_scale", config)
+    if jnp.dtype(a_q.dtype) != FP8 or any(jnp.dtype(w.dtype) != FP8 for w in w_qs):
+        raise TypeError(f"fp8 grouped matmul: a_q and w_q must be float8_e4m3fn, got {a_q.dtype}, "
+                        f"{', '.join(str(w.dtype) for w in w_qs)}")
+    w0 = w_qs[0]
+    if a_q.ndim != 2 or w0.ndim != 3 or a_q.shape[1] != w0.shape[2] or any(w.shape != w0.shape for w in w_qs):
+        raise ValueError(f"fp8 grouped matmul: a_q [M, K] and w_q [G, N, K] (swiglu: gate and up alike), got "
+                         f"{a_q.shape}, {', '.join(str(w.shape) for w in w_qs)}")
     m, k = a_q.shape
-    g, n, _ = w_q.shape
-    if k % BLOCK or n % config.tile_n or m % config.tile_m:
-        raise ValueError(f"fp8 grouped matmul: K = {k} must be a multiple of {BLOCK}, N = {n} of tile_n "
-                         f"{config.tile_n}, M = {m} of tile_m {config.tile_m}")
-    if a_scale.shape != (m, k // BLOCK) or w_scale.shape != (g, n // BLOCK, k // BLOCK):
+    g, n, _ = w0.shape
+    if k % BLOCK or n % config.operand_rows or m % config.tile_m:
+        raise ValueError(f"fp8 grouped matmul: K = {k} must be a multiple of {BLOCK}, N = {n} of "
+                         f"{config.operand_rows} (the weight rows of an operand in a tile), M = {m} of tile_m "
+                         f"{config.tile_m}")
+    want = (g, n // BLOCK, k // BLOCK)
+    if a_scale.shape != (m, k // BLOCK) or any(s.shape != want for s in w_ss):
         raise ValueError(f"fp8 grouped matmul: a_scale {a_scale.shape} must be {(m, k // BLOCK)}, w_scale "
-                         f"{w_scale.shape} must be {(g, n // BLOCK, k // BLOCK)}")
+                         f"{', '.join(str(s.shape) for s in w_ss)} must be {want}")
     if tile_group.shape != (m // config.tile_m,):
         raise ValueError(f"fp8 grouped matmul: tile_group {tile_group.shape} must be [{m // config.tile_m}] "
                          f"(one group per {config.tile_m}-row tile)")
+    return w_qs, w_ss
 
 
 def grouped_matmul_mosaic(a_q, a_scale, w_q, w_scale, tile_group, *, config: Fp8GemmConfig,
                           out_dtype=jnp.bfloat16, interpret: bool = False):
-    """out_dtype [M, N] (swiglu configs: [M, N / 2], silu(gate) * up of the interleaved gate/up weights,
-    `interleave_gate_up`): the W8A8 grouped product of e4m3 rows `a_q` [M, K] (float32 scales `a_scale` [M, K/128])
-    with e4m3 weights `w_q` [G, N, K] (float32 block scales `w_scale` [G, N/128, K/128]); row tile t (of
-    config.tile_m rows) uses group tile_group[t]'s weights, and its rows are zeros where that is -1.
+    """out_dtype [M, N]: the W8A8 grouped product of e4m3 rows `a_q` [M, K] (float32 scales `a_scale` [M, K/128])
+    with e4m3 weights `w_q` [G, N, K] (float32 block scales `w_scale` [G, N/128, K/128]); swiglu configs take
+    `w_q` = (gate, up) and `w_scale` = (gate scales, up scales), each as above, and give silu(gate) * up. Row tile
+    t (of config.tile_m rows) uses group tile_group[t]'s weights, and its rows are zeros where that is -1.
     interpret: run under the Pallas Mosaic GPU interpreter (CPU tests)."""
-    check_operands(a_q, a_scale, w_q, w_scale, tile_group, config)
+    w_qs, w_ss = check_operands(a_q, a_scale, w_q, w_scale, tile_group, config)
     need = config.smem_bytes(jnp.dtype(out_dtype).itemsize)
     if need > SMEM_LIMIT:
         raise ValueError(f"fp8 grouped matmul: {config} with {jnp.dtype(out_dtype).name} output needs {need} bytes "
                          f"of shared memory, over {SMEM_LIMIT}")
-    return _run(a_q, a_scale, w_q, w_scale, tile_group, config=config, out_dtype=jnp.dtype(out_dtype),
+    return _run(a_q, a_scale, w_qs, w_ss, tile_group, config=config, out_dtype=jnp.dtype(out_dtype),
                 interpret=bool(interpret))

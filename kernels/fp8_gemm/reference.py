@@ -32,9 +32,9 @@ def _ieee_div(a, b):
     return a / jax.lax.optimization_barrier(b)
 
 
-def quantize_rows(x):
-    """x [M, K] (K a multiple of 128; any float dtype, read as float32) -> (e4m3 [M, K], float32 s_a [M, K / 128]):
-    per row and 128-channel block, s_a = max(amax / 448, 1.1754944e-38), a_q = e4m3(x / s_a), saturated."""
+def quantize_rows_barrier(x):
+    """`quantize_rows` by IEEE float32 divisions with the divisor materialised at x's shape behind an optimisation
+    barrier (`_ieee_div`): the same bits, about four passes over x's size in memory (kept to compare against)."""
     m, k = x.shape
     if k % BLOCK:
         raise ValueError(f"quantize_rows: K = {k} must be a multiple of {BLOCK}")
@@ -42,6 +42,36 @@ def quantize_rows(x):
     amax = jnp.max(jnp.abs(xf), axis=-1)
     s_a = jnp.maximum(_ieee_div(amax, FP8_MAX), SCALE_MIN)
     q = jnp.clip(_ieee_div(xf, s_a[..., None]), -FP8_MAX, FP8_MAX).astype(FP8)
+    return q.reshape(m, k), s_a
+
+
+def quantize_rows(x):
+    """x [M, K] (K a multiple of 128; any float dtype, read as float32) -> (e4m3 [M, K], float32 s_a [M, K / 128]):
+    per row and 128-channel block, s_a = max(amax / 448, 1.1754944e-38), a_q = e4m3(x / s_a), saturated, with
+    IEEE float32 divisions, bit for bit.
+
+    One reduction and one elementwise pass over x, no divisor materialised (`quantize_rows_barrier` materialises
+    it): the float32 quotient x / s_a is float32(float64(x) * float64(1 / s_a)), the reciprocal taken once per
+    block. That is the IEEE quotient: for float32 x (24-bit significand X, exponent a) and s (S, b), an exact
+    quotient that is not a float32 lies at relative distance >= 2^-49 from every float32 rounding midpoint (X 2^a -
+    m S 2^b is a nonzero multiple of 2^min(a, b + c) for a midpoint m of 25 bits at 2^c, and b + c - a >= -25),
+    while the float64 reciprocal and product are off by <= 2^-52 relative; and a float32 quotient is met within
+    2^-52, so it is kept. The argument needs x normal; a subnormal x (|x| < 2^-126) can only reach a quotient
+    e4m3 does not round to 0 (>= 2^-11) when s_a < 2^-115, i.e. in blocks whose amax is below about 2^-106, where
+    its last float32 bit is not guaranteed (below 448 x 2^-126 the scale is the power of two 2^-126: exact
+    again). amax / 448 is float32(float64(amax) / 448), the IEEE quotient (float64 division rounds correctly, and
+    53 >= 2 x 24 + 2 bits make the second rounding exact)."""
+    m, k = x.shape
+    if k % BLOCK:
+        raise ValueError(f"quantize_rows: K = {k} must be a multiple of {BLOCK}")
+    xf = jnp.asarray(x, jnp.float32).reshape(m, k // BLOCK, BLOCK)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    with jax.enable_x64(True):
+        f64 = jnp.float64
+        s_a = jnp.maximum((amax.astype(f64) / FP8_MAX).astype(jnp.float32), jnp.float32(SCALE_MIN))
+        inv = 1.0 / s_a.astype(f64)
+        q = (xf.astype(f64) * inv[..., None]).astype(jnp.float32)
+    q = jnp.clip(q, -FP8_MAX, FP8_MAX).astype(FP8)
     return q.reshape(m, k), s_a
 
 
@@ -65,35 +95,41 @@ def row_groups(tile_group, tile_m: int):
     return jnp.repeat(jnp.asarray(tile_group, jnp.int32), tile_m)
 
 
-def swiglu_interleaved(y):
-    """silu(gate) * up of a product [M, 2I] over `mosaic.interleave_gate_up` weights (128-column gate and up blocks
-    alternating) -> [M, I]. Works on jnp and numpy arrays (numpy: in its own precision)."""
-    m, n = y.shape
-    yb = y.reshape(m, n // (2 * BLOCK), 2, BLOCK)
-    gate, up = yb[:, :, 0], yb[:, :, 1]
-    xp = np if isinstance(y, np.ndarray) else jnp
-    return (gate / (1.0 + xp.exp(-gate)) * up).reshape(m, n // 2)
+def silu_mul(gate, up):
+    """silu(gate) * up, elementwise; jnp or numpy arrays (numpy: in its own precision)."""
+    if isinstance(gate, np.ndarray):
+        with np.errstate(over="ignore"):  # exp(-gate) = inf for gate << 0: silu -> -0
+            return gate / (1.0 + np.exp(-gate)) * up
+    return gate / (1.0 + jnp.exp(-gate)) * up
+
+
+def _grouped_product(a, a_scale, w_q, w_scale, rg):
+    """float32 [M, N]: per 128-K block a float32 partial, scaled by s_a * s_w, summed in float32 in block order."""
+    m, k = a.shape
+    g, n, _ = w_q.shape
+    kb = k // BLOCK
+    w = w_q.astype(jnp.float32)[jnp.maximum(rg, 0)].reshape(m, n, kb, BLOCK)  # [M, N, KB, 128]: tests' sizes
+    part = jnp.einsum("mbk,mnbk->mbn", a.reshape(m, kb, BLOCK), w, precision=jax.lax.Precision.HIGHEST)
+    sw = jnp.repeat(w_scale[jnp.maximum(rg, 0)], BLOCK, axis=1)  # [M, N, KB]
+    scale = a_scale[:, :, None] * jnp.swapaxes(sw, 1, 2)  # [M, KB, N]
+    acc = jnp.zeros((m, n), jnp.float32)
+    for b in range(kb):  # block order, as the kernels add them
+        acc = acc + part[:, b] * scale[:, b]
+    return acc
 
 
 def grouped_matmul_xla(a_q, a_scale, w_q, w_scale, tile_group, *, tile_m: int, out_dtype=jnp.bfloat16,
                        swiglu: bool = False):
     """The W8A8 rule in jnp: a_q e4m3 [M, K] with a_scale float32 [M, K/128], w_q e4m3 [G, N, K] with w_scale
     float32 [G, N/128, K/128], tile_group int32 [M / tile_m] -> out_dtype [M, N] (zeros in rows of tiles with
-    group -1). Per 128-K block a float32 partial, scaled by s_a * s_w, summed in float32 in block order."""
-    m, k = a_q.shape
-    g, n, _ = w_q.shape
-    kb = k // BLOCK
+    group -1). Per 128-K block a float32 partial, scaled by s_a * s_w, summed in float32 in block order.
+    swiglu: w_q and w_scale are pairs (gate, up), and the result is silu(gate product) * up product."""
     rg = row_groups(tile_group, tile_m)
-    a = a_q.astype(jnp.float32).reshape(m, kb, BLOCK)
-    w = w_q.astype(jnp.float32)[jnp.maximum(rg, 0)].reshape(m, n, kb, BLOCK)  # [M, N, KB, 128]: tests' sizes
-    part = jnp.einsum("mbk,mnbk->mbn", a, w, precision=jax.lax.Precision.HIGHEST)
-    sw = jnp.repeat(w_scale[jnp.maximum(rg, 0)], BLOCK, axis=1)  # [M, N, KB]
-    scale = a_scale[:, :, None] * jnp.swapaxes(sw, 1, 2)  # [M, KB, N]
-    acc = jnp.zeros((m, n), jnp.float32)
-    for b in range(kb):  # block order, as the kernels add them
-        acc = acc + part[:, b] * scale[:, b]
+    a = a_q.astype(jnp.float32)
     if swiglu:
-        acc = swiglu_interleaved(acc)
+        acc = silu_mul(*(_grouped_product(a, a_scale, w, s, rg) for w, s in zip(w_q, w_scale)))
+    else:
+        acc = _grouped_product(a, a_scale, w_q, w_scale, rg)
     return jnp.where((rg >= 0)[:, None], acc, 0.0).astype(out_dtype)
 
 

@@ -18,9 +18,15 @@ registers), the xla forms run over the experts dequantised to float32 (the refer
 experts stored K-major (each expert in the release's [out, in] form, the scale grids untransposed).
 impl="tokamax" runs FP8 K-major experts through tokamax's grouped GEMM (kernels/moe/tokamax.py) when asked for by
 name; "auto" does not take it (`_choose`).
+impl="mosaic" runs FP8 K-major experts of whole blocks through the Pallas Mosaic GPU W8A8 grouped GEMM
+(kernels/fp8_gemm/experts.py: e4m3 x e4m3 wgmma, SwiGLU fused into the gate/up GEMM; "mosaic_interpret" under the
+interpreter); it is also the FP8 form "w8a8_mosaic" of the kernel impls, which the rule "moe.fp8_form" picks on a
+GPU only for the row classes named in `MOSAIC_ROWS` (none by default) or the environment's GLM_DSA_MOE_MOSAIC.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +53,11 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: 
 
     impl (`kernels.registry`): "xla" (the forms above), "triton" (the grouped-GEMM Pallas kernel, any widths),
     "triton_interpret" (that kernel interpreted: CPU tests), "tokamax" (FP8 K-major experts of whole blocks
-    through tokamax's grouped GEMM, W8A16 in float16: `kernels.moe.tokamax`, by name only). `mode` forces one
-    xla form whatever `impl` says
+    through tokamax's grouped GEMM, W8A16 in float16: `kernels.moe.tokamax`, by name only), "mosaic" /
+    "mosaic_interpret" (FP8 K-major experts of whole blocks through the Mosaic GPU W8A8 grouped GEMM,
+    `kernels.fp8_gemm.experts`; the form "w8a8_mosaic" of the kernel impls runs the same, natively or interpreted
+    as the impl is, with the option `layout` "grouped" / "swap_ab", default the rule "moe.mosaic_layout", and
+    `up_config` / `down_config`). `mode` forces one xla form whatever `impl` says
     (the model's switch for comparing forms). `kernel_options` go to `triton.grouped_swiglu` (config, tile,
     bn_up, bk_up, bn_down, bk_down, num_warps, num_stages, k_split, packed; for FP8 experts `form`, one of
     `FP8_FORMS`, default `fp8_form` by shape).
@@ -103,10 +112,21 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: 
         return registry.dispatch("moe", impl, x, experts, weights, wg, wu, wd, w_layout=w_layout, **fp8,
                                  **kernel_options)
     if fp8 and impl != "xla":
-        form = kernel_options.pop("form", None) or fp8_form(experts.shape[0], experts.shape[1], e, d, i,
-                                                            fp8["i_offset"])
+        form = kernel_options.pop("form", None)
+        if form is None:
+            form = "w8a8_mosaic" if impl in MOSAIC_IMPLS else fp8_form(
+                experts.shape[0], experts.shape[1], e, d, i, fp8["i_offset"], w_layout=w_layout)
         if form not in FP8_FORMS:
             raise ValueError(f"moe: form {form!r} is not one of {', '.join(map(repr, FP8_FORMS))}")
+        if impl in MOSAIC_IMPLS and form != "w8a8_mosaic":
+            raise ValueError(f"moe: impl {impl!r} runs form 'w8a8_mosaic' only; form {form!r} is the Triton kernels'")
+        if form == "w8a8_mosaic":  # the Mosaic GPU W8A8 grouped GEMM (kernels/fp8_gemm/experts.py)
+            if impl not in MOSAIC_IMPLS:  # a kernel impl asked for the form (or the rule chose it): the same run mode
+                impl = "mosaic_interpret" if impl.endswith("_interpret") else "mosaic"
+            layout = kernel_options.pop("layout", None) or mosaic_layout(experts.shape[0], experts.shape[1], e)
+            kernel_options.setdefault("config_rows", registry.config_rows(experts.shape[0]))
+            return registry.dispatch("moe", impl, x, experts, weights, wg, wu, wd, w_layout=w_layout, layout=layout,
+                                     **fp8, **kernel_options)
         if form == "dequant":  # prefill: the bf16 kernels over the experts dequantised in x's dtype
             # the barrier ties the weights to this layer's rows: without it XLA dequantises every layer's experts
             # at the start of the step (they depend on nothing), all alive at once (55 GiB at TP = 1: OOM)
@@ -139,27 +159,71 @@ def _nk_to_kn(wg, wu, wd, fp8: dict):
     return wg, wu, wd, fp8
 
 
-FP8_FORMS = ("w8a8", "w8a16", "dequant")
+FP8_FORMS = ("w8a8", "w8a16", "dequant", "w8a8_mosaic")
+MOSAIC_IMPLS = ("mosaic", "mosaic_interpret")
+
+#: The row classes for which the rule "moe.fp8_form" picks "w8a8_mosaic" (the Mosaic GPU W8A8 grouped GEMM,
+#: kernels/fp8_gemm) on a GPU, for FP8 K-major experts of whole blocks: "prefill" (tiles of 64+ rows per expert, else
+#: "dequant") and "decode" (else "w8a8", the Triton kernels). Empty until the GPU measurements of
+#: benchmarks/bench_fp8_gemm_mosaic.py say the kernel is faster there: THE switch of the GPU default (e.g.
+#: frozenset({"prefill"})). The environment variable GLM_DSA_MOE_MOSAIC ("prefill", "decode", "prefill,decode" or
+#: "none") overrides it for a run (read when a step is traced), so an engine benchmark can compare both forms.
+MOSAIC_ROWS: frozenset = frozenset()
+MOSAIC_ENV = "GLM_DSA_MOE_MOSAIC"
+_ROW_CLASSES = ("prefill", "decode")
 
 
-def fp8_form(t: int, k: int, n_exp: int, d: int, i: int, i_offset) -> str:
+def mosaic_rows() -> frozenset:
+    """The row classes whose FP8 experts run "w8a8_mosaic" on a GPU: GLM_DSA_MOE_MOSAIC if set, else
+    `MOSAIC_ROWS`."""
+    env = os.environ.get(MOSAIC_ENV)
+    if env is None or not env.strip():
+        return frozenset(MOSAIC_ROWS)
+    names = {n.strip() for n in env.split(",") if n.strip()} - {"none"}
+    if not names <= set(_ROW_CLASSES):
+        raise ValueError(f"moe: {MOSAIC_ENV}={env!r}: name row classes among {', '.join(_ROW_CLASSES)} (or 'none')")
+    return frozenset(names)
+
+
+def fp8_form(t: int, k: int, n_exp: int, d: int, i: int, i_offset, *, w_layout: str = "kn") -> str:
     """How the grouped-GEMM kernels compute FP8 experts at T rows of k experts each: the rule "moe.fp8_form"."""
-    return registry.decide("moe.fp8_form", t, k, n_exp, d, i, i_offset)
+    return registry.decide("moe.fp8_form", t, k, n_exp, d, i, i_offset, w_layout=w_layout)
 
 
-def _fp8_form(platform: str, t: int, k: int, n_exp: int, d: int, i: int, i_offset) -> str:
-    """"w8a8" for decode-sized tiles, "dequant" for prefill-sized ones, "w8a16" for ragged or mid-block shards.
+def _fp8_form(platform: str, t: int, k: int, n_exp: int, d: int, i: int, i_offset, *, w_layout: str = "kn") -> str:
+    """"w8a8" for decode tiles, "dequant" for prefill tiles, "w8a16" for ragged shards; "w8a8_mosaic" where set.
+
+    "w8a8_mosaic" is picked on a GPU only where `mosaic_rows()` names the row class.
 
     Decode-sized tiles (under 64 rows) of whole 128-blocks on a block boundary take "w8a8" (rows quantised per
     128-block, e4m3 x e4m3 on the fp8 tensor cores: faster than the bf16 kernel there, where W8A16's in-register
     conversion is slower than bf16); prefill-sized tiles take "dequant" (the experts dequantised in x's dtype,
-    then the bf16 kernels: both FP8 kernels run well under the bf16 kernel's rate there); ragged widths or a shard
-    starting mid-block take "w8a16" (BENCHMARKS.md, FP8 weights)."""
-    del platform  # called on the kernel path only
+    then the bf16 kernels: both FP8 Triton kernels run well under the bf16 kernel's rate there); ragged widths or
+    a shard starting mid-block take "w8a16" (BENCHMARKS.md, FP8 weights). "w8a8_mosaic" (the Mosaic GPU W8A8
+    grouped GEMM: grouped row tiles for prefill, swap-AB tiles for decode, rule "moe.mosaic_layout") replaces
+    "dequant" / "w8a8" for K-major stacks (w_layout "nk", the model's) on a GPU only for the row classes in
+    `MOSAIC_ROWS` (empty: not yet measured faster) or GLM_DSA_MOE_MOSAIC."""
     aligned = isinstance(i_offset, int) and i_offset == 0 and d % 128 == 0 and i % 128 == 0
     if not aligned:
         return "w8a16"
-    return "dequant" if tile_rows(t, k, n_exp) >= 64 else "w8a8"
+    rows = "prefill" if tile_rows(t, k, n_exp) >= 64 else "decode"
+    if platform == "gpu" and w_layout == "nk" and rows in mosaic_rows():
+        return "w8a8_mosaic"
+    return "dequant" if rows == "prefill" else "w8a8"
+
+
+def mosaic_layout(t: int, k: int, n_exp: int) -> str:
+    """The tile layout of the Mosaic W8A8 experts at T rows of k experts each: the rule "moe.mosaic_layout"."""
+    return registry.decide("moe.mosaic_layout", t, k, n_exp)
+
+
+def _mosaic_layout(platform: str, t: int, k: int, n_exp: int) -> str:
+    """"grouped" (128-row tiles, rows on wgmma's M side) for prefill-sized tiles, "swap_ab" (weights on M) below.
+
+    Tiles of 64+ rows per expert (as "moe.fp8_form" counts them) fill wgmma's 64-row M side with rows; fewer rows
+    per expert would leave most of it idle, so the weights go there and the rows on its N side (8 to 64)."""
+    del platform
+    return "grouped" if tile_rows(t, k, n_exp) >= 64 else "swap_ab"
 
 
 def _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset, nk: bool = False) -> dict:
@@ -217,14 +281,25 @@ def _xla_form_invariant(platform: str, t: int, k: int, n_exp: int) -> str:
     return "gather"
 
 
-def _fp8_form_invariant(platform: str, t: int, k: int, n_exp: int, d: int, i: int, i_offset) -> str:
+def _fp8_form_invariant(platform: str, t: int, k: int, n_exp: int, d: int, i: int, i_offset, *,
+                        w_layout: str = "kn") -> str:
     """Batch-invariant mode: "w8a16" for every row count (the rows as given, against e4m3 weights converted in
     registers), not the forms the mean rows per expert picks."""
-    del platform, t, k, n_exp, d, i, i_offset
+    del platform, t, k, n_exp, d, i, i_offset, w_layout
     return "w8a16"
+
+
+def _mosaic_layout_invariant(platform: str, t: int, k: int, n_exp: int) -> str:
+    """Batch-invariant mode (impl "mosaic" asked for by name): "swap_ab" for every row count."""
+    del platform, t, k, n_exp
+    return "swap_ab"
 
 
 registry.register_auto("moe", _choose, invariant=registry.ROW_FREE)
 registry.register_rule("moe.xla_form", "moe", _xla_form, MODES, invariant=_xla_form_invariant)
-registry.register_rule("moe.fp8_form", "moe", _fp8_form, ("w8a8", "w8a16", "dequant"), invariant=_fp8_form_invariant)
+registry.register_rule("moe.fp8_form", "moe", _fp8_form, FP8_FORMS, invariant=_fp8_form_invariant)
+registry.register_rule("moe.mosaic_layout", "moe", _mosaic_layout, ("grouped", "swap_ab"),
+                       invariant=_mosaic_layout_invariant)
+registry.register_mosaic("moe", "kernels.fp8_gemm.experts:routed_experts",
+                         supports="kernels.fp8_gemm.experts:supports")
 registry.register("moe", "tokamax", "kernels.moe.tokamax:routed_experts", supports="kernels.moe.tokamax:supports")

@@ -38,7 +38,7 @@ def _calls():
     }
 
 
-MOSAIC_OPS = ("sparse_mla", "indexer")  # ops with a Pallas Mosaic GPU kernel
+MOSAIC_OPS = ("sparse_mla", "indexer", "moe")  # ops with a Pallas Mosaic GPU kernel
 LIBRARY_IMPLS = {"moe": ("tokamax",)}  # ops with a library's kernel as an impl of its own
 
 
@@ -106,8 +106,8 @@ def test_every_choice_is_a_registered_rule():
     """The rules the package registers, one per choice (a new choice made elsewhere is a new rule here)."""
     assert {r.name for r in registry.rules()} == {
         "cache_offsets", "fp8_linear.auto", "fp8_linear.model_form", "fused_norm_rope.auto", "indexer.auto",
-        "indexer.scores_form", "launch_rows", "lse_merge.auto", "moe.auto", "moe.fp8_form", "moe.xla_form",
-        "sparse_mla.auto", "topk.auto"}
+        "indexer.scores_form", "launch_rows", "lse_merge.auto", "moe.auto", "moe.fp8_form", "moe.mosaic_layout",
+        "moe.xla_form", "sparse_mla.auto", "topk.auto"}
     assert all(r.summary for r in registry.rules())  # each says what it picks (info --kernels prints it)
     with registry.deciding_for("gpu"):
         assert registry.decide("cache_offsets", impl="auto") == "int32"
@@ -127,6 +127,7 @@ def test_batch_invariant_rules_choose_alike_for_every_row_count():
             for t in rows:
                 out.setdefault("moe.xla_form", set()).add(registry.decide("moe.xla_form", t, 8, 256))
                 out.setdefault("moe.fp8_form", set()).add(registry.decide("moe.fp8_form", t, 8, 256, 7168, 256, 0))
+                out.setdefault("moe.mosaic_layout", set()).add(registry.decide("moe.mosaic_layout", t, 8, 256))
                 out.setdefault("indexer.scores_form", set()).add(registry.decide("indexer.scores_form", t, 4, False))
                 x = jax.ShapeDtypeStruct((t, 7168), jnp.bfloat16)
                 out.setdefault("fp8_linear.model_form", set()).add(
@@ -145,9 +146,9 @@ def test_batch_invariant_rules_choose_alike_for_every_row_count():
 
 def test_unknown_impl_raises_even_when_moe_mode_forces_xla():
     x = jnp.zeros((2, 16))
-    with pytest.raises(ValueError, match="moe: unknown impl 'mosaic'"):
+    with pytest.raises(ValueError, match="moe: unknown impl 'cutlass'"):
         moe.routed_experts(x, jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1)), jnp.zeros((2, 16, 16)),
-                           jnp.zeros((2, 16, 16)), jnp.zeros((2, 16, 16)), impl="mosaic", mode="dense")
+                           jnp.zeros((2, 16, 16)), jnp.zeros((2, 16, 16)), impl="cutlass", mode="dense")
 
 
 def test_unknown_op_raises():
