@@ -39,6 +39,7 @@ class _LoopStats:
 
     steps: int = 0
     decode_steps: int = 0  # steps with decode rows only
+    prompt_steps: int = 0  # steps with prompt tokens (batch-invariant mode: its prompt steps)
     host_s: float = 0.0  # loop time not spent waiting for the device's ids (build + launch + process)
     build_s: float = 0.0  # of host_s: planning the step and building its numpy inputs
     launch_s: float = 0.0  # of host_s: the jitted call (transfers, dispatch; a launch that blocks shows here)
@@ -111,7 +112,8 @@ class Engine:
     (1 - cache_memory_fraction); where that does not fit, pass smaller prompt rows (results are then the same
     among engines of those rows) or a smaller cache_memory_fraction. `invariant_step_rows` is for that and for
     tests; None keeps the defaults (a value without batch_invariant is a ValueError). Not with speculative
-    decoding.
+    decoding. It covers the serving loop (`generate`, `stream`, `submit`, the server), not `logits` and `trace`
+    (steps of their own shapes).
     """
 
     config = _runner_attribute("config", "The model's `GlmDsaConfig`.")
@@ -296,6 +298,7 @@ class Engine:
         The prompts go through the continuous-batching scheduler (at most max_num_seqs at once, admitted as
         others finish). Afterwards `self.last_timings` holds host-clock seconds of this call: "prefill_s" (to
         the first token of every prompt), "decode_s" (the rest), "decode_steps" (steps of decode rows only),
+        "prompt_steps" (steps with prompt tokens: in batch-invariant mode its prompt steps),
         "steps", "host_ms_per_step" (loop time per step not spent waiting for the device), "step_ms" (loop time
         per step), the same two over the "decode_timed_steps" loop turns that waited for a decode-only step's ids
         ("decode_host_ms_per_step", "decode_step_ms": the loop's wall time per decode step, from the host
@@ -432,6 +435,7 @@ class Engine:
         """Run the loop in this thread until `reqs` finish; returns the call's timings (see `generate`)."""
         st = self.stats
         steps0, decode0, host0, wall0 = st.steps, st.decode_steps, st.host_s, st.wall_s
+        prompt0 = st.prompt_steps
         dhost0, dwall0, timed0 = st.decode_host_s, st.decode_wall_s, st.decode_timed_steps
         pre0 = self.scheduler.preemptions
         spec0 = self.spec.snapshot() if self.spec else None
@@ -445,6 +449,7 @@ class Engine:
         prefill = (max(firsts) - t0) if len(firsts) == len(reqs) else (t1 - t0)
         steps, timed = st.steps - steps0, st.decode_timed_steps - timed0
         return {"prefill_s": prefill, "decode_s": t1 - t0 - prefill, "decode_steps": st.decode_steps - decode0,
+                "prompt_steps": st.prompt_steps - prompt0,
                 "steps": steps, "host_ms_per_step": 1e3 * (st.host_s - host0) / max(steps, 1),
                 "step_ms": 1e3 * (st.wall_s - wall0) / max(steps, 1), "decode_timed_steps": timed,
                 "decode_host_ms_per_step": 1e3 * (st.decode_host_s - dhost0) / max(timed, 1),
@@ -529,6 +534,7 @@ class Engine:
             st.process_s += t1 - tb - blocked
             st.steps += 1
             st.decode_steps += plan.prefill_rows == 0
+            st.prompt_steps += plan.prompt_rows > 0
             st.host_s += t1 - t0 - blocked
             st.wall_s += t1 - t0
             st.recent.append((t1, len(plan.sample_reqs)))

@@ -114,6 +114,7 @@ def test_a_request_is_bitwise_the_same_alone_and_in_batches(ckpt):
         try:
             with _Steps(eng) as steps:
                 assert _same(_run(eng, [TARGET], 0), alone), f"max_num_batched_tokens={mbt} alone"
+                assert eng.last_timings["prompt_steps"] == -(-len(TARGET) // min(mbt, ROWS[0]))
                 got = _run(eng, OTHERS[:5] + [TARGET] + OTHERS[5:], 5)
                 assert _same(got, alone), f"max_num_batched_tokens={mbt} in a batch"
         finally:
