@@ -362,31 +362,33 @@ class Scheduler:
             return None
         return self._plan(chunks)
 
-    def _todo(self, r: Request, kind: str | None) -> int:
-        """Rows running `r` has left to compute in a step of `kind`: "prompt" its prompt tokens, "decode" the
-        tokens after them (once its prompt is computed), None (the default mode's mixed steps) all of them. 0
-        when only its in-flight token is left and no more are wanted (it finishes when that arrives)."""
-        if r.num_computed >= r.total - (1 if self._length_done(r) else 0):
-            return 0
+    @staticmethod
+    def _of_kind(r: Request, kind: str, todo: int) -> int:
+        """Of the `todo` rows running `r` has left, those of a batch-invariant step of `kind`: "prompt" its prompt
+        tokens, "decode" the tokens after them (once its prompt is computed)."""
         if kind == "prompt":
             return max(0, len(r.prompt) - r.num_computed)
-        if kind == "decode" and r.num_computed < len(r.prompt):
-            return 0
-        return r.total - r.num_computed
+        return todo if r.num_computed >= len(r.prompt) else 0
 
     def _chunks(self, kind: str | None, budget: int) -> list[tuple[Request, int, int]]:
-        """The (request, start, end) chunks of one step of `kind` (see `_todo`) within `budget` rows: each running
-        request's rows in arrival order (a decode request's row, a prefill chunk that leaves one row for each
-        later decoding request), then admissions (not in a decode step). Takes the pages (preempting newer
-        requests where they are short) and advances `num_computed`."""
+        """The (request, start, end) chunks of one step within `budget` rows, of `kind` ("prompt" or "decode":
+        batch-invariant mode, see `_of_kind`; None: the default mode's mixed step): each running request's rows
+        in arrival order (a decode request's row, a prefill chunk that leaves one row for each later decoding
+        request), then admissions (not in a decode step). Takes the pages (preempting newer requests where they
+        are short) and advances `num_computed`."""
         chunks: list[tuple[Request, int, int]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             r = self.running[i]
-            todo = self._todo(r, kind)
-            if not todo:
-                i += 1
+            if r.num_computed >= r.total - (1 if self._length_done(r) else 0):
+                i += 1  # its last token is in flight and no more are wanted: it finishes when that arrives
                 continue
+            todo = r.total - r.num_computed
+            if kind is not None:
+                todo = self._of_kind(r, kind, todo)
+                if not todo:
+                    i += 1
+                    continue
             if todo > 1:  # a prefill chunk: leave one row for each later decoding request
                 later = 0 if kind == "prompt" else sum(
                     1 for q in self.running[i + 1:]
@@ -491,9 +493,11 @@ class Scheduler:
             if nxt is not None:  # the token after each row: the next row's, the known one after the chunk, or -1
                 nxt.extend(tok[k + 1: k + n])
                 nxt.append((r.prompt[e] if e < n_prompt else r.output[e - n_prompt]) if e < n_known else -1)
-            if n - drafted > 1 or s < n_prompt:  # a decode row with its drafts is not prefill
+            if s < n_prompt:  # prompt tokens: prefill
                 prefill_rows += n
-            prompt_rows += max(0, min(e, n_prompt) - s)
+                prompt_rows += min(e, n_prompt) - s
+            elif n - drafted > 1:  # a decode row with its drafts is not prefill
+                prefill_rows += n
             if e >= r.total and not self._length_done(r):
                 # the step samples the next token: in flight until the step after next is dispatched
                 r.flight_row = len(sample_rows)
