@@ -6,6 +6,10 @@ and FP8 weights. The flags are `python -m glm_dsa bench`'s.
 
     python -m glm_dsa bench --help        # the command line
     PYTHONPATH=. python3 benchmarks/bench_engine.py --help      # the same flags
+
+`--batch-invariant-cost` times batch-invariant mode against the default mode in one process instead (prefill and
+serving decode steps, their ratios; `run_invariant_cost`): its rows ("check": "batch_invariant_cost") go into
+results/e2e.json, rendered as BENCHMARKS.md's table "batch_invariant_cost".
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # re-exported: the suite, the tests and the diagnostics reach the benchmark's parts through this module
 from glm_dsa.serving.benchmark import (NOT_MEASURED, BenchConfig, add_arguments, command_line,  # noqa: E402,F401
                                config_from_args, decode_attention_bytes, decode_batch, decode_engine,
-                               decode_ms_per_step, flops_per_token, format_results, result_rows, run_bench,
-                               run_from_args, stage_times, to_record)
+                               decode_ms_per_step, decode_plan, flops_per_token, format_results, result_rows,
+                               run_bench, run_from_args, run_invariant_cost, serving_decode_ms, stage_times,
+                               to_record)
 
 
 def main(argv=None) -> int:

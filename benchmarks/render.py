@@ -139,7 +139,19 @@ TABLES = {
         ("prefill s", "prefill_s"), ("prefill tok/s", "prefill_tokens_per_s"), ("prefill MFU", pct("prefill_mfu")),
         ("decode context", "decode_context"),
         ("decode ms/step B=1", lambda r: r["decode_ms"].get("1")),
-        ("B=32", lambda r: r["decode_ms"].get("32")), ("B=128", lambda r: r["decode_ms"].get("128")))),
+        ("B=32", lambda r: r["decode_ms"].get("32")), ("B=128", lambda r: r["decode_ms"].get("128"))),
+        keep=lambda r: "check" not in r),
+    "batch_invariant_cost": Table("e2e", (
+        ("preset", "preset"), ("layers", "layers"), ("weights", "weights"), ("kv cache", "kv_cache"),
+        ("impl", "impl"), ("phase", "phase"),
+        ("shape", lambda r: f"{r['batch']} x {r['input_len']}" if r["phase"] == "prefill"
+         else f"B={r['B']} at {r['context']}"),
+        ("default", lambda r: f"{fmt(r.get('default_s'))} s" if r["phase"] == "prefill"
+         else f"{fmt(r.get('default_ms'))} ms"),
+        ("batch-invariant", lambda r: f"{fmt(r.get('invariant_s'))} s" if r["phase"] == "prefill"
+         else f"{fmt(r.get('invariant_ms'))} ms"),
+        ("ratio", "ratio"), ("limit", "limit"), ("within", "within_limit")),
+        keep=lambda r: r.get("check") == "batch_invariant_cost"),
     "serving_host": Table("serving", (
         ("B", "B"), ("decode step ms", "step_ms"), ("device step ms (replayed)", "device_step_ms"),
         ("idle ms", "idle_ms"), ("idle", pct("idle_fraction")), ("host busy ms (overlapped)", "host_ms"),

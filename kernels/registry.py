@@ -18,7 +18,11 @@ rule declares what it chooses there (`register_rule(..., invariant=...)`): a fun
 per-row schedule whatever the row count (a form without reductions across rows, a fixed split count), or
 `ROW_FREE` where its choice never depends on the rows or the batch. The rule "launch_rows" fixes the row count
 the kernels' default launch configs (tiles, split counts) are chosen for (`config_rows`). So in that mode a
-row's arithmetic depends on its own inputs only, not on how many rows share its step or where it sits.
+row's arithmetic depends on its own inputs only, not on how many rows share its step or where it sits. The
+choices ignore the row count altogether, so both of the serving steps' fixed shapes (`INVARIANT_STEP_ROWS` for
+decode steps, `INVARIANT_PROMPT_ROWS` for prompt steps) take the same ones: the decode-sized launch configs and
+per-row forms also run the 8192-row prompt steps (a token is always computed in one of the two shapes, so
+prompt-sized choices for prompt steps would keep the guarantee, but are not made: see `INVARIANT_CONFIG_ROWS`).
 
 `dispatch(op, impl, *args, **kwargs)` raises ValueError for an unknown impl (naming the op and the available
 impls) and for an impl that does not support the inputs (naming the constraint): never a silent fallback.
@@ -88,16 +92,28 @@ def register_mosaic(op: str, target: str, *, supports=None) -> None:
 ROW_FREE = "row_free"
 
 #: The row count the kernels' launch configs are chosen for in batch-invariant mode (see `config_rows`): a
-#: middle size, so the fixed tiles suit decode batches and prefill chunks alike.
+#: middle size, so the fixed tiles suit decode batches and prefill chunks alike. Prompt steps of
+#: `INVARIANT_PROMPT_ROWS` rows take these decode-sized tiles too (one config per kernel in the mode, checked on
+#: the GPU at decode and prompt shapes by tests/serving/test_gpu_batch_invariance.py); configs chosen for the
+#: prompt steps' fixed rows would be as invariant (each token is computed in one shape) and likely faster there.
 INVARIANT_CONFIG_ROWS = 64
 
-#: The rows of every step in batch-invariant mode (the serving runner pads each step to it, and its scheduler puts
-#: at most this many rows in one). XLA picks a computation's algorithm, and with it a row's reduction order, by
-#: the computation's shape: even a row-wise RMSNorm or GEMM rounds differently at 16 rows than at 64 on the CPU,
-#: and cuBLAS picks split-K by M. One step shape makes every op's shapes the same whatever the batch, so what is
-#: left to fix is each op's choices by the row count (the rules here) and by row position. 256: a decode batch
-#: of up to 256 requests is one step; a long prefill runs in chunks of 256 rows.
+#: The rows of a decode step in batch-invariant mode (the serving runner pads each such step to it, and its
+#: scheduler puts at most this many rows in one). XLA picks a computation's algorithm, and with it a row's reduction
+#: order, by the computation's shape: even a row-wise RMSNorm or GEMM rounds differently at 16 rows than at 64 on
+#: the CPU, and cuBLAS picks split-K by M. A fixed step shape makes every op's shapes the same whatever the batch,
+#: so what is left to fix is each op's choices by the row count (the rules here) and by row position. The serving
+#: steps have two fixed shapes, one per kind of token (glm_dsa.serving.scheduler): decode steps (decode rows, and
+#: the generated tokens of a preempted request when it is recomputed) of these rows, and prompt steps (prompt
+#: tokens only) of `INVARIANT_PROMPT_ROWS`. A token is always computed in the shape of its kind, so the two shapes
+#: need not round alike. 256: a decode batch of up to 256 requests is one step.
 INVARIANT_STEP_ROWS = 256
+
+#: The rows of a prompt step in batch-invariant mode (see `INVARIANT_STEP_ROWS`): prefill chunks pad to it, so a
+#: long prefill takes as many steps (each reading every weight once) as in the default mode at
+#: max_num_batched_tokens = 8192. A constant, not the engine's max_num_batched_tokens (which still caps a step's
+#: rows): a request's numbers must not follow that setting. Every prompt step has this many rows' activations.
+INVARIANT_PROMPT_ROWS = 8192
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,6 +68,8 @@ from glm_dsa.model.random_init import init_params
 from glm_dsa.model.layers import StepBatch
 from glm_dsa.model.mtp import init_mtp_params
 from glm_dsa.model.paged_cache import KV_CACHE_DTYPES, pages_needed
+from glm_dsa.serving.sampling import SamplingParams
+from glm_dsa.serving.scheduler import Request, StepPlan
 from glm_dsa.serving.spec_decoder import SpecDecoder
 from glm_dsa.model.step import step
 from kernels import fused_norm_rope, indexer, sparse_mla
@@ -569,6 +571,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--batch-invariant", action="store_true",
                    help="the engine's batch-invariant mode (bitwise reproducible requests; see Engine)")
+    p.add_argument("--batch-invariant-cost", action="store_true",
+                   help="instead: batch-invariant mode's cost against the default mode's, both in this process on the "
+                        "same weights: the prefill of --batch x --input-len (unless --no-end-to-end) and one serving "
+                        "decode step at each --decode-batches size, with their ratios (rows 'batch_invariant_cost' of "
+                        "--json-out; the first of --impls)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="paged cache dtype (fp8_ds_mla: 656-byte MLA rows, as vLLM serves GLM-5.x)")
     p.add_argument("--no-end-to-end", action="store_true", help="skip the prefill + generate run")
@@ -602,10 +609,127 @@ def run_from_args(args: argparse.Namespace, command: str | None = None) -> int:
     """Run the benchmark of parsed `add_arguments` flags and write its record to --json-out; exit code 0."""
     from glm_dsa import distributed
     distributed.initialize_from_flags(args)  # a no-op in one process, or when the CLI has joined already
-    res = run_bench(config_from_args(args), log=print if jax.process_index() == 0 else lambda *a, **k: None)
+    log = print if jax.process_index() == 0 else lambda *a, **k: None
+    if getattr(args, "batch_invariant_cost", False):
+        res = run_invariant_cost(config_from_args(args), log=log)
+        if args.json_out and jax.process_index() == 0:
+            write_json(args.json_out, record(res.pop("rows"), command=command, **res))
+        return 0
+    res = run_bench(config_from_args(args), log=log)
     if args.json_out and jax.process_index() == 0:
         write_json(args.json_out, to_record(res, command=command))
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the cost of batch-invariant mode
+
+
+#: batch-invariant mode's time over the default mode's that the acceptance allows (issue 44), by row: the prefill,
+#: and the decode step at B = 32
+INVARIANT_COST_LIMITS = {"prefill": 1.15, ("decode", 32): 1.10}
+
+
+def decode_plan(eng: Engine, b: int, ctx: int, rng) -> StepPlan:
+    """A scheduler plan of one decode row for each of b requests at position ctx - 1 (distinct random tokens from
+    the host, each row sampled greedily), over pages 1.. of the engine's device block table (`_tables`), as the
+    scheduler plans a decode step of b running requests: `ModelRunner.execute` gives it the engine's step shapes
+    (in batch-invariant mode a decode step's fixed rows, block-table width and request count)."""
+    pp = pages_needed(ctx, eng.block_size, eng.parallel.dcp, eng.parallel.interleave)
+    _tables(eng, b, pp)
+    params = SamplingParams(max_tokens=1 << 20, stop_token_ids=[])
+    reqs = []
+    for i in range(b):
+        r = Request(f"bench-{i}", [0], params, frozenset())  # a one-token prompt: every row is a generated token
+        r.pages, r.table_row, r.table_sent = list(range(1 + i * pp, 1 + (i + 1) * pp)), i, pp
+        reqs.append(r)
+    ids = np.arange(b)
+    return StepPlan(reqs, ids, np.full(b, ctx - 1), rng.integers(0, eng.config.vocab_size, b), np.full(b, -1), ids,
+                    reqs, np.zeros(b, np.int64), 0, np.zeros((3, 0), np.int64), [])
+
+
+def serving_decode_ms(eng: Engine, b: int, ctx: int, rng, steps: int = 10) -> float:
+    """Milliseconds per serving decode step of b requests at context ctx (`decode_plan`): the runner's `execute`
+    (host inputs, the fused step with the sampler), 2 warm-up steps, then the median of 5 samples of `steps`
+    consecutive steps blocked at the end, as the serving loop overlaps a step's host work with the previous one."""
+    plan = decode_plan(eng, b, ctx, rng)
+    return 1e3 * median_seconds(lambda: eng.runner.execute(plan), warmup=2, reps=5, calls_per_rep=steps)
+
+
+def _cost_row(phase: str, default: float, invariant: float, b: int | None = None, **extra) -> dict:
+    limit = INVARIANT_COST_LIMITS.get(phase if b is None else (phase, b))
+    ratio = invariant / default
+    return {"check": "batch_invariant_cost", "phase": phase, **({} if b is None else {"B": b}), **extra,
+            "ratio": ratio, "limit": limit, "within_limit": None if limit is None else bool(ratio <= limit)}
+
+
+def run_invariant_cost(bc: BenchConfig, log=print) -> dict:
+    """Batch-invariant mode's cost (`python -m glm_dsa bench --batch-invariant-cost`): the default mode and
+    batch-invariant mode in this process, on the same random weights, one after the other at each point:
+    - prefill (unless `bc.end_to_end` is off): `bc.batch` prompts of `bc.input_len` tokens through `generate`
+      (`bc.output_len` new tokens), seconds to the first token of every prompt, after a warm-up that compiles
+      every step shape; batch-invariant prompt steps hold 8192 rows (`kernels.registry.INVARIANT_PROMPT_ROWS`)
+      whatever `bc.max_num_batched_tokens`, which still caps a step's rows, and alternate with decode steps for
+      the prompts whose first token is out;
+    - decode at each of `bc.decode_batches` (at `bc.decode_context`, default `bc.input_len`; caches of random
+      rows): one serving step (`serving_decode_ms`), padded in batch-invariant mode to 256 rows
+      (`kernels.registry.INVARIANT_STEP_ROWS`), the block-table width of max_model_len and max_num_seqs requests.
+    Returns {"config", "device", "layers", "invariant_step_rows", "rows"}: one row {"check":
+    "batch_invariant_cost", "phase": "prefill" | "decode", "default_s" / "default_ms", "invariant_s" /
+    "invariant_ms", "ratio" (invariant over default), "limit" (`INVARIANT_COST_LIMITS`, None where the acceptance
+    names none), "within_limit", ...} per point."""
+    from glm_dsa.model import presets as configs
+    from kernels import registry
+    cfg = configs.get(bc.preset)
+    if bc.num_layers:
+        cfg = cfg.with_depth(bc.num_layers)
+    parallel = ParallelConfig(tensor_parallel_size=bc.tensor_parallel_size,
+                              decode_context_parallel_size=bc.decode_context_parallel_size)
+    params = init_params(cfg, seed=bc.seed, dtype=bc.dtype, parallel=parallel, quantization=bc.quantization)
+    impl = bc.impls[0]
+    ctx = bc.decode_context or bc.input_len
+    rng = np.random.default_rng(bc.seed)
+    device = jax.local_devices()[0]
+    weights = "fp8" if bc.quantization == "fp8" else {"bfloat16": "bf16"}.get(bc.dtype, bc.dtype)
+    common = {"preset": bc.preset, "layers": cfg.num_hidden_layers, "weights": weights, "kv_cache": bc.kv_cache_dtype,
+              "impl": impl}
+    rows = []
+    if bc.end_to_end:
+        prompts = [rng.integers(0, cfg.vocab_size, bc.input_len).tolist() for _ in range(bc.batch)]
+        got = {}
+        for invariant in (False, True):
+            eng = Engine(cfg, params, parallel=parallel, dtype=bc.dtype, max_model_len=bc.input_len + bc.output_len,
+                         max_num_seqs=bc.batch, max_num_batched_tokens=bc.max_num_batched_tokens, impl=impl,
+                         kv_cache_dtype=bc.kv_cache_dtype, batch_invariant=invariant)
+            eng.warmup(bc.batch, bc.input_len, bc.output_len)
+            eng.generate(prompts, bc.output_len, stop_token_ids=[])
+            got[invariant] = eng.last_timings
+            t = eng.last_timings
+            log(f"prefill {bc.batch} x {bc.input_len}, {'batch-invariant' if invariant else 'default'} mode: "
+                f"{t['prefill_s']:.3f} s ({t['steps']} steps in all, {t['prompt_steps']} with prompt tokens)")
+            del eng
+        d, i = got[False], got[True]
+        rows.append(_cost_row("prefill", d["prefill_s"], i["prefill_s"], **common, batch=bc.batch,
+                              input_len=bc.input_len, output_len=bc.output_len,
+                              max_num_batched_tokens=bc.max_num_batched_tokens, default_s=d["prefill_s"],
+                              invariant_s=i["prefill_s"], default_steps=d["steps"], invariant_steps=i["steps"],
+                              invariant_prompt_steps=i["prompt_steps"]))
+        log(f"prefill: batch-invariant / default = {rows[-1]['ratio']:.3f} (limit {rows[-1]['limit']})")
+    for b in bc.decode_batches:
+        ms = {}
+        for invariant in (False, True):
+            eng = decode_engine(cfg, params, parallel, bc.dtype, impl, b, ctx, bc.kv_cache_dtype, invariant)
+            try:
+                ms[invariant] = serving_decode_ms(eng, b, ctx, rng)
+            finally:
+                del eng
+        rows.append(_cost_row("decode", ms[False], ms[True], b, **common, context=ctx, default_ms=ms[False],
+                              invariant_ms=ms[True]))
+        log(f"decode B={b} at {ctx}: default {ms[False]:.3f} ms, batch-invariant {ms[True]:.3f} ms per step, ratio "
+            f"{rows[-1]['ratio']:.3f} (limit {rows[-1]['limit']})")
+    return {"config": dataclasses.asdict(bc), "device": getattr(device, "device_kind", str(device)),
+            "layers": cfg.num_hidden_layers,
+            "invariant_step_rows": [registry.INVARIANT_PROMPT_ROWS, registry.INVARIANT_STEP_ROWS], "rows": rows}
 
 
 # ---------------------------------------------------------------------------------------------------------------

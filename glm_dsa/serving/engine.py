@@ -14,7 +14,6 @@ import time
 
 import numpy as np
 
-from kernels import registry
 from sharding import ParallelConfig
 
 from ..model.config import GlmDsaConfig
@@ -40,6 +39,7 @@ class _LoopStats:
 
     steps: int = 0
     decode_steps: int = 0  # steps with decode rows only
+    prompt_steps: int = 0  # steps with prompt tokens (batch-invariant mode: its prompt steps)
     host_s: float = 0.0  # loop time not spent waiting for the device's ids (build + launch + process)
     build_s: float = 0.0  # of host_s: planning the step and building its numpy inputs
     launch_s: float = 0.0  # of host_s: the jitted call (transfers, dispatch; a launch that blocks shows here)
@@ -96,11 +96,24 @@ class Engine:
     glm_dsa.serving.scheduler and prefix_cache); `metrics()` counts the reuse, `reset_prefix_cache()` forgets it.
     It needs block_size divisible by the DCP interleave; otherwise it is turned off, with a warning.
     `batch_invariant=True`: a request's tokens and logprobs are bitwise the same whether it runs alone or beside
-    other requests, at any row position, with any `max_num_batched_tokens` and after a preemption (fixed mesh,
-    device and jax version): every kernel rule takes its fixed per-row choice (`kernels.registry.batch_invariant`)
-    and every serving step has the same shapes (`kernels.registry.INVARIANT_STEP_ROWS` rows, padded; at most that
-    many per step, so max_num_batched_tokens is capped there; one block-table width and request count). Not with
-    speculative decoding.
+    other requests, at any row position, with any `max_num_batched_tokens`, after a preemption and its recompute,
+    and whether its prompt's pages were found in the prefix cache or computed (for one mesh, device, jax version
+    and engine: max_model_len, max_num_seqs, block_size and invariant_step_rows). Every kernel rule takes its
+    fixed per-row choice (`kernels.registry.batch_invariant`), and every serving step has one of two fixed shapes
+    (each with the block-table width of max_model_len and the request count of max_num_seqs): a prompt step
+    computes prompt tokens only (prefill chunks), padded to `invariant_step_rows[0]` rows (default
+    `kernels.registry.INVARIANT_PROMPT_ROWS` = 8192); a decode step computes every other token (decode rows, and a
+    preempted request's generated tokens when it is recomputed), padded to `invariant_step_rows[1]` rows (default
+    `INVARIANT_STEP_ROWS` = 256). The kinds never share a step (they alternate while both have work; see
+    glm_dsa.serving.scheduler), so a token is always computed in its kind's shape; a step holds at most
+    min(max_num_batched_tokens, its kind's rows). The prefix cache keeps only pages of prompt tokens there.
+    Memory: every prompt step has the activations of `invariant_step_rows[0]` rows whatever max_num_batched_tokens
+    (as the default mode at max_num_batched_tokens = 8192), within the device memory the cache plan leaves
+    (1 - cache_memory_fraction); where that does not fit, pass smaller prompt rows (results are then the same
+    among engines of those rows) or a smaller cache_memory_fraction. `invariant_step_rows` is for that and for
+    tests; None keeps the defaults (a value without batch_invariant is a ValueError). Not with speculative
+    decoding. It covers the serving loop (`generate`, `stream`, `submit`, the server), not `logits` and `trace`
+    (steps of their own shapes).
     """
 
     config = _runner_attribute("config", "The model's `GlmDsaConfig`.")
@@ -124,7 +137,8 @@ class Engine:
                  block_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 2048, impl: str | None = None,
                  cache_memory_fraction: float = 0.8, num_speculative_tokens: int = 0, mtp_params=None,
-                 enable_prefix_caching: bool = True, batch_invariant: bool = False):
+                 enable_prefix_caching: bool = True, batch_invariant: bool = False,
+                 invariant_step_rows: tuple[int, int] | None = None):
         # MTP speculative decoding (glm_dsa.serving.spec_decoder): k drafts per step from the nextn layer
         # `mtp_params`; checked first, before the runner allocates anything
         self.num_speculative_tokens = check_positive_int("num_speculative_tokens", num_speculative_tokens, minimum=0)
@@ -132,10 +146,6 @@ class Engine:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} needs the MTP (nextn) layer's "
                              "parameters (mtp_params; glm_dsa.load reads them from the checkpoint)")
         self.max_num_batched_tokens = check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        # batch-invariant mode runs every step at one row count (kernels.registry.INVARIANT_STEP_ROWS): steps hold
-        # at most that many rows, so a longer max_num_batched_tokens prefills in chunks of that size
-        step_rows = (min(self.max_num_batched_tokens, registry.INVARIANT_STEP_ROWS) if batch_invariant is True
-                     else self.max_num_batched_tokens)
         if batch_invariant is True and self.num_speculative_tokens:
             raise ValueError("batch_invariant=True with num_speculative_tokens > 0: the speculative step is not "
                              "batch-invariant; turn one of them off")
@@ -143,7 +153,7 @@ class Engine:
                                   max_model_len=max_model_len, block_size=block_size, num_pages=num_pages,
                                   max_num_seqs=max_num_seqs, impl=impl, cache_memory_fraction=cache_memory_fraction,
                                   num_speculative_tokens=self.num_speculative_tokens,
-                                  batch_invariant=batch_invariant)
+                                  batch_invariant=batch_invariant, invariant_step_rows=invariant_step_rows)
         self.last_timings: dict = {}  # of the last generate (see there)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
@@ -156,9 +166,9 @@ class Engine:
         # serving: the host scheduler over the runner's pages, and the loop's state (see `step`)
         self.scheduler = Scheduler(self.allocator, block_size=self.block_size, dcp=self.parallel.dcp,
                                    interleave=self.parallel.interleave, max_num_seqs=self.max_num_seqs,
-                                   max_num_batched_tokens=step_rows,
+                                   max_num_batched_tokens=self.max_num_batched_tokens,
                                    max_model_len=self.max_model_len, lookahead=self.num_speculative_tokens,
-                                   prefix_caching=enable_prefix_caching)
+                                   prefix_caching=enable_prefix_caching, invariant_rows=self.runner.invariant_rows)
         self._pending = None  # (plan, device ids) of the dispatched step whose ids are not processed yet
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # submits and aborts from other threads
         self._requests: dict[str, Request] = {}
@@ -288,6 +298,7 @@ class Engine:
         The prompts go through the continuous-batching scheduler (at most max_num_seqs at once, admitted as
         others finish). Afterwards `self.last_timings` holds host-clock seconds of this call: "prefill_s" (to
         the first token of every prompt), "decode_s" (the rest), "decode_steps" (steps of decode rows only),
+        "prompt_steps" (steps with prompt tokens: in batch-invariant mode its prompt steps),
         "steps", "host_ms_per_step" (loop time per step not spent waiting for the device), "step_ms" (loop time
         per step), the same two over the "decode_timed_steps" loop turns that waited for a decode-only step's ids
         ("decode_host_ms_per_step", "decode_step_ms": the loop's wall time per decode step, from the host
@@ -424,6 +435,7 @@ class Engine:
         """Run the loop in this thread until `reqs` finish; returns the call's timings (see `generate`)."""
         st = self.stats
         steps0, decode0, host0, wall0 = st.steps, st.decode_steps, st.host_s, st.wall_s
+        prompt0 = st.prompt_steps
         dhost0, dwall0, timed0 = st.decode_host_s, st.decode_wall_s, st.decode_timed_steps
         pre0 = self.scheduler.preemptions
         spec0 = self.spec.snapshot() if self.spec else None
@@ -437,6 +449,7 @@ class Engine:
         prefill = (max(firsts) - t0) if len(firsts) == len(reqs) else (t1 - t0)
         steps, timed = st.steps - steps0, st.decode_timed_steps - timed0
         return {"prefill_s": prefill, "decode_s": t1 - t0 - prefill, "decode_steps": st.decode_steps - decode0,
+                "prompt_steps": st.prompt_steps - prompt0,
                 "steps": steps, "host_ms_per_step": 1e3 * (st.host_s - host0) / max(steps, 1),
                 "step_ms": 1e3 * (st.wall_s - wall0) / max(steps, 1), "decode_timed_steps": timed,
                 "decode_host_ms_per_step": 1e3 * (st.decode_host_s - dhost0) / max(timed, 1),
@@ -521,6 +534,7 @@ class Engine:
             st.process_s += t1 - tb - blocked
             st.steps += 1
             st.decode_steps += plan.prefill_rows == 0
+            st.prompt_steps += plan.prompt_rows > 0
             st.host_s += t1 - t0 - blocked
             st.wall_s += t1 - t0
             st.recent.append((t1, len(plan.sample_reqs)))

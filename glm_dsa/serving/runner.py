@@ -45,6 +45,22 @@ def check_positive_int(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
+def check_invariant_rows(rows, batch_invariant: bool) -> tuple[int, int] | None:
+    """The (prompt step rows, decode step rows) of batch-invariant mode: `rows` checked (two integers >= 1), or
+    by default (`kernels.registry.INVARIANT_PROMPT_ROWS`, `INVARIANT_STEP_ROWS`); None in the default mode (a
+    `rows` given there is a ValueError)."""
+    if not batch_invariant:
+        if rows is not None:
+            raise ValueError(f"invariant_step_rows={rows!r} is for batch_invariant=True")
+        return None
+    if rows is None:
+        return registry.INVARIANT_PROMPT_ROWS, registry.INVARIANT_STEP_ROWS
+    if not isinstance(rows, (tuple, list)) or len(rows) != 2:
+        raise TypeError(f"invariant_step_rows must be (prompt rows, decode rows), got {rows!r}")
+    return (check_positive_int("invariant_step_rows[0] (prompt rows)", rows[0]),
+            check_positive_int("invariant_step_rows[1] (decode rows)", rows[1]))
+
+
 def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32,
                 prev_ids, *, config, parallel, options, n_out: int, block_size: int, width: int, greedy: bool,
                 logprobs: bool = False, with_logits: bool = False):
@@ -123,11 +139,14 @@ class ModelRunner:
     def __init__(self, config: GlmDsaConfig, params, *, parallel: ParallelConfig | None = None, dtype="bfloat16",
                  kv_cache_dtype: str = "auto", max_model_len: int | None = None, block_size: int = 16,
                  num_pages: int | None = None, max_num_seqs: int = 8, impl: str | None = None,
-                 cache_memory_fraction: float = 0.8, num_speculative_tokens: int = 0, batch_invariant: bool = False):
+                 cache_memory_fraction: float = 0.8, num_speculative_tokens: int = 0, batch_invariant: bool = False,
+                 invariant_step_rows: tuple[int, int] | None = None):
         self.config = config
         if not isinstance(batch_invariant, bool):
             raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
         self.batch_invariant = batch_invariant
+        #: batch-invariant mode's (prompt step rows, decode step rows), see `step_shapes`; None in the default mode
+        self.invariant_rows = check_invariant_rows(invariant_step_rows, batch_invariant)
         self.parallel = resolve_parallel(parallel, config)
         self.dtype = resolve_dtype(dtype)
         self.kv_cache_dtype = kv_cache_dtype
@@ -253,13 +272,19 @@ class ModelRunner:
         # requests (and logits rows, at most one each) in buckets growing 4x, capped at max_num_seqs' bucket
         nr = min(_bucket(len(plan.requests), 8, 4), self.n_out)
         if self.batch_invariant:
-            # one shape whatever the batch: the block-table width sets how many keys the indexer scores and selects
-            # from, so it must not follow the longest neighbour; the rows, requests and width fix every op's shapes
+            # one shape per step kind whatever the batch: the block-table width sets how many keys the indexer
+            # scores and selects from, so it must not follow the longest neighbour; the rows, requests and width fix
+            # every op's shapes. A prompt step (prompt tokens only) has the prompt rows, a decode step (no prompt
+            # token) the decode rows: each token is computed in the one shape of its kind (scheduler docstring)
             width, nr = self.pages_per_seq, self.n_out
-            if plan.num_rows > registry.INVARIANT_STEP_ROWS:
-                raise RuntimeError(f"a batch-invariant step of {plan.num_rows} rows, over its "
-                                   f"{registry.INVARIANT_STEP_ROWS} (the scheduler's budget should cap it)")
-            t = registry.INVARIANT_STEP_ROWS  # one step shape (see there)
+            if 0 < plan.prompt_rows < plan.num_rows:
+                raise RuntimeError(f"a batch-invariant step of {plan.prompt_rows} prompt tokens and "
+                                   f"{plan.num_rows - plan.prompt_rows} others: the kinds have one shape each and "
+                                   "never share a step (the scheduler should keep them apart)")
+            t = self.invariant_rows[0 if plan.prompt_rows else 1]
+            if plan.num_rows > t:
+                raise RuntimeError(f"a batch-invariant {'prompt' if plan.prompt_rows else 'decode'} step of "
+                                   f"{plan.num_rows} rows, over its {t} (the scheduler's budget should cap it)")
         return t, width, nr
 
     def table_inputs(self, plan: StepPlan, t: int, nr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -26,6 +26,19 @@ token is always computed, so its logits sample the next one): prefill starts aft
 request holds shared and never writes (its own rows go to fresh pages, the last prompt page included, even when
 the whole prompt was cached). Preemption and abort release a request's hold; cached pages stay indexed until
 `allocate` evicts them.
+
+Batch-invariant mode (`invariant_rows=(prompt rows, decode rows)`, from `Engine(batch_invariant=True)`): a step
+is of one of two kinds and never mixes them. A prompt step computes prompt tokens only (positions below
+`len(prompt)`: chunks of prompts being prefilled, admissions), a decode step everything else (decode rows, and
+after a preemption the recompute of the request's generated tokens); the runner pads each kind to its own fixed
+row count. So every token is computed in a step of the one shape it was first computed in, also when it is
+recomputed after a preemption: a recompute runs the prompt part in prompt steps and the generated part in decode
+steps. When both kinds have work the kinds alternate step by step (neither starves: a decode request waits at
+most one prompt step, as it waits for a mixed step in the default mode); otherwise the kind that has work runs.
+Prefix caching there indexes and matches only pages that lie wholly within a request's prompt (computed in
+prompt steps, as a miss would compute them: a page of generated tokens, such as an earlier answer that a later
+chat turn repeats in its prompt, was computed in decode steps), and a match leaves at least the prompt's last
+token to compute, so an admission always has prompt rows.
 """
 
 from __future__ import annotations
@@ -120,6 +133,7 @@ class StepPlan:
     # after it (-1: the step emits it)
     sample_drafts: np.ndarray | None = None
     next_token: np.ndarray | None = None
+    prompt_rows: int = 0  # rows whose token is a prompt token (position < len(prompt)): batch-invariant step kinds
 
     @property
     def num_rows(self) -> int:
@@ -137,11 +151,18 @@ class Scheduler:
     nextn layer's chained rows, and the engine reports each step with `process_spec` (no token in flight).
     prefix_caching: reuse cached full pages (see the module docstring); needs a `PrefixCachingAllocator` and
     `block_size` divisible by `interleave` (so that a page's tokens are consecutive positions).
+    invariant_rows: None, or (prompt rows, decode rows) of batch-invariant mode's two step kinds (see the module
+    docstring): a step of each kind holds at most that many rows and at most `max_num_batched_tokens`. Not with
+    `lookahead`.
     """
 
     def __init__(self, allocator: PageAllocator, *, block_size: int, dcp: int, interleave: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, lookahead: int = 0,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, invariant_rows: tuple[int, int] | None = None):
+        if invariant_rows is not None and lookahead:
+            raise ValueError("batch-invariant step kinds (invariant_rows) with speculative drafts (lookahead)")
+        self.invariant_rows = invariant_rows
+        self._last_kind = "decode"  # batch-invariant mode: the kind of the last step (a prompt step goes first)
         if prefix_caching and not isinstance(allocator, PrefixCachingAllocator):
             raise TypeError("prefix_caching needs a PrefixCachingAllocator, got " + type(allocator).__name__)
         if prefix_caching and block_size % interleave:
@@ -291,6 +312,8 @@ class Scheduler:
             return
         known = len(r.prompt) + len(r.output)
         final = min(r.num_computed, known - (1 if self.lookahead else 0))
+        if self.invariant_rows is not None:  # pages of prompt tokens only: computed in prompt steps
+            final = min(final, len(r.prompt))
         n = min(final // self.page_tokens, len(r.pages))
         if n <= r.pages_indexed:
             return
@@ -300,10 +323,11 @@ class Scheduler:
 
     def _match(self, r: Request) -> list[int]:
         """The cached pages `r` (waiting, nothing in flight) can start from: its longest indexed prefix of full
-        pages that ends before its last known token (always computed: its logits sample the next token)."""
+        pages that ends before its last known token (always computed: its logits sample the next token); in
+        batch-invariant mode before its last prompt token (the pages a miss computes in prompt steps)."""
         if not self.prefix_caching:
             return []
-        known = len(r.prompt) + len(r.output)
+        known = len(r.prompt) if self.invariant_rows is not None else len(r.prompt) + len(r.output)
         return self.allocator.match(self._keys(r, (known - 1) // self.page_tokens))
 
     def reset_prefix_cache(self) -> None:
@@ -317,13 +341,42 @@ class Scheduler:
         return self.allocator.cached_pages if self.prefix_caching else 0
 
     def schedule(self) -> StepPlan | None:
-        """The next step's rows, or None when there is nothing to compute. Finishes aborted requests first."""
+        """The next step's rows, or None when there is nothing to compute. Finishes aborted requests first. In
+        batch-invariant mode the step is a prompt step or a decode step (see the module docstring): the kind
+        other than the last step's when it has work, else the other."""
         for r in [q for q in self.running + self.waiting if q.aborted]:
             self._finish(r, "abort")
         for r in self.running:  # tokens that arrived since the last step may complete pages
             self._index(r)
-        budget = self.max_num_batched_tokens
-        chunks: list[tuple[Request, int, int]] = []  # (request, start, end)
+        if self.invariant_rows is None:
+            chunks = self._chunks(None, self.max_num_batched_tokens)
+        else:
+            kinds = ("prompt", "decode") if self._last_kind == "decode" else ("decode", "prompt")
+            for kind in kinds:
+                rows = self.invariant_rows[0 if kind == "prompt" else 1]
+                chunks = self._chunks(kind, min(self.max_num_batched_tokens, rows))
+                if chunks:
+                    self._last_kind = kind
+                    break
+        if not chunks:
+            return None
+        return self._plan(chunks)
+
+    @staticmethod
+    def _of_kind(r: Request, kind: str, todo: int) -> int:
+        """Of the `todo` rows running `r` has left, those of a batch-invariant step of `kind`: "prompt" its prompt
+        tokens, "decode" the tokens after them (once its prompt is computed)."""
+        if kind == "prompt":
+            return max(0, len(r.prompt) - r.num_computed)
+        return todo if r.num_computed >= len(r.prompt) else 0
+
+    def _chunks(self, kind: str | None, budget: int) -> list[tuple[Request, int, int]]:
+        """The (request, start, end) chunks of one step within `budget` rows, of `kind` ("prompt" or "decode":
+        batch-invariant mode, see `_of_kind`; None: the default mode's mixed step): each running request's rows
+        in arrival order (a decode request's row, a prefill chunk that leaves one row for each later decoding
+        request), then admissions (not in a decode step). Takes the pages (preempting newer requests where they
+        are short) and advances `num_computed`."""
+        chunks: list[tuple[Request, int, int]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             r = self.running[i]
@@ -331,8 +384,15 @@ class Scheduler:
                 i += 1  # its last token is in flight and no more are wanted: it finishes when that arrives
                 continue
             todo = r.total - r.num_computed
+            if kind is not None:
+                todo = self._of_kind(r, kind, todo)
+                if not todo:
+                    i += 1
+                    continue
             if todo > 1:  # a prefill chunk: leave one row for each later decoding request
-                later = sum(1 for q in self.running[i + 1:] if q.total - q.num_computed == 1)
+                later = 0 if kind == "prompt" else sum(
+                    1 for q in self.running[i + 1:]
+                    if q.total - q.num_computed == 1 and (kind is None or q.num_computed >= len(q.prompt)))
                 n = min(todo, max(budget - later, 1))
             else:
                 n = 1 + self._draft_rows(r, budget)
@@ -345,13 +405,15 @@ class Scheduler:
             budget -= n
             i += 1
         # admission: waiting requests in arrival order while there are sequence slots, rows and pages
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while kind != "decode" and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
             if r.in_flight:  # preempted with a token in flight: admitted once it is on the host
                 break
             hit = self._match(r)  # cached pages: prefill starts after them
             start = len(hit) * self.page_tokens
-            n = min(r.total - start, budget)
+            # a prompt step takes the prompt only (`_match` leaves at least its last token): a recompute's
+            # generated tokens follow in decode steps
+            n = min((len(r.prompt) if kind == "prompt" else r.total) - start, budget)
             need = self.pages_for(self._span(r, start + n)) - len(hit)
             # admitted only when its whole prompt (and output so far) fits beside what the running requests' own
             # prefills still need: admitting on the first chunk's pages alone let a long prompt in that its next
@@ -377,9 +439,7 @@ class Scheduler:
             r.num_computed = start + n
             self._index(r)
             budget -= n
-        if not chunks:
-            return None
-        return self._plan(chunks)
+        return chunks
 
     def _plan(self, chunks) -> StepPlan:
         # rows built as Python lists, one numpy conversion each at the end: a decode row is one element, and
@@ -393,7 +453,7 @@ class Scheduler:
         sample_rows, sample_reqs, sample_idx, sample_drafts = [], [], [], []
         nxt: list[int] | None = [] if self.lookahead else None
         upd_row, upd_col, upd_page, resets = [], [], [], []
-        prefill_rows = 0
+        prefill_rows = prompt_rows = 0
         for j, (r, s, e) in enumerate(chunks):
             n_prompt = len(r.prompt)
             n_known = n_prompt + len(r.output)
@@ -433,7 +493,10 @@ class Scheduler:
             if nxt is not None:  # the token after each row: the next row's, the known one after the chunk, or -1
                 nxt.extend(tok[k + 1: k + n])
                 nxt.append((r.prompt[e] if e < n_prompt else r.output[e - n_prompt]) if e < n_known else -1)
-            if n - drafted > 1 or s < n_prompt:  # a decode row with its drafts is not prefill
+            if s < n_prompt:  # prompt tokens: prefill
+                prefill_rows += n
+                prompt_rows += min(e, n_prompt) - s
+            elif n - drafted > 1:  # a decode row with its drafts is not prefill
                 prefill_rows += n
             if e >= r.total and not self._length_done(r):
                 # the step samples the next token: in flight until the step after next is dispatched
@@ -448,7 +511,7 @@ class Scheduler:
             return np.asarray(x, np.int64)
         return StepPlan(reqs, arr(req), arr(pos), arr(tok), arr(src), arr(sample_rows), sample_reqs, arr(sample_idx),
                         prefill_rows, arr([upd_row, upd_col, upd_page]).reshape(3, -1), resets, arr(sample_drafts),
-                        None if nxt is None else arr(nxt))
+                        None if nxt is None else arr(nxt), prompt_rows)
 
     # ---- results ---------------------------------------------------------------------------
     def process(self, plan: StepPlan, ids: np.ndarray, now: float | None = None, logprobs=None) -> None:

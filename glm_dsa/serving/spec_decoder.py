@@ -199,6 +199,7 @@ class SpecDecoder:
         t1 = time.perf_counter()
         st.steps += 1
         st.decode_steps += plan.prefill_rows == 0
+        st.prompt_steps += plan.prompt_rows > 0
         st.generated += emitted
         st.host_s += t1 - t0 - wait
         st.process_s += t1 - tp

@@ -134,3 +134,44 @@ def test_random_fp8_caches_hold_valid_rows():
     for x in (kv, k_pe, keys):
         x = np.asarray(x, np.float32)
         assert np.isfinite(x).all() and 0.8 < x.std() < 1.2
+
+
+def test_batch_invariant_cost_rows(tmp_path, monkeypatch):
+    """`bench --batch-invariant-cost` at tiny sizes (the step rows lowered: 8192-row prompt steps take seconds on a
+    CPU): a prefill row and a decode row per batch, each with both modes' times, their ratio and the acceptance
+    limit where there is one; the batch-invariant decode step it times is padded to the decode rows."""
+    import argparse
+
+    from glm_dsa.serving import benchmark
+    from kernels import registry
+
+    monkeypatch.setattr(registry, "INVARIANT_PROMPT_ROWS", 128)
+    monkeypatch.setattr(registry, "INVARIANT_STEP_ROWS", 64)
+    timed = []
+    real = benchmark.serving_decode_ms
+
+    def spy(eng, b, ctx, rng, steps=10):
+        timed.append((eng.batch_invariant, eng.runner.step_shapes(benchmark.decode_plan(eng, b, ctx, rng))))
+        return real(eng, b, ctx, rng, steps)
+
+    monkeypatch.setattr(benchmark, "serving_decode_ms", spy)
+    p = argparse.ArgumentParser()
+    benchmark.add_arguments(p)
+    out = tmp_path / "cost.json"
+    args = p.parse_args(["--preset", "tiny", "--num-layers", "2", "--batch-invariant-cost", "--input-len", "24",
+                         "--output-len", "3", "--batch", "2", "--decode-batches", "32", "--max-num-batched-tokens",
+                         "16", "--json-out", str(out)])
+    assert benchmark.run_from_args(args, command="bench --batch-invariant-cost") == 0
+    rec = json.loads(out.read_text())
+    assert rec["command"] == "bench --batch-invariant-cost" and rec["invariant_step_rows"] == [128, 64]
+    assert [(r["check"], r["phase"], r.get("B")) for r in rec["rows"]] == [
+        ("batch_invariant_cost", "prefill", None), ("batch_invariant_cost", "decode", 32)]
+    pre, d32 = rec["rows"]
+    assert pre["ratio"] == pre["invariant_s"] / pre["default_s"] and pre["default_s"] > 0
+    assert pre["invariant_steps"] > pre["invariant_prompt_steps"] > 0 and pre["default_steps"] > 0
+    assert pre["max_num_batched_tokens"] == 16
+    assert d32["ratio"] == d32["invariant_ms"] / d32["default_ms"] and d32["context"] == 24
+    assert (pre["limit"], d32["limit"]) == (1.15, 1.10) and isinstance(d32["within_limit"], bool)
+    assert benchmark._cost_row("decode", 1.0, 2.0, 1)["limit"] is None  # B = 1: no acceptance line
+    # 32 rows at the context's pages (one of 64 tokens) in the default mode, the decode rows in batch-invariant mode
+    assert timed == [(False, (32, 1, 32)), (True, (64, 1, 32))]

@@ -1,11 +1,18 @@
 """Batch-invariant mode (`Engine(batch_invariant=True)`) on the CPU: one request's tokens and logprobs, bitwise,
 alone against the same request beside random others (at several row positions), with other prefill chunk sizes
-(max_num_batched_tokens) and after a preemption. The oracle is the same request run alone.
+(max_num_batched_tokens), after a preemption, and with its prompt's pages found in the prefix cache against
+computed. The oracle is the same request run alone.
 
-On the CPU with this tiny float32 model the default mode happened to pass the same comparisons (XLA's CPU forms
-at these shapes round alike); the GPU tests (tests/serving/test_gpu_batch_invariance.py) record the default
-mode's differences as the negative control."""
+On the CPU this tiny float32 model's numbers do not move with the step's shape: the default mode passed the same
+comparisons, and so did steps of 16 to 8192 rows against 256 (checked when the two step kinds came in). So the
+bitwise comparisons here cannot see a token computed in the wrong shape; what guards that is structural: every
+executed step is recorded (`_Steps`) and must hold prompt tokens only, padded to the prompt rows, or no prompt
+token, padded to the decode rows, also when a preempted request is recomputed. The GPU tests
+(tests/serving/test_gpu_batch_invariance.py) compare numbers where shapes do change them, with the default
+mode's differences as the negative control. The engines here run steps of `ROWS` (the defaults, 8192 and 256
+rows, cost more on a CPU; `test_default_step_rows` runs them once)."""
 
+import collections
 import functools
 
 import numpy as np
@@ -13,9 +20,11 @@ import pytest
 
 import glm_dsa
 from glm_dsa import configs
+from kernels import registry
 
 CFG = configs.tiny
 NEW = 5  # decode steps compared
+ROWS = (64, 16)  # the prompt and decode step rows of the engines here (Engine invariant_step_rows)
 
 
 def _prompts(seed, lengths):
@@ -28,14 +37,50 @@ OTHERS = _prompts(101, [9, 21, 4, 17, 30, 6, 12])
 
 
 @functools.lru_cache(maxsize=None)
-def _engine(ckpt, invariant: bool, max_num_batched_tokens: int, num_pages: int | None = None):
+def _engine(ckpt, invariant: bool, max_num_batched_tokens: int, num_pages: int | None = None, rows=ROWS):
     return glm_dsa.load(ckpt, dtype="float32", max_model_len=64, block_size=4, max_num_seqs=8, progress=False,
                         max_num_batched_tokens=max_num_batched_tokens, num_pages=num_pages,
-                        batch_invariant=invariant)
+                        batch_invariant=invariant, invariant_step_rows=rows if invariant else None)
+
+
+class _Steps:
+    """Records every step `eng` executes: its padded rows and, per row, (request id, position, whether the token
+    is a prompt token). `check` asserts the two kinds: a step of prompt tokens only has the prompt rows, a step of
+    no prompt token the decode rows."""
+
+    def __init__(self, eng):
+        self.eng, self.steps = eng, []
+        self._execute = eng.runner.execute
+        eng.runner.execute = self
+
+    def __call__(self, plan, dry=None):
+        t = self.eng.runner.step_shapes(plan)[0]
+        self.steps.append((t, [(r.request_id, int(p), int(p) < len(r.prompt))
+                               for r, p in zip((plan.requests[q] for q in plan.req), plan.pos)]))
+        return self._execute(plan, dry)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        del self.eng.runner.execute  # the bound method again
+
+    def check(self, rows):
+        assert self.steps
+        for t, step in self.steps:
+            kinds = {prompt for _, _, prompt in step}
+            assert len(kinds) == 1, f"a step mixes prompt tokens and others: {step}"
+            assert t == (rows[0] if kinds == {True} else rows[1]), (t, step)
+
+    def computed(self) -> collections.Counter:
+        """How often each (request id, position, whether a prompt token) was computed."""
+        return collections.Counter(row for _, step in self.steps for row in step)
 
 
 def _run(eng, prompts, at):
-    """The target's Completion when it is prompt `at` of `prompts` (greedy: the prompt index does not enter)."""
+    """The target's Completion when it is prompt `at` of `prompts` (greedy: the prompt index does not enter),
+    every prompt computed (the prefix cache emptied first)."""
+    eng.reset_prefix_cache()
     out = eng.generate(prompts, max_new_tokens=NEW, stop_token_ids=[], logprobs=4)
     return out[at]
 
@@ -58,13 +103,24 @@ def test_a_request_is_bitwise_the_same_alone_and_in_batches(ckpt):
     eng = _engine(ckpt, True, 16)
     alone = _run(eng, [TARGET], 0)
     assert len(alone.logprobs) == NEW
-    for prompts, at in _batches():
-        assert _same(_run(eng, prompts, at), alone), f"target at row {at} of {len(prompts)}"
-    # prefill in other chunk sizes: the prompt's last-token logprobs and every decode step's
-    for mbt in (5, 64):
-        other = _engine(ckpt, True, mbt)
-        assert _same(_run(other, [TARGET], 0), alone), f"max_num_batched_tokens={mbt} alone"
-        assert _same(_run(other, OTHERS[:3] + [TARGET], 3), alone), f"max_num_batched_tokens={mbt} in a batch"
+    with _Steps(eng) as steps:
+        for prompts, at in _batches():
+            assert _same(_run(eng, prompts, at), alone), f"target at row {at} of {len(prompts)}"
+    steps.check(ROWS)
+    # prefill in other chunk sizes (5 rows; 100, over the prompt rows: 64): the prompt's last-token logprobs and
+    # every decode step's, from the same compiled steps (max_num_batched_tokens changes no step shape)
+    for mbt in (5, 100):
+        eng.scheduler.max_num_batched_tokens = mbt
+        try:
+            with _Steps(eng) as steps:
+                assert _same(_run(eng, [TARGET], 0), alone), f"max_num_batched_tokens={mbt} alone"
+                assert eng.last_timings["prompt_steps"] == -(-len(TARGET) // min(mbt, ROWS[0]))
+                got = _run(eng, OTHERS[:5] + [TARGET] + OTHERS[5:], 5)
+                assert _same(got, alone), f"max_num_batched_tokens={mbt} in a batch"
+        finally:
+            eng.scheduler.max_num_batched_tokens = 16
+        steps.check(ROWS)
+        assert max(sum(1 for _, _, p in s if p) for _, s in steps.steps) == min(mbt, ROWS[0])
 
 
 def test_the_same_after_a_preemption(ckpt):
@@ -72,9 +128,32 @@ def test_the_same_after_a_preemption(ckpt):
     # 15 pages of 4 tokens: the eight requests cannot all hold their pages, so later ones are preempted and
     # recomputed (the target last, the newest arrival, preempted first)
     eng = _engine(ckpt, True, 16, 15)
-    got = _run(eng, OTHERS + [TARGET], len(OTHERS))
+    with _Steps(eng) as steps:
+        got = _run(eng, OTHERS + [TARGET], len(OTHERS))
     assert eng.last_timings["preemptions"] > 0
     assert _same(got, alone)
+    steps.check(ROWS)
+    # some request's generated tokens were recomputed after its preemption: in decode steps (checked above)
+    assert any(n > 1 and not prompt for (_, _, prompt), n in steps.computed().items())
+
+
+def test_a_prefix_cache_hit_is_the_same_as_a_miss(ckpt):
+    """A chat's next turn (the first turn's prompt and answer, then more) with the first turn's pages cached:
+    only the first prompt's pages are reused (the answer was computed in decode steps, a miss computes it in
+    prompt steps), and the logprobs are the miss's."""
+    eng = _engine(ckpt, True, 16)
+    first = _run(eng, [TARGET], 0)
+    turn = TARGET + first.token_ids + OTHERS[0]
+    miss = _run(eng, [turn], 0)
+    eng.reset_prefix_cache()
+    hits0 = eng.metrics()["prefix_cache_hits"]
+    with _Steps(eng) as steps:
+        eng.generate([TARGET], max_new_tokens=NEW, stop_token_ids=[])  # the first turn, its pages cached
+        hit = eng.generate([turn], max_new_tokens=NEW, stop_token_ids=[], logprobs=4)[0]
+    # TARGET's 3 full pages (13 tokens); the 4th holds answer tokens (the default mode reuses it: 16)
+    assert eng.metrics()["prefix_cache_hits"] - hits0 == 12
+    assert _same(hit, miss)
+    steps.check(ROWS)
 
 
 @pytest.mark.parametrize("tp,dcp", [(2, 2)])
@@ -82,11 +161,25 @@ def test_bitwise_the_same_on_a_tp_dcp_layout(ckpt, tp, dcp):
     """Under TP x DCP (a fixed layout): alone against a batch, and after a prefill in other chunks."""
     par = glm_dsa.ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
     eng = glm_dsa.load(ckpt, dtype="float32", max_model_len=64, block_size=4, max_num_seqs=8, progress=False,
-                       max_num_batched_tokens=16, batch_invariant=True, parallel=par)
+                       max_num_batched_tokens=16, batch_invariant=True, invariant_step_rows=ROWS, parallel=par)
     alone = _run(eng, [TARGET], 0)
-    assert _same(_run(eng, OTHERS[:5] + [TARGET], 5), alone)
-    eng.scheduler.max_num_batched_tokens = 5  # the same compiled step, prefill in chunks of 5 rows
-    assert _same(_run(eng, [TARGET] + OTHERS[:2], 0), alone)
+    with _Steps(eng) as steps:
+        assert _same(_run(eng, OTHERS[:5] + [TARGET], 5), alone)
+        eng.scheduler.max_num_batched_tokens = 5  # the same compiled steps, prefill in chunks of 5 rows
+        assert _same(_run(eng, [TARGET] + OTHERS[:2], 0), alone)
+    steps.check(ROWS)
+
+
+def test_default_step_rows(ckpt):
+    """The engine's own step rows (kernels.registry's 8192 and 256): alone against a batch, both kinds run."""
+    eng = _engine(ckpt, True, 16, rows=None)
+    rows = (registry.INVARIANT_PROMPT_ROWS, registry.INVARIANT_STEP_ROWS)
+    assert eng.runner.invariant_rows == rows == (8192, 256)
+    alone = _run(eng, [TARGET], 0)
+    with _Steps(eng) as steps:
+        assert _same(_run(eng, OTHERS[:2] + [TARGET], 2), alone)
+    steps.check(rows)
+    assert {t for t, _ in steps.steps} == set(rows)
 
 
 def test_flag_is_checked_and_reaches_the_steps(ckpt):
@@ -94,5 +187,12 @@ def test_flag_is_checked_and_reaches_the_steps(ckpt):
         glm_dsa.load(ckpt, dtype="float32", max_model_len=64, progress=False, batch_invariant=1)
     eng = _engine(ckpt, True, 16)
     assert eng.batch_invariant and eng.runner.options.batch_invariant
+    assert eng.scheduler.invariant_rows == eng.runner.invariant_rows == ROWS
     with pytest.raises(TypeError, match="batch_invariant"):
         glm_dsa.StepOptions(batch_invariant="yes")
+    for rows, err in (((64, 0), ValueError), ((64,), TypeError), (64, TypeError)):
+        with pytest.raises(err, match="invariant_step_rows"):
+            glm_dsa.load(ckpt, dtype="float32", max_model_len=64, progress=False, batch_invariant=True,
+                         invariant_step_rows=rows)
+    with pytest.raises(ValueError, match="invariant_step_rows=.* is for batch_invariant=True"):
+        glm_dsa.load(ckpt, dtype="float32", max_model_len=64, progress=False, invariant_step_rows=(64, 16))

@@ -1,10 +1,13 @@
 """On the GPU: batch-invariant mode at the bench preset's widths (4 layers), bf16 and FP8 weights, bf16 and
 fp8_ds_mla caches. A target prompt (longer than index_topk, so the indexer's selection is sparse) alone against
 the same prompt in batches of 8, 32 and 128 random others at three row positions, with max_num_batched_tokens
-512, 2048, 8192 (and 100: chunks below the step's rows), and under a page budget that forces preemption: every
-one of 64 decode steps' logprobs (and their top alternatives) bitwise equal, and the prefill's last-token
-logprobs (the first sampled token's). The default mode is the negative control: its differences are printed
-(`-s`), not asserted. bf16 weights of the bench preset take ~70 GB: an H200."""
+100, 512, 2048 and 8192 (prompt steps of 8192 rows, decode steps of 256, whatever the chunk), under a page budget
+that forces preemption (the recompute's prompt in prompt steps, its generated tokens in decode steps), and as a
+chat's next turn with the first turn's prompt pages found in the prefix cache against computed: every one of 64
+decode steps' logprobs (and their top alternatives) bitwise equal, and the prefill's last-token logprobs (the
+first sampled token's, from a prompt step). Every run computes its prompts (the prefix cache emptied first) but
+the hit. The default mode is the negative control: its differences are printed (`-s`), not asserted. bf16
+weights of the bench preset take ~70 GB: an H200."""
 
 import functools
 
@@ -46,6 +49,7 @@ def _engine(weights, kv, invariant, mbt=8192, num_pages=None):
 
 
 def _run(eng, prompts, at):
+    eng.reset_prefix_cache()
     return eng.generate(prompts, max_new_tokens=NEW, stop_token_ids=[], logprobs=5)[at]
 
 
@@ -93,6 +97,23 @@ def test_bitwise_after_preemption(weights, kv):
     got = _run(eng, _others(8, 11) + [TARGET], 8)
     assert eng.last_timings["preemptions"] > 0
     assert _bits(got) == _bits(alone), _first_difference(got, alone)
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_ds_mla"])
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_bitwise_with_a_prefix_cache_hit(weights, kv):
+    """A chat's next turn (the target, its answer, more): computed, against the first turn's prompt pages found in
+    the cache (its answer's pages are not reused: they were computed in decode steps)."""
+    eng = _engine(weights, kv, True)
+    first = _run(eng, [TARGET], 0)
+    turn = TARGET + first.token_ids + _prompts(5, [300])[0]
+    miss = _run(eng, [turn], 0)
+    eng.reset_prefix_cache()
+    hits = eng.metrics()["prefix_cache_hits"]
+    eng.generate([TARGET], max_new_tokens=NEW, stop_token_ids=[])
+    hit = eng.generate([turn], max_new_tokens=NEW, stop_token_ids=[], logprobs=5)[0]
+    assert eng.metrics()["prefix_cache_hits"] - hits == (TARGET_LEN // 16) * 16
+    assert _bits(hit) == _bits(miss), _first_difference(hit, miss)
 
 
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_ds_mla"])

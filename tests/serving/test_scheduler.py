@@ -2,10 +2,13 @@
 
 Samples are fed back by hand with `process`, as the engine loop does one step late."""
 
+import collections
+
 import numpy as np
 import pytest
 
 from glm_dsa.model.paged_cache import PageAllocator
+from glm_dsa.serving.prefix_cache import PrefixCachingAllocator
 from glm_dsa.serving.sampling import SamplingParams
 from glm_dsa.serving.scheduler import Request, Scheduler, Status
 
@@ -170,3 +173,128 @@ def test_long_prompts_are_admitted_whole_so_their_chunks_never_preempt(dcp):
             break
     assert all(r.status == Status.FINISHED for r in reqs) and s.preemptions == 0
     assert peak == 2
+
+
+# ---- batch-invariant mode: prompt steps and decode steps ------------------------------------------------------
+
+def _drive(s, tok=9, limit=2000):
+    """Run `s` as the engine loop does (a step's ids processed after the next step is planned, every sample
+    `tok`) until it has no work; returns the plans."""
+    plans, pending = [], None
+    for _ in range(limit):
+        plan = s.schedule()
+        if pending is not None:
+            s.process(pending, np.full(len(pending.sample_rows), tok))
+        pending = plan
+        if plan is not None:
+            plans.append(plan)
+        if not s.has_work and pending is None:
+            return plans
+    raise AssertionError("the scheduler did not finish")
+
+
+def _kind(plan):
+    """'prompt' when every row is a prompt token (position < len(prompt)), 'decode' when none is, else 'mixed'."""
+    prompt = [int(p) < len(plan.requests[q].prompt) for q, p in zip(plan.req, plan.pos)]
+    return "prompt" if all(prompt) else "decode" if not any(prompt) else "mixed"
+
+
+def test_batch_invariant_steps_hold_one_kind_and_alternate():
+    """Prompt steps (prompt tokens, at most 8 rows) and decode steps (the rest, at most 4) never share a step and
+    take turns while both have work; the default mode mixes them (the first two steps below are one there)."""
+    s = _sched(invariant_rows=(8, 4), max_num_batched_tokens=64)
+    a, b = _req("a", 3, max_tokens=6), _req("b", 14, max_tokens=2)
+    s.add(a)
+    s.add(b)
+    p1 = s.schedule()  # prompt: a's prompt and b's first 5 rows; a's first token is sampled
+    assert _rows(p1) == [("a", i, i + 1) for i in range(3)] + [("b", i, i + 1) for i in range(5)]
+    assert (p1.prompt_rows, p1.sample_rows.tolist()) == (8, [2])
+    p2 = s.schedule()  # decode: a's row of its in-flight token, although b's prompt waits
+    assert _rows(p2) == [("a", 3, "src:0")] and p2.prompt_rows == 0
+    s.process(p1, np.array([40]))
+    p3 = s.schedule()  # prompt: b's next 8 rows (a's next row waits for this step)
+    assert _rows(p3) == [("b", i, i + 1) for i in range(5, 13)] and p3.sample_rows.tolist() == []
+    s.process(p2, np.array([41]))
+    p4 = s.schedule()  # decode: a's token from the host
+    assert _rows(p4) == [("a", 4, 41)]
+    s.process(p3, np.array([], np.int64))
+    p5 = s.schedule()  # prompt: b's last prompt row, sampled: a first token comes from a prompt step
+    assert _rows(p5) == [("b", 13, 14)] and p5.sample_rows.tolist() == [0]
+    d = _sched(max_num_batched_tokens=8)  # the default mode: a's decode row rides with b's prompt
+    a, b = _req("a", 3, max_tokens=6), _req("b", 14, max_tokens=2)
+    d.add(a)
+    d.add(b)
+    d.schedule()
+    assert _kind(d.schedule()) == "mixed"
+
+
+def test_batch_invariant_recompute_splits_prompt_and_generated_tokens():
+    """After a preemption the prompt is recomputed in a prompt step (nothing sampled: the next token is known)
+    and the generated tokens in a decode step, whose last row samples; the default mode recomputes both in one."""
+    for rows in ((8, 4), None):
+        s = _sched(invariant_rows=rows, max_num_batched_tokens=64)
+        a = _req("a", 5, max_tokens=8)
+        s.add(a)
+        prev = s.schedule()
+        for tok in (50, 51, 52):
+            plan = s.schedule()
+            s.process(prev, np.array([tok]))
+            prev = plan
+        s.process(prev, np.array([53]))
+        assert a.output == [50, 51, 52, 53] and a.num_computed == 8
+        s._preempt(a)
+        p = s.schedule()
+        if rows is None:
+            assert _rows(p) == [("a", i, t) for i, t in enumerate([1, 2, 3, 4, 5, 50, 51, 52, 53])]
+            continue
+        assert _rows(p) == [("a", i, i + 1) for i in range(5)] and p.sample_rows.tolist() == []
+        q = s.schedule()
+        assert _rows(q) == [("a", 5, 50), ("a", 6, 51), ("a", 7, 52), ("a", 8, 53)]
+        assert q.sample_rows.tolist() == [3] and q.sample_token_index.tolist() == [4]
+        assert q.prompt_rows == 0 and _kind(q) == "decode"
+
+
+@pytest.mark.parametrize("mbt", [3, 64])
+def test_batch_invariant_steps_never_mix_under_preemption(mbt):
+    """Many requests on a small page budget (preempted and recomputed): every step is all prompt tokens within
+    the prompt rows or all others within the decode rows (and max_num_batched_tokens), and every request ends."""
+    rng = np.random.default_rng(mbt)
+    s = _sched(num_pages=9, invariant_rows=(8, 4), max_num_batched_tokens=mbt, max_num_seqs=4, max_model_len=32)
+    reqs = [_req(f"r{i}", int(n), max_tokens=int(m)) for i, (n, m) in
+            enumerate(zip(rng.integers(1, 14, 10), rng.integers(6, 16, 10)))]
+    for r in reqs:
+        s.add(r)
+    plans = _drive(s)
+    assert s.preemptions > 0 and all(r.finished for r in reqs)
+    computed = collections.Counter()
+    for p in plans:
+        kind = _kind(p)
+        assert kind != "mixed" and p.prompt_rows == (p.num_rows if kind == "prompt" else 0)
+        assert p.num_rows <= min(mbt, 8 if kind == "prompt" else 4)
+        computed.update((p.requests[q].request_id, int(pos), kind) for q, pos in zip(p.req, p.pos))
+    # generated tokens were recomputed (in decode steps, as above)
+    assert any(n > 1 and kind == "decode" for (_, _, kind), n in computed.items())
+
+
+def test_batch_invariant_prefix_cache_keeps_prompt_pages_only():
+    """A later request whose prompt repeats an earlier request's prompt and answer (a chat's next turn) reuses
+    only the pages of the earlier prompt in batch-invariant mode (the answer's pages were computed in decode
+    steps; a miss computes them in prompt steps); the default mode reuses the answer's pages too. And a request
+    recomputed after a preemption matches pages of its prompt only, though pages of its generated tokens are
+    cached (computed as another request's prompt): its miss computes those in decode steps."""
+    for rows, pages in (((8, 4), 1), (None, 2)):
+        s = Scheduler(PrefixCachingAllocator(64), block_size=4, dcp=1, interleave=1, max_num_seqs=4,
+                      max_num_batched_tokens=64, max_model_len=32, prefix_caching=True, invariant_rows=rows)
+        a = _req("a", 6, max_tokens=6)  # page 0: prompt; page 1: prompt 4, 5 and answer 6, 7; page 2: answer
+        s.add(a)
+        _drive(s)
+        assert s.cached_pages == pages
+        b = Request("b", a.prompt + a.output + [3, 3], SamplingParams(max_tokens=2), frozenset())
+        s.add(b)
+        _drive(s)
+        assert b.cached_tokens == 4 * pages
+        # as if preempted after 4 tokens: its 10 known tokens begin with b's pages 0 and 1
+        c = Request("c", list(a.prompt), SamplingParams(max_tokens=6), frozenset(), output=list(a.output[:4]))
+        s.add(c)
+        _drive(s)
+        assert c.cached_tokens == 4 * pages
