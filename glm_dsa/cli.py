@@ -339,7 +339,7 @@ def cmd_info(args) -> int:
     if args.kernels:  # the kernels registry's dispatch table for these shapes on a GPU (traced, nothing runs)
         from glm_dsa.model.kernel_table import dispatch_table, format_table
         table = dispatch_table(cfg, parallel=parallel, kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype,
-                               quantization=args.quantization)
+                               quantization=args.quantization, batch_invariant=args.batch_invariant)
         print(json.dumps(table, indent=2) if args.json else format_table(table))
         return 0
     plan = _info_plan(args, cfg)
@@ -506,6 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--kernels", action="store_true",
                    help="print which kernel impl='auto' runs on a GPU for each op of this model's step (decode "
                         "B=1/32/128, a prefill chunk of 2048): the kernels registry's rules, traced on this machine")
+    i.add_argument("--batch-invariant", action="store_true",
+                   help="with --kernels: the table of batch-invariant mode's two step shapes (a prompt step of 8192 "
+                        "rows, a decode step of 256) instead")
     _add_quantization_flag(i)
     i.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "fp8_ds_mla"])
     i.add_argument("--device-memory", type=_positive(float), default=141.0, metavar="GiB",

@@ -14,15 +14,23 @@ default) and the forms an impl or the model picks ("moe.fp8_form", "indexer.scor
 decisions a traced step takes (`glm_dsa.model.kernel_table`, `python -m glm_dsa info --kernels`).
 
 Batch-invariant mode (`batch_invariant()`, set by a step traced with `StepOptions(batch_invariant=True)`): every
-rule declares what it chooses there (`register_rule(..., invariant=...)`): a function returning one fixed,
-per-row schedule whatever the row count (a form without reductions across rows, a fixed split count), or
-`ROW_FREE` where its choice never depends on the rows or the batch. The rule "launch_rows" fixes the row count
-the kernels' default launch configs (tiles, split counts) are chosen for (`config_rows`). So in that mode a
-row's arithmetic depends on its own inputs only, not on how many rows share its step or where it sits. The
-choices ignore the row count altogether, so both of the serving steps' fixed shapes (`INVARIANT_STEP_ROWS` for
-decode steps, `INVARIANT_PROMPT_ROWS` for prompt steps) take the same ones: the decode-sized launch configs and
-per-row forms also run the 8192-row prompt steps (a token is always computed in one of the two shapes, so
-prompt-sized choices for prompt steps would keep the guarantee, but are not made: see `INVARIANT_CONFIG_ROWS`).
+rule declares what it chooses there (`register_rule(..., invariant=..., invariant_prompt=...)`), as a function of
+the step's static padded row count T only, never of how many of its rows are real, how they spread over requests or
+experts, or where a row sits. The serving steps of the mode have two fixed shapes (`INVARIANT_PROMPT_ROWS` rows for
+prompt steps, `INVARIANT_STEP_ROWS` for decode steps) and a token is always computed in the shape of its kind, so a
+choice may differ between the two shapes as long as, at one T, a row's arithmetic depends on its own inputs only.
+`batch_invariant(rows=T, prompt_rows=P)` names the step kind by its rows: a step of at least P rows (the engine's
+prompt-step rows) is a prompt step, fewer a decode step.
+- Decode steps take `invariant`: one fixed, per-row schedule tuned for decode-sized steps (a form without
+  reductions across rows, a fixed split count), or `ROW_FREE` where the rule's choice never depends on the rows or
+  the batch. The rule "launch_rows" fixes the row count the kernels' default launch configs (tiles, split counts)
+  are chosen for (`config_rows`: `INVARIANT_CONFIG_ROWS`).
+- Prompt steps take `invariant_prompt`: `DEFAULT` (the default mode's choice at the same static shapes: the
+  prefill forms, for rules whose default choice is batch-independent at a fixed shape; each such rule says why),
+  a function of its own, or None (the decode steps' choice, for a rule whose default is not batch-independent
+  at a fixed shape). "launch_rows" is `DEFAULT` there: the launch configs are the default mode's for the op's rows.
+So in that mode a row's arithmetic depends on its own inputs and the step's fixed shape only, not on how many rows
+share its step or where it sits.
 
 `dispatch(op, impl, *args, **kwargs)` raises ValueError for an unknown impl (naming the op and the available
 impls) and for an impl that does not support the inputs (naming the constraint): never a silent fallback.
@@ -91,11 +99,15 @@ def register_mosaic(op: str, target: str, *, supports=None) -> None:
 #: A rule's `invariant` when its choice never depends on the rows or the batch (by platform, dtypes, cache size).
 ROW_FREE = "row_free"
 
-#: The row count the kernels' launch configs are chosen for in batch-invariant mode (see `config_rows`): a
-#: middle size, so the fixed tiles suit decode batches and prefill chunks alike. Prompt steps of
-#: `INVARIANT_PROMPT_ROWS` rows take these decode-sized tiles too (one config per kernel in the mode, checked on
-#: the GPU at decode and prompt shapes by tests/serving/test_gpu_batch_invariance.py); configs chosen for the
-#: prompt steps' fixed rows would be as invariant (each token is computed in one shape) and likely faster there.
+#: A rule's `invariant_prompt` when prompt steps take the default mode's choice at the same static shapes (the
+#: prefill forms): for rules whose default choice is a function of static shapes that leaves each row's arithmetic
+#: independent of the other rows at a fixed step shape (fixed tiles and split counts, a fixed K order per row).
+DEFAULT = "default"
+
+#: The row count the kernels' launch configs are chosen for in the decode steps of batch-invariant mode (see
+#: `config_rows`): a decode-sized count, so the fixed tiles suit decode batches. Prompt steps take the default
+#: mode's configs for their ops' rows instead (rule "launch_rows": `DEFAULT` there), as invariant, since each
+#: token is computed in one shape (checked on the GPU at both shapes by tests/serving/test_gpu_batch_invariance.py).
 INVARIANT_CONFIG_ROWS = 64
 
 #: The rows of a decode step in batch-invariant mode (the serving runner pads each such step to it, and its
@@ -111,8 +123,10 @@ INVARIANT_STEP_ROWS = 256
 
 #: The rows of a prompt step in batch-invariant mode (see `INVARIANT_STEP_ROWS`): prefill chunks pad to it, so a
 #: long prefill takes as many steps (each reading every weight once) as in the default mode at
-#: max_num_batched_tokens = 8192. A constant, not the engine's max_num_batched_tokens (which still caps a step's
-#: rows): a request's numbers must not follow that setting. Every prompt step has this many rows' activations.
+#: max_num_batched_tokens = 8192, with the same kernels (the rules' `invariant_prompt` choices). A constant, not
+#: the engine's max_num_batched_tokens (which still caps a step's rows): a request's numbers must not follow that
+#: setting. Every prompt step has this many rows' activations. Also the default `prompt_rows` of
+#: `batch_invariant`: a step of at least this many rows decides as a prompt step.
 INVARIANT_PROMPT_ROWS = 8192
 
 
@@ -121,46 +135,70 @@ class Rule:
     """One choice the kernels make per shape: which impl "auto" runs (rule "<op>.auto") or which form an impl
     takes ("moe.fp8_form", "topk.auto", ...). `choose(platform, *args, **kwargs)` returns one of `choices` (None:
     any registered impl of `op`); `platform` is "gpu" or another jax backend name, an input of the rule so that
-    the table of choices for a GPU can be computed anywhere (`deciding_for`). `invariant`: the choice in
-    batch-invariant mode, a function of the same arguments returning a fixed per-row schedule, or `ROW_FREE`
-    (the rule's choice never depends on the rows or the batch: `choose` serves both modes)."""
+    the table of choices for a GPU can be computed anywhere (`deciding_for`). `invariant`: the choice in the
+    decode steps of batch-invariant mode, a function of the same arguments returning a fixed per-row schedule, or
+    `ROW_FREE` (the rule's choice never depends on the rows or the batch: `choose` serves both modes and both step
+    kinds). `invariant_prompt`: the choice in the mode's prompt steps: `DEFAULT` (`choose`, the default mode's
+    choice at the same static shapes), a function, or None (`invariant`, as in decode steps)."""
     name: str
     op: str
     choose: Callable[..., str]
     choices: tuple[str, ...] | None = None
     invariant: Callable[..., str] | str = ROW_FREE
+    invariant_prompt: Callable[..., str] | str | None = None
 
     @property
     def summary(self) -> str:
         """The first line of the rule's docstring."""
         return (self.choose.__doc__ or "").strip().split("\n")[0]
 
+    def chooser(self, kind: str | None) -> Callable[..., str]:
+        """The function that decides for a step of `kind`: None (the default mode), "decode" or "prompt" (the
+        step kinds of batch-invariant mode)."""
+        if kind is None or self.invariant == ROW_FREE:
+            return self.choose
+        if kind == "prompt" and self.invariant_prompt is not None:
+            return self.choose if self.invariant_prompt == DEFAULT else self.invariant_prompt
+        return self.invariant
+
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """One decision taken while `record` was on: the rule, what it chose, on which platform, and the shapes and
-    dtypes of the array arguments it was asked about."""
+    dtypes of the array arguments it was asked about; `step_kind` the batch-invariant step kind it was taken in
+    ("prompt" or "decode"; None in the default mode)."""
     rule: str
     choice: str
     platform: str
     shapes: tuple
     batch_invariant: bool = False
+    step_kind: str | None = None
 
 
 _RULES: dict[str, Rule] = {}  # rule name -> Rule; filled by the op modules at import
 _PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("kernels_platform", default=None)
 _RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("kernels_record", default=None)
-_INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar("kernels_batch_invariant", default=False)
+# None: the default mode; "prompt" / "decode": batch-invariant mode, in a step of that kind
+_INVARIANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("kernels_batch_invariant", default=None)
+
+
+def step_kind(rows: int | None, prompt_rows: int | None = None) -> str:
+    """The batch-invariant step kind of a step of `rows` rows (its static padded row count): "prompt" from
+    `prompt_rows` rows (None: `INVARIANT_PROMPT_ROWS`), else "decode"; `rows` None (a kernel run outside a
+    step): "decode"."""
+    threshold = INVARIANT_PROMPT_ROWS if prompt_rows is None else prompt_rows
+    return "prompt" if rows is not None and rows >= threshold else "decode"
 
 
 @contextlib.contextmanager
-def batch_invariant(on: bool = True):
+def batch_invariant(on: bool = True, *, rows: int | None = None, prompt_rows: int | None = None):
     """Within the block (while a step traces) every rule decides in batch-invariant mode when `on` (see the
-    module doc); `on=False` leaves the current mode as it is."""
+    module doc), for a step of `rows` rows (its static padded row count; `step_kind` with `prompt_rows` names its
+    kind: None, a decode step); `on=False` leaves the current mode as it is."""
     if not on:
         yield
         return
-    token = _INVARIANT.set(True)
+    token = _INVARIANT.set(step_kind(rows, prompt_rows))
     try:
         yield
     finally:
@@ -169,6 +207,12 @@ def batch_invariant(on: bool = True):
 
 def batch_invariant_mode() -> bool:
     """Whether the rules decide in batch-invariant mode here (inside `batch_invariant()`)."""
+    return _INVARIANT.get() is not None
+
+
+def invariant_step_kind() -> str | None:
+    """The step kind the rules decide for in batch-invariant mode ("prompt" or "decode"), None in the default
+    mode."""
     return _INVARIANT.get()
 
 
@@ -216,14 +260,22 @@ def record():
 
 
 def register_rule(name: str, op: str, choose: Callable[..., str], choices: tuple[str, ...] | None = None, *,
-                  invariant: Callable[..., str] | str) -> Rule:
+                  invariant: Callable[..., str] | str,
+                  invariant_prompt: Callable[..., str] | str | None = None) -> Rule:
     """Register rule `name` of `op` (see `Rule`); `invariant` (required: each rule says what batch-invariant mode
-    does with it) is its fixed per-row choice, or `ROW_FREE`. Registering a name twice is an error."""
+    does with it) is its fixed per-row choice in decode steps, or `ROW_FREE`; `invariant_prompt` its choice in
+    prompt steps (`DEFAULT`: `choose`; a function; None: `invariant`; nothing for a `ROW_FREE` rule).
+    Registering a name twice is an error."""
     if name in _RULES:
         raise ValueError(f"registry: rule {name!r} is already registered")
     if invariant != ROW_FREE and not callable(invariant):
         raise ValueError(f"registry: rule {name!r}: invariant must be a function or ROW_FREE, got {invariant!r}")
-    rule = Rule(name, op, choose, choices, invariant)
+    if invariant == ROW_FREE and invariant_prompt is not None:
+        raise ValueError(f"registry: rule {name!r}: a ROW_FREE rule decides alike in every step (no invariant_prompt)")
+    if invariant_prompt not in (None, DEFAULT) and not callable(invariant_prompt):
+        raise ValueError(f"registry: rule {name!r}: invariant_prompt must be a function, DEFAULT or None, got "
+                         f"{invariant_prompt!r}")
+    rule = Rule(name, op, choose, choices, invariant, invariant_prompt)
     _RULES[name] = rule
     return rule
 
@@ -248,16 +300,15 @@ def decide(name: str, *args, platform: str | None = None, **kwargs) -> str:
         raise ValueError(f"registry: unknown rule {name!r} (registered: {', '.join(_RULES)})")
     rule = _RULES[name]
     where = platform or _platform()
-    invariant = _INVARIANT.get()
-    choose = rule.invariant if invariant and rule.invariant != ROW_FREE else rule.choose
-    choice = choose(where, *args, **kwargs)
+    kind = _INVARIANT.get()
+    choice = rule.chooser(kind)(where, *args, **kwargs)
     allowed = rule.choices if rule.choices is not None else tuple(i for i in impls(rule.op) if i != "auto")
     if choice not in allowed:
         raise AssertionError(f"{rule.op}: the rule {name!r} chose {choice!r}, which is not one of "
                              f"{', '.join(map(repr, allowed))}")
     log = _RECORD.get()
     if log is not None:
-        log.append(Decision(name, choice, where, _shapes(args, kwargs), invariant))
+        log.append(Decision(name, choice, where, _shapes(args, kwargs), kind is not None, kind))
     return choice
 
 
@@ -268,38 +319,46 @@ def triton_on_gpu(platform: str, *args, **kwargs) -> str:
 
 
 def register_auto(op: str, choose: Callable[..., str] | None = None, *,
-                  invariant: Callable[..., str] | str | None = None) -> None:
+                  invariant: Callable[..., str] | str | None = None,
+                  invariant_prompt: Callable[..., str] | str | None = None) -> None:
     """Register "auto" for `op`: the rule "<op>.auto", `choose(platform, *args, **kwargs)` returning the impl to
-    run for these arguments (default `triton_on_gpu`); `invariant` as for `register_rule` (a `choose` that reads
-    the rows must give one)."""
+    run for these arguments (default `triton_on_gpu`); `invariant` and `invariant_prompt` as for `register_rule`
+    (a `choose` that reads the rows must give `invariant`)."""
     if invariant is None:
         if choose is not None:
             raise ValueError(f"registry: {op}.auto with its own choose must say what batch-invariant mode runs "
                              "(invariant=a function, or ROW_FREE)")
         invariant = ROW_FREE  # triton_on_gpu: by platform alone
-    register_rule(f"{op}.auto", op, choose or triton_on_gpu, invariant=invariant)
+    register_rule(f"{op}.auto", op, choose or triton_on_gpu, invariant=invariant, invariant_prompt=invariant_prompt)
     register(op, "auto", _auto_placeholder)
 
 
 def _launch_rows(platform: str, t: int) -> str:
-    """The kernels' default launch configs are chosen for the step's rows ("rows"; "fixed" in batch-invariant
-    mode: `INVARIANT_CONFIG_ROWS`)."""
+    """The kernels' default launch configs are chosen for the op's rows ("rows"; "fixed" in batch-invariant
+    decode steps: `INVARIANT_CONFIG_ROWS`)."""
     del platform, t
     return "rows"
 
 
 def _launch_rows_invariant(platform: str, t: int) -> str:
+    """Batch-invariant decode steps: every kernel's launch config is chosen for `INVARIANT_CONFIG_ROWS` rows.
+    Prompt steps (`DEFAULT`): for the op's rows, as in the default mode. Either way a launch config is a function
+    of static shapes (the op's rows are the step's padded rows, or a static chunk of them), never of the data: at
+    one step shape every kernel runs one schedule (tiles, K steps, split counts), and each kernel computes a row
+    from that row alone in a K order the config fixes (the grouped-GEMM tiles' rows, sparse MLA's and the
+    indexer's per-row splits, split-K partials summed in split order)."""
     del platform, t
     return "fixed"
 
 
-register_rule("launch_rows", "launch", _launch_rows, ("rows", "fixed"), invariant=_launch_rows_invariant)
+register_rule("launch_rows", "launch", _launch_rows, ("rows", "fixed"), invariant=_launch_rows_invariant,
+              invariant_prompt=DEFAULT)
 
 
 def config_rows(t: int) -> int:
     """The row count a kernel's default launch config (tiles, splits, warps) is chosen for: `t`, or
-    `INVARIANT_CONFIG_ROWS` in batch-invariant mode (rule "launch_rows"), so a row's schedule does not change with
-    the batch."""
+    `INVARIANT_CONFIG_ROWS` in batch-invariant decode steps (rule "launch_rows"), so a row's schedule does not
+    change with the batch (in prompt steps `t`, a static shape too)."""
     return t if decide("launch_rows", t) == "rows" else INVARIANT_CONFIG_ROWS
 
 

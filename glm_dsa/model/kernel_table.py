@@ -1,6 +1,9 @@
 """Which kernel runs for a model's shapes: the kernels registry's decisions for one step of each shape class
 (decode rows of B requests, a prefill chunk), taken while tracing `glm_dsa.step` for a platform given as an input
-(`kernels.registry.deciding_for`), so a CPU prints the table of a GPU. `python -m glm_dsa info --kernels`."""
+(`kernels.registry.deciding_for`), so a CPU prints the table of a GPU. `python -m glm_dsa info --kernels`; with
+`batch_invariant` (`--batch-invariant`) the table of batch-invariant mode's two serving step shapes instead (a
+prompt step of `INVARIANT_PROMPT_ROWS` rows, a decode step of `INVARIANT_STEP_ROWS`, each with the block table of
+`requests` requests)."""
 
 from __future__ import annotations
 
@@ -52,10 +55,12 @@ def _abstract_step_inputs(config, parallel, *, rows: int, requests: int, context
 
 def step_decisions(config, *, parallel=None, rows: int, requests: int, context: int = 32768, block_size: int = 64,
                    kv_cache_dtype: str = "auto", dtype="bfloat16", quantization=None, platform: str = "gpu",
-                   trim: bool = True) -> list:
+                   trim: bool = True, batch_invariant: bool = False, prompt_rows: int | None = None) -> list:
     """The `kernels.registry.Decision`s of one `glm_dsa.step` (impl "auto") over `rows` rows of `requests`
     requests with `context` tokens of room each, decided for `platform`; traced only (`jax.eval_shape`), nothing
-    runs. `trim`: trace one layer of each kind (`_trimmed`) instead of the whole model."""
+    runs. `trim`: trace one layer of each kind (`_trimmed`) instead of the whole model. `batch_invariant`: the
+    step in batch-invariant mode, a prompt step from `prompt_rows` rows (`StepOptions.invariant_prompt_rows`)."""
+    from glm_dsa.model.options import StepOptions
     from glm_dsa.model.step import resolve_parallel, step
 
     cfg = _trimmed(config) if trim else config
@@ -68,8 +73,10 @@ def step_decisions(config, *, parallel=None, rows: int, requests: int, context: 
         args = _abstract_step_inputs(cfg, parallel, rows=rows, requests=requests, context=context,
                                      block_size=block_size, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
                                      quantization=quantization)
+    options = StepOptions(impl="auto", batch_invariant=batch_invariant,
+                          invariant_prompt_rows=prompt_rows if batch_invariant else None)
     with registry.deciding_for(platform), registry.record() as log:
-        jax.eval_shape(functools.partial(step, config=cfg, parallel=parallel, impl="auto"), *args)
+        jax.eval_shape(functools.partial(step, config=cfg, parallel=parallel, options=options), *args)
     return log
 
 
@@ -80,12 +87,35 @@ def shape_classes(decode_rows=DECODE_ROWS, prefill_rows=PREFILL_ROWS) -> list[tu
             + [(f"prefill T={t}", t, 1) for t in prefill_rows])
 
 
-def dispatch_table(config, *, decode_rows=DECODE_ROWS, prefill_rows=PREFILL_ROWS, **kwargs) -> list[dict]:
+#: the block-table rows of batch-invariant mode's steps in the table (the engine's: max_num_seqs' bucket)
+INVARIANT_REQUESTS = 32
+
+
+def invariant_shape_classes(prompt_rows: int | None = None, decode_rows: int | None = None,
+                            requests: int = INVARIANT_REQUESTS) -> list[tuple[str, int, int]]:
+    """(label, rows, requests) of batch-invariant mode's two step shapes: a prompt step of `prompt_rows` (default
+    `INVARIANT_PROMPT_ROWS`) rows and a decode step of `decode_rows` (default `INVARIANT_STEP_ROWS`), both with a
+    block table of `requests` rows (the mode's steps always have max_num_seqs' bucket of them)."""
+    p = registry.INVARIANT_PROMPT_ROWS if prompt_rows is None else prompt_rows
+    d = registry.INVARIANT_STEP_ROWS if decode_rows is None else decode_rows
+    return [(f"invariant prompt T={p}", p, requests), (f"invariant decode T={d}", d, requests)]
+
+
+def dispatch_table(config, *, decode_rows=DECODE_ROWS, prefill_rows=PREFILL_ROWS, batch_invariant: bool = False,
+                   invariant_rows: tuple[int, int] | None = None, **kwargs) -> list[dict]:
     """One row per (shape class, rule, choice): {"shape", "rows", "op", "rule", "choice", "why" (the first line of
-    the rule's docstring)}. `kwargs` go to `step_decisions`."""
+    the rule's docstring)}. `kwargs` go to `step_decisions`. `batch_invariant`: the classes of
+    `invariant_shape_classes` (`invariant_rows`: (prompt rows, decode rows), default the registry's) in that mode,
+    instead of `decode_rows` and `prefill_rows`."""
     rules = {r.name: r for r in registry.rules()}
     table = []
-    for label, rows, requests in shape_classes(decode_rows, prefill_rows):
+    if batch_invariant:
+        prompt, decode = invariant_rows or (None, None)
+        classes = invariant_shape_classes(prompt, decode)
+        kwargs = dict(kwargs, batch_invariant=True, prompt_rows=classes[0][1])
+    else:
+        classes = shape_classes(decode_rows, prefill_rows)
+    for label, rows, requests in classes:
         decided = {(d.rule, d.choice) for d in step_decisions(config, rows=rows, requests=requests, **kwargs)}
         for rule, choice in sorted(decided):
             table.append({"shape": label, "rows": rows, "op": rules[rule].op, "rule": rule, "choice": choice,

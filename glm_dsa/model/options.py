@@ -14,13 +14,18 @@ class StepOptions:
     resolved here at construction. moe_mode: force one xla form of `kernels.moe` (one of `kernels.moe.MODES`;
     tests, benchmarks); None: the impl's own choice. dcp_row_chunk: query rows per gather/attend/merge round
     under DCP, a fixed workspace however long the prefill. batch_invariant: every kernel rule takes its fixed
-    per-row choice (`kernels.registry.batch_invariant`: forms, impls and launch configs that do not change with
-    the rows of the step), so a row's results do not depend on the other rows of its batch."""
+    per-row choice for the step's static row count (`kernels.registry.batch_invariant`: forms, impls and launch
+    configs chosen from the step's shape, never from its data), so a row's results do not depend on the other rows
+    of its batch. invariant_prompt_rows (batch_invariant only): a step of at least this many rows (its static
+    padded row count) takes the rules' prompt-step choices (the default mode's prefill forms), a smaller one their
+    decode-step choices; None: `kernels.registry.INVARIANT_PROMPT_ROWS` (the serving runner passes its prompt-step
+    rows)."""
 
     impl: str | None = None
     moe_mode: str | None = None
     dcp_row_chunk: int = 256
     batch_invariant: bool = False
+    invariant_prompt_rows: int | None = None
 
     def __post_init__(self):
         if self.impl is None:
@@ -31,6 +36,11 @@ class StepOptions:
             raise ValueError(f"StepOptions.moe_mode must be one of {moe.MODES} or None, got {self.moe_mode!r}")
         if not isinstance(self.batch_invariant, bool):
             raise TypeError(f"StepOptions.batch_invariant must be a bool, got {self.batch_invariant!r}")
+        rows = self.invariant_prompt_rows
+        if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
+            raise ValueError(f"StepOptions.invariant_prompt_rows must be None or an integer >= 1, got {rows!r}")
+        if rows is not None and not self.batch_invariant:
+            raise ValueError(f"StepOptions.invariant_prompt_rows={rows!r} is for batch_invariant=True")
         chunk = self.dcp_row_chunk
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
             raise ValueError(f"StepOptions.dcp_row_chunk must be an integer >= 1, got {chunk!r}")

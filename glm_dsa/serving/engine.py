@@ -99,8 +99,9 @@ class Engine:
     other requests, at any row position, with any `max_num_batched_tokens`, after a preemption and its recompute,
     and whether its prompt's pages were found in the prefix cache or computed (for one mesh, device, jax version
     and engine: max_model_len, max_num_seqs, block_size and invariant_step_rows). Every kernel rule takes its
-    fixed per-row choice (`kernels.registry.batch_invariant`), and every serving step has one of two fixed shapes
-    (each with the block-table width of max_model_len and the request count of max_num_seqs): a prompt step
+    fixed per-row choice for the step's kind (`kernels.registry.batch_invariant`: prompt steps the default mode's
+    prefill forms for their shape, decode steps fixed decode forms), and every serving step has one of two fixed
+    shapes (each with the block-table width of max_model_len and the request count of max_num_seqs): a prompt step
     computes prompt tokens only (prefill chunks), padded to `invariant_step_rows[0]` rows (default
     `kernels.registry.INVARIANT_PROMPT_ROWS` = 8192); a decode step computes every other token (decode rows, and a
     preempted request's generated tokens when it is recomputed), padded to `invariant_step_rows[1]` rows (default

@@ -151,7 +151,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype)
         self.kv_cache_dtype = kv_cache_dtype
         self.impl = impl or default_impl()
-        self.options = StepOptions(impl=self.impl, batch_invariant=batch_invariant)
+        # batch-invariant mode: a step of the prompt rows takes the rules' prompt-step choices, a decode step (fewer
+        # rows) their decode-step ones (kernels.registry.batch_invariant)
+        self.options = StepOptions(impl=self.impl, batch_invariant=batch_invariant,
+                                   invariant_prompt_rows=self.invariant_rows[0] if batch_invariant else None)
         self.max_model_len = (min(config.max_position_embeddings, 4096) if max_model_len is None
                               else check_positive_int("max_model_len", max_model_len))
         if self.max_model_len > config.max_position_embeddings:

@@ -136,11 +136,17 @@ def _model_form(platform: str, x, *, impl: str) -> str:
 
 registry.register_auto("fp8_linear")
 def _model_form_invariant(platform: str, x, *, impl: str) -> str:
-    """Batch-invariant mode: always this op ("fp8_linear"), whose rows are independent and whose launch config
-    is fixed (`registry.config_rows`); "dequant" would hand the GEMM to XLA, whose algorithm varies with rows."""
+    """Batch-invariant decode steps: always this op ("fp8_linear"), whose rows are independent and whose launch
+    config is fixed (`registry.config_rows`).
+
+    Prompt steps take the default (`registry.DEFAULT`): "dequant" under a kernel impl at their rows (x's rows are
+    the step's static padded rows), the weight dequantised to x's dtype (no rows involved) and then XLA's GEMM at
+    that one shape, which is the form of every bf16 weight's projection in the mode: one compiled algorithm per
+    shape, whose tiles and K split give each row the same K order wherever it sits and whatever the other rows
+    hold."""
     del platform, x, impl
     return "fp8_linear"
 
 
 registry.register_rule("fp8_linear.model_form", "fp8_linear", _model_form, ("dequant", "fp8_linear"),
-                       invariant=_model_form_invariant)
+                       invariant=_model_form_invariant, invariant_prompt=registry.DEFAULT)

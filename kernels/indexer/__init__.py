@@ -115,22 +115,48 @@ registry.register_triton("indexer", "kernels.indexer.triton:indexer_topk_triton"
 
 
 def _choose_indexer_invariant(platform: str, *args, **kwargs) -> str:
-    """Batch-invariant mode: Triton on a GPU for every row count (with per-row scores: `_scores_form_invariant`),
-    never the Mosaic kernel that the rows' count picks; xla off the GPU."""
+    """Batch-invariant mode: Triton on a GPU for every row count (per-row scores in decode steps, the row-block
+    kernel in prompt steps: `_scores_form_invariant`, `_scores_form_prompt`), never the Mosaic kernel that the
+    rows' and requests' counts pick; xla off the GPU. Prompt steps too (no `invariant_prompt`): the default's
+    prefill choice is this Triton kernel, and its Mosaic choice for many requests (a function of static shapes
+    too) would leave the row-block kernel."""
     del args, kwargs
     return "triton" if platform == "gpu" else "xla"
 
 
 def _choose_topk_invariant(platform: str, *args, **kwargs) -> str:
-    """Batch-invariant mode: `lax.top_k` for every row count (ties by lower position)."""
+    """Batch-invariant decode steps: `lax.top_k` for every row count (ties by lower position).
+
+    Prompt steps take the default (`registry.DEFAULT`: the select kernel for rows of at most SELECT_MAX_S scores
+    from SELECT_MIN_ROWS rows, the rows being a static chunk of the step's padded rows): both are a selection, no
+    arithmetic, one program per row in the select kernel (its two passes split a row into chunks fixed by the
+    width and k), and give the same positions and scores (ties by lower position), in position order where the
+    caller takes a set (`ordered=False`): a function of the row's own scores whatever the other rows."""
     del platform, args, kwargs
     return "xla"
 
 
 def _scores_form_invariant(platform: str, t: int, requests: int, float32_cache: bool) -> str:
-    """Batch-invariant mode: the per-row scores kernel, whatever mix of prefill and decode rows the step holds."""
+    """Batch-invariant decode steps: the per-row scores kernel, whatever mix of prefill and decode rows the step
+    holds."""
     del platform, t, requests, float32_cache
     return "per_row"
+
+
+def _scores_form_prompt(platform: str, t: int, requests: int, float32_cache: bool) -> str:
+    """Batch-invariant prompt steps: "row_block" from ROW_BLOCK_MIN_T rows (`t`: the static row chunk of the
+    step's padded rows the scores kernel runs on), whatever the requests (the step's block table has max_num_seqs'
+    rows in the mode, which the default's `takes_row_blocks` would read as decode rows); "per_row" below and for
+    float32 caches, as the default.
+
+    The row-block kernel is batch-independent at a fixed shape: its blocks of ROW_BLOCK rows hold whichever rows
+    (of one request or several) the batch puts there, but each row r of a block is scored by the same unrolled
+    `_row_scores(q[r], w[r], k_tile)`, one [H, Di] x [Di, block_s] dot and a sum over the heads per key, against
+    the same key values at the positions it sees (one tile gathered for the block's longest row when its rows share
+    a request, else per row: keys past the row's own kv_len are masked to -inf either way), in the key tiles fixed
+    by block_s. A row's scores are a function of its query, head weights and visible keys only."""
+    del platform, requests
+    return "row_block" if not float32_cache and t >= ROW_BLOCK_MIN_T else "per_row"
 
 
 registry.register_auto("indexer", _choose_indexer, invariant=_choose_indexer_invariant)
@@ -138,6 +164,6 @@ registry.register_mosaic("indexer", "kernels.indexer.mosaic:indexer_topk_mosaic"
                          supports="kernels.indexer.mosaic:supports")
 registry.register("topk", "xla", topk_positions)
 registry.register_triton("topk", "kernels.indexer.topk_triton:topk_select", supports=select_supports)
-registry.register_auto("topk", _choose_topk, invariant=_choose_topk_invariant)
+registry.register_auto("topk", _choose_topk, invariant=_choose_topk_invariant, invariant_prompt=registry.DEFAULT)
 registry.register_rule("indexer.scores_form", "indexer", _scores_form, ("row_block", "per_row"),
-                       invariant=_scores_form_invariant)
+                       invariant=_scores_form_invariant, invariant_prompt=_scores_form_prompt)

@@ -31,10 +31,15 @@ registry.register_triton("lse_merge", "kernels.lse_merge.triton:merge_partials_t
 
 
 def choose_invariant(platform: str, o, lse, **kernel_options) -> str:
-    """Batch-invariant mode: the xla merge for every shape (each row's splits in index order, nothing across
-    rows), not the kernel whose support depends on the shape."""
+    """Batch-invariant decode steps: the xla merge for every shape (each row's splits in index order, nothing
+    across rows), not the kernel whose support depends on the shape.
+
+    Prompt steps take the default (`registry.DEFAULT`: the Triton merge where it takes the partials, by their
+    static shape): one program per (row, head block, column block), each row's splits weighted and summed in
+    split order, nothing across rows. (The model's attention kernels run the merge by impl name, not through
+    this rule.)"""
     del platform, o, lse, kernel_options
     return "xla"
 
 
-registry.register_auto("lse_merge", choose_impl, invariant=choose_invariant)
+registry.register_auto("lse_merge", choose_impl, invariant=choose_invariant, invariant_prompt=registry.DEFAULT)

@@ -276,30 +276,49 @@ registry.register("moe", "xla", experts_xla)
 registry.register_triton("moe", "kernels.moe.triton:grouped_swiglu")
 def _xla_form_invariant(platform: str, t: int, k: int, n_exp: int) -> str:
     """Batch-invariant mode: "gather" for every row count (each (row, expert) pair on its own, the k results
-    summed in a fixed order), never the dense form's sum over every expert that more rows switch to."""
+    summed in a fixed order), never the dense form's sum over every expert that more rows switch to.
+
+    Prompt steps too (no `invariant_prompt`): the default there, "tiles", adds each token's k pair results back
+    with a scatter-add over repeated token indices, which XLA's GPU scatter runs in atomics order (so does
+    "ragged"), not batch-independent; "dense" would be at a fixed shape, but holds [T, experts, width]. The xla
+    forms are the reference (the CPU's impl), not the GPU's prefill path, so their cost there is not the mode's."""
     del platform, t, k, n_exp
     return "gather"
 
 
 def _fp8_form_invariant(platform: str, t: int, k: int, n_exp: int, d: int, i: int, i_offset, *,
                         w_layout: str = "kn") -> str:
-    """Batch-invariant mode: "w8a16" for every row count (the rows as given, against e4m3 weights converted in
-    registers), not the forms the mean rows per expert picks."""
+    """Batch-invariant decode steps: "w8a16" for every row count (the rows as given, against e4m3 weights converted
+    in registers), not the forms the mean rows per expert picks.
+
+    Prompt steps take the default (`registry.DEFAULT`): the form of `_fp8_form` for T, the step's static padded
+    rows (`experts.shape[0]`), through `tile_rows(T, k, n_exp)`, the MEAN rows per expert of T padded rows, a
+    static number, never the real rows an expert got; at GLM-5.2's 8192 rows, 8 of 256 experts: 128-row tiles,
+    "dequant". Each form is batch-independent at a fixed T: "dequant" dequantises the weights (no rows involved)
+    and runs the bf16 grouped GEMM; "w8a8" quantises each row per 128-block by its own amax (x before the up
+    kernel, h in it or between the kernels); "w8a8_mosaic" the same, through the Mosaic grouped GEMM (only where
+    `mosaic_rows()` names prefill). In every one the expert tiles' boundaries move with how many rows each expert
+    got, but a row's K steps (bk_up, bk_down, fixed by the launch config for T) run in one order whatever tile or
+    tile position it lands in, split-K partials (decode configs only) are summed in split order, and each
+    token's k pair results are summed in a fixed order in XLA."""
     del platform, t, k, n_exp, d, i, i_offset, w_layout
     return "w8a16"
 
 
 def _mosaic_layout_invariant(platform: str, t: int, k: int, n_exp: int) -> str:
-    """Batch-invariant mode (impl "mosaic" asked for by name): "swap_ab" for every row count."""
+    """Batch-invariant decode steps (impl "mosaic" asked for by name): "swap_ab" for every row count. Prompt steps
+    take the default (`registry.DEFAULT`): by `tile_rows` of the step's static padded rows ("grouped" at 8192
+    rows of GLM-5.2); both layouts compute a row's K blocks in one order whatever tile it lands in."""
     del platform, t, k, n_exp
     return "swap_ab"
 
 
 registry.register_auto("moe", _choose, invariant=registry.ROW_FREE)
 registry.register_rule("moe.xla_form", "moe", _xla_form, MODES, invariant=_xla_form_invariant)
-registry.register_rule("moe.fp8_form", "moe", _fp8_form, FP8_FORMS, invariant=_fp8_form_invariant)
+registry.register_rule("moe.fp8_form", "moe", _fp8_form, FP8_FORMS, invariant=_fp8_form_invariant,
+                       invariant_prompt=registry.DEFAULT)
 registry.register_rule("moe.mosaic_layout", "moe", _mosaic_layout, ("grouped", "swap_ab"),
-                       invariant=_mosaic_layout_invariant)
+                       invariant=_mosaic_layout_invariant, invariant_prompt=registry.DEFAULT)
 registry.register_mosaic("moe", "kernels.fp8_gemm.experts:routed_experts",
                          supports="kernels.fp8_gemm.experts:supports")
 registry.register("moe", "tokamax", "kernels.moe.tokamax:routed_experts", supports="kernels.moe.tokamax:supports")

@@ -46,7 +46,10 @@ registry.register("sparse_mla", "xla", sparse_mla_xla)
 registry.register_triton("sparse_mla", "kernels.sparse_mla.triton:sparse_mla_triton",
                          supports="kernels.sparse_mla.triton:supports")
 # batch-invariant mode keeps `choose_impl`'s choice: it reads the head count, cache format and options, never the
-# rows (the kernels' split counts are fixed through `registry.config_rows`)
+# rows. The kernels' split counts come from `registry.config_rows`: decode steps fix them for INVARIANT_CONFIG_ROWS
+# rows (2 splits of the Mosaic kernel), prompt steps take the default's for their static rows (one split a row at
+# 8192 rows); either way one count per step shape, each row's keys in index order within a split and the splits
+# merged in split order, so a row's output does not depend on the other rows
 registry.register_auto("sparse_mla", choose_impl, invariant=registry.ROW_FREE)
 registry.register_mosaic("sparse_mla", "kernels.sparse_mla.mosaic:sparse_mla_mosaic",
                          supports="kernels.sparse_mla.mosaic:supports")

@@ -16,6 +16,7 @@ import pytest
 
 import kernels
 from kernels import fused_norm_rope, indexer, moe, registry, sparse_mla
+from kernels.indexer.config import TopkConfig
 
 OPS = ("fused_norm_rope", "indexer", "sparse_mla", "moe")
 KERNELS_DIR = pathlib.Path(kernels.__file__).parent
@@ -115,33 +116,106 @@ def test_every_choice_is_a_registered_rule():
     assert registry.decide("cache_offsets", impl="triton") == "int32"
 
 
-def test_batch_invariant_rules_choose_alike_for_every_row_count():
-    """In batch-invariant mode each rule that reads the rows takes one choice for 1 to 8192 rows (on the GPU, where
-    the default rules switch by rows), and the kernels' launch configs are chosen for one row count; outside it
+GLM_MOE = (8, 256, 6144, 2048, 0)  # GLM-5.2's k, experts, hidden and expert width (TP = 1), offset 0
+
+
+def _rule_choices(invariant: bool, step_rows: int | None, op_rows, requests=(1, 4, 32, 256, 1024)) -> dict:
+    """{rule: set of choices} over ops of `op_rows` rows (and block tables of `requests` rows), decided for a GPU
+    in a step of `step_rows` rows (batch-invariant when `invariant`)."""
+    out = {}
+    k, n_exp, d, i, off = GLM_MOE
+    with registry.deciding_for("gpu"), registry.batch_invariant(invariant, rows=step_rows):
+        for t in op_rows:
+            out.setdefault("moe.xla_form", set()).add(registry.decide("moe.xla_form", t, k, n_exp))
+            out.setdefault("moe.fp8_form", set()).add(registry.decide("moe.fp8_form", t, k, n_exp, d, i, off,
+                                                                      w_layout="nk"))
+            out.setdefault("moe.mosaic_layout", set()).add(registry.decide("moe.mosaic_layout", t, k, n_exp))
+            for r in requests:
+                out.setdefault("indexer.scores_form", set()).add(registry.decide("indexer.scores_form", t, r, False))
+            x = jax.ShapeDtypeStruct((t, 7168), jnp.bfloat16)
+            out.setdefault("fp8_linear.model_form", set()).add(registry.decide("fp8_linear.model_form", x,
+                                                                               impl="auto"))
+            scores = jax.ShapeDtypeStruct((t, 32768), jnp.float32)  # as the indexer asks: one-pass config
+            out.setdefault("topk.auto", set()).add(registry.decide("topk.auto", scores, None, 2048, 32768,
+                                                                   config=TopkConfig(chunks=1)))
+            o, lse = (jax.ShapeDtypeStruct(s, jnp.float32) for s in ((2, t, 64, 512), (2, t, 64)))
+            out.setdefault("lse_merge.auto", set()).add(registry.decide("lse_merge.auto", o, lse))
+            out.setdefault("config_rows", set()).add(registry.config_rows(t))
+    return out
+
+
+def test_batch_invariant_decode_steps_choose_alike_for_every_row_count():
+    """In batch-invariant mode a decode step (fewer rows than the prompt steps', or no step rows given) takes one
+    choice per rule whatever the rows an op is asked about (1 to 8192, on a GPU, where the default rules switch by
+    rows) and whatever the requests, with the kernels' launch configs chosen for one row count; outside the mode
     the default rules do switch (the comparison can fail)."""
     rows = (1, 16, 64, 512, 8192)
-
-    def choices(invariant):
-        out = {}
-        with registry.deciding_for("gpu"), registry.batch_invariant(invariant):
-            for t in rows:
-                out.setdefault("moe.xla_form", set()).add(registry.decide("moe.xla_form", t, 8, 256))
-                out.setdefault("moe.fp8_form", set()).add(registry.decide("moe.fp8_form", t, 8, 256, 7168, 256, 0))
-                out.setdefault("moe.mosaic_layout", set()).add(registry.decide("moe.mosaic_layout", t, 8, 256))
-                out.setdefault("indexer.scores_form", set()).add(registry.decide("indexer.scores_form", t, 4, False))
-                x = jax.ShapeDtypeStruct((t, 7168), jnp.bfloat16)
-                out.setdefault("fp8_linear.model_form", set()).add(
-                    registry.decide("fp8_linear.model_form", x, impl="auto"))
-                out.setdefault("config_rows", set()).add(registry.config_rows(t))
-        return out
-    assert all(len(v) == 1 for v in choices(True).values()), choices(True)
-    assert choices(True)["config_rows"] == {registry.INVARIANT_CONFIG_ROWS}
-    assert all(len(v) > 1 for v in choices(False).values()), choices(False)
+    for step_rows in (None, 1, registry.INVARIANT_STEP_ROWS, registry.INVARIANT_PROMPT_ROWS - 1):
+        got = _rule_choices(True, step_rows, rows)
+        assert {r: c for r, c in got.items() if r != "config_rows"} == {
+            "moe.xla_form": {"gather"}, "moe.fp8_form": {"w8a16"}, "moe.mosaic_layout": {"swap_ab"},
+            "indexer.scores_form": {"per_row"}, "fp8_linear.model_form": {"fp8_linear"}, "topk.auto": {"xla"},
+            "lse_merge.auto": {"xla"}}, step_rows
+        assert got["config_rows"] == {registry.INVARIANT_CONFIG_ROWS}
+    default = _rule_choices(False, None, rows)
+    assert all(len(v) > 1 for r, v in default.items() if r != "lse_merge.auto"), default
     assert not registry.batch_invariant_mode()  # the mode ends with its block
     with pytest.raises(ValueError, match="invariant"):
         registry.register_rule("test.unsaid", "test", lambda platform: "a", ("a",), invariant="sometimes")
     with pytest.raises(ValueError, match="must say what batch-invariant mode runs"):
         registry.register_auto("test_op_unsaid", lambda platform: "xla")
+    with pytest.raises(ValueError, match="ROW_FREE rule decides alike"):
+        registry.register_rule("test.free", "test", lambda platform: "a", ("a",), invariant=registry.ROW_FREE,
+                               invariant_prompt=registry.DEFAULT)
+    with pytest.raises(ValueError, match="invariant_prompt must be"):
+        registry.register_rule("test.prompt", "test", lambda platform: "a", ("a",), invariant=lambda p: "a",
+                               invariant_prompt="sometimes")
+
+
+def test_batch_invariant_prompt_steps_take_the_prefill_forms():
+    """A step of at least the prompt rows (`registry.INVARIANT_PROMPT_ROWS` or the `prompt_rows` given: the step's
+    static padded rows name its kind, never its data) takes the default mode's prefill choices at the same shapes
+    (GLM-5.2's MoE at 8192 rows: 128-row tiles, "dequant"; the FP8 linears dequantised; the select top-k; launch
+    configs for the op's rows), except the xla MoE form (always "gather") and the indexer's scores, which take the
+    row-block kernel from ROW_BLOCK_MIN_T rows whatever the requests (the mode's block tables have max_num_seqs'
+    rows). Each rule's choice in a prompt step is a function of the shapes it is asked about only."""
+    t = registry.INVARIANT_PROMPT_ROWS
+    prompt = _rule_choices(True, t, (t,))
+    assert prompt == {
+        "moe.xla_form": {"gather"}, "moe.fp8_form": {"dequant"}, "moe.mosaic_layout": {"grouped"},
+        "indexer.scores_form": {"row_block"}, "fp8_linear.model_form": {"dequant"}, "topk.auto": {"triton"},
+        "lse_merge.auto": {"triton"}, "config_rows": {t}}
+    # the default mode at 8192 rows: the same, but its xla form and its scores form for many requests
+    default = _rule_choices(False, None, (t,))
+    assert {r: c for r, c in default.items() if r not in ("moe.xla_form", "indexer.scores_form")} == {
+        r: c for r, c in prompt.items() if r not in ("moe.xla_form", "indexer.scores_form")}
+    assert default["moe.xla_form"] == {"tiles"} and default["indexer.scores_form"] == {"row_block", "per_row"}
+    # the indexer's scores run on static row chunks of the step: the chunk's rows decide, the requests never
+    chunks = _rule_choices(True, t, (16, 63, 64, 1024))
+    assert chunks["indexer.scores_form"] == {"per_row", "row_block"}
+    for rows, form in ((63, "per_row"), (64, "row_block"), (1024, "row_block")):
+        assert _rule_choices(True, t, (rows,))["indexer.scores_form"] == {form}
+    with registry.deciding_for("gpu"), registry.batch_invariant(rows=t):
+        assert registry.decide("indexer.scores_form", 1024, 256, True) == "per_row"  # float32 caches, as default
+    # the kind is the step's rows against the prompt rows: a tiny engine's prompt steps of 64 rows take the same
+    with registry.deciding_for("gpu"), registry.batch_invariant(rows=64, prompt_rows=64), registry.record() as log:
+        assert registry.invariant_step_kind() == "prompt"
+        assert registry.decide("moe.fp8_form", 8192, *GLM_MOE, w_layout="nk") == "dequant"
+        assert registry.config_rows(100) == 100
+    with registry.batch_invariant(rows=63, prompt_rows=64):
+        assert registry.invariant_step_kind() == "decode"
+        assert registry.config_rows(100) == registry.INVARIANT_CONFIG_ROWS
+    assert [(d.rule, d.choice, d.batch_invariant, d.step_kind) for d in log] == [
+        ("moe.fp8_form", "dequant", True, "prompt"), ("launch_rows", "rows", True, "prompt")]
+    assert registry.invariant_step_kind() is None
+    assert [registry.step_kind(r) for r in (None, 256, 8191, 8192, 65536)] == [
+        "decode", "decode", "decode", "prompt", "prompt"]
+    # every rule that reads the rows says what prompt steps take: DEFAULT, a function, or None (the decode choice)
+    said = {r.name: r.invariant_prompt for r in registry.rules() if r.invariant != registry.ROW_FREE}
+    assert {n for n, v in said.items() if v == registry.DEFAULT} == {
+        "launch_rows", "moe.fp8_form", "moe.mosaic_layout", "fp8_linear.model_form", "topk.auto", "lse_merge.auto"}
+    assert {n for n, v in said.items() if v is None} == {"moe.xla_form", "indexer.auto"}
+    assert callable(said["indexer.scores_form"])
 
 
 def test_unknown_impl_raises_even_when_moe_mode_forces_xla():

@@ -17,8 +17,9 @@ import pytest
 from glm_dsa import configs
 from glm_dsa.cli import main
 from glm_dsa.model.random_init import init_params
-from glm_dsa.model.kernel_table import dispatch_table, shape_classes
+from glm_dsa.model.kernel_table import dispatch_table, invariant_shape_classes, shape_classes
 from glm_dsa.model.layers import StepBatch
+from glm_dsa.model.options import StepOptions
 from glm_dsa.model.paged_cache import allocate_caches, cache_dtype
 from glm_dsa.model.step import resolve_parallel, step
 from kernels import registry
@@ -28,8 +29,9 @@ CONTEXT, BLOCK = 256, 64
 DECODE, PREFILL = (1, 4), (64,)
 
 
-def _actual(cfg, parallel, rows, requests, *, kv_cache_dtype, quantization, dtype):
-    """{(rule, choice)} of one step of the whole model over `rows` rows of `requests` requests."""
+def _actual(cfg, parallel, rows, requests, *, kv_cache_dtype, quantization, dtype, options=None):
+    """{(rule, choice)} of one step of the whole model over `rows` rows of `requests` requests (`options`: the
+    step's StepOptions, default impl "auto")."""
     parallel = resolve_parallel(parallel, cfg)
     params = jax.eval_shape(functools.partial(init_params, cfg, dtype=dtype, parallel=parallel,
                                               quantization=quantization))
@@ -43,7 +45,8 @@ def _actual(cfg, parallel, rows, requests, *, kv_cache_dtype, quantization, dtyp
     batch = StepBatch(*(jnp.asarray(a) for a in (np.zeros(rows, np.int32), pos, slots, req, tables,
                                                  np.arange(requests, dtype=np.int32))))
     with registry.deciding_for("gpu"), registry.record() as log:
-        jax.eval_shape(functools.partial(step, config=cfg, parallel=parallel, impl="auto"), params, caches, batch)
+        jax.eval_shape(functools.partial(step, config=cfg, parallel=parallel,
+                                         options=options or StepOptions(impl="auto")), params, caches, batch)
     return {(d.rule, d.choice) for d in log}
 
 
@@ -78,11 +81,45 @@ def test_table_is_what_the_step_dispatches(case):
         assert not any(rule.startswith(("moe.fp8", "fp8_linear")) for _, rule in chosen)
 
 
+def test_batch_invariant_table_is_what_the_step_dispatches():
+    """Batch-invariant mode's table (`--batch-invariant`: a prompt step and a decode step, here of 256 and 32 rows
+    of 32 requests) is what the whole model's step dispatches in that mode, the step's padded rows naming its kind
+    (`StepOptions.invariant_prompt_rows`). FP8 weights and cache at GLM-5.2's attention geometry: the prompt step
+    takes the default mode's prefill choices at its shape (dequantised FP8 linears and experts, the row-block
+    indexer scores, the select top-k, launch configs for its rows), the decode step the fixed per-row ones."""
+    cfg, parallel, kv, quant, dtype = CASES["heads fp8 weights and cache, tp 2"]
+    kw = dict(kv_cache_dtype=kv, quantization=quant, dtype=dtype)
+    table = dispatch_table(cfg, parallel=parallel, batch_invariant=True, invariant_rows=(256, 32), context=CONTEXT,
+                           block_size=BLOCK, **kw)
+    options = StepOptions(impl="auto", batch_invariant=True, invariant_prompt_rows=256)
+    (prompt, _, _), (decode, _, _) = classes = invariant_shape_classes(256, 32)
+    assert {r["shape"] for r in table} == {prompt, decode}
+    listed = {label: {(r["rule"], r["choice"]) for r in table if r["shape"] == label} for label, _, _ in classes}
+    for label, rows, requests in classes:
+        assert listed[label] == _actual(cfg, parallel, rows, requests, options=options, **kw), label
+    default = _actual(cfg, parallel, 256, 1, **kw)  # the default mode's prefill chunk of 256 rows
+    assert listed[prompt] == default
+    chosen = {(r["shape"], r["rule"]): r["choice"] for r in table}
+    assert {rule: chosen[prompt, rule] for rule in ("moe.fp8_form", "fp8_linear.model_form", "indexer.auto",
+                                                     "indexer.scores_form", "topk.auto", "launch_rows")} == {
+        "moe.fp8_form": "dequant", "fp8_linear.model_form": "dequant", "indexer.auto": "triton",
+        "indexer.scores_form": "row_block", "topk.auto": "triton", "launch_rows": "rows"}
+    assert {rule: chosen[decode, rule] for rule in ("moe.fp8_form", "fp8_linear.model_form", "indexer.auto",
+                                                     "indexer.scores_form", "topk.auto", "launch_rows")} == {
+        "moe.fp8_form": "w8a16", "fp8_linear.model_form": "fp8_linear", "indexer.auto": "triton",
+        "indexer.scores_form": "per_row", "topk.auto": "xla", "launch_rows": "fixed"}
+    # the engine's own shapes: a prompt step of 8192 rows, a decode step of 256
+    assert [rows for _, rows, _ in invariant_shape_classes()] == [8192, 256]
+
+
 def test_cli_prints_the_table(capsys):
     assert main(["info", "--kernels", "--preset", "tiny"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split() == ["shape", "op", "rule", "choice", "why"]
     assert "decode B=128" in out and "prefill T=2048" in out and "sparse_mla.auto" in out
+    assert main(["info", "--kernels", "--preset", "tiny", "--batch-invariant"]) == 0
+    out = capsys.readouterr().out
+    assert "invariant prompt T=8192" in out and "invariant decode T=256" in out and "prefill T=" not in out
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -10,7 +10,9 @@ executed step is recorded (`_Steps`) and must hold prompt tokens only, padded to
 token, padded to the decode rows, also when a preempted request is recomputed. The GPU tests
 (tests/serving/test_gpu_batch_invariance.py) compare numbers where shapes do change them, with the default
 mode's differences as the negative control. The engines here run steps of `ROWS` (the defaults, 8192 and 256
-rows, cost more on a CPU; `test_default_step_rows` runs them once)."""
+rows, cost more on a CPU; `test_default_step_rows` runs them once). The engines run the xla impls (the CPU's),
+which take the same forms in both step kinds; `test_prompt_steps_on_the_kernels` runs the GPU's Triton kernels
+interpreted, where the prompt steps take the prefill forms (kernels.registry: the rules' `invariant_prompt`)."""
 
 import collections
 import functools
@@ -170,6 +172,29 @@ def test_bitwise_the_same_on_a_tp_dcp_layout(ckpt, tp, dcp):
     steps.check(ROWS)
 
 
+def test_prompt_steps_on_the_kernels(ckpt):
+    """The GPU's kernels, interpreted (impl "triton_interpret", bfloat16): the prompt steps (128 rows here) take the
+    rules' prompt-step choices, the default mode's prefill forms for their shape (the indexer's row-block scores,
+    launch configs for their rows: here 32-row expert tiles, 16 in decode steps), the decode steps the fixed
+    per-row ones; a request's tokens and logprobs are bitwise the same alone and beside others, its prompt
+    then split over prompt steps at other row offsets (chunks of at most 16 rows)."""
+    rows = (128, 16)
+    eng = glm_dsa.load(ckpt, dtype="bfloat16", max_model_len=64, block_size=4, max_num_seqs=4, progress=False,
+                       max_num_batched_tokens=16, batch_invariant=True, invariant_step_rows=rows,
+                       impl="triton_interpret")
+    assert eng.runner.options.invariant_prompt_rows == rows[0]
+    with registry.record() as log:
+        alone = _run(eng, [TARGET], 0)
+    decided = {(d.rule, d.choice, d.step_kind) for d in log}
+    assert {("indexer.scores_form", "row_block", "prompt"), ("launch_rows", "rows", "prompt"),
+            ("indexer.scores_form", "per_row", "decode"), ("launch_rows", "fixed", "decode")} <= decided, decided
+    assert not any(kind is None for _, _, kind in decided)
+    with _Steps(eng) as steps:
+        assert _same(_run(eng, OTHERS[:2] + [TARGET] + OTHERS[2:3], 2), alone)
+    steps.check(rows)
+    assert len({t for t, _ in steps.steps}) == 2
+
+
 def test_default_step_rows(ckpt):
     """The engine's own step rows (kernels.registry's 8192 and 256): alone against a batch, both kinds run."""
     eng = _engine(ckpt, True, 16, rows=None)
@@ -190,6 +215,11 @@ def test_flag_is_checked_and_reaches_the_steps(ckpt):
     assert eng.scheduler.invariant_rows == eng.runner.invariant_rows == ROWS
     with pytest.raises(TypeError, match="batch_invariant"):
         glm_dsa.StepOptions(batch_invariant="yes")
+    assert eng.runner.options.invariant_prompt_rows == ROWS[0]  # the prompt steps decide as prompt steps
+    with pytest.raises(ValueError, match="invariant_prompt_rows=64 is for batch_invariant=True"):
+        glm_dsa.StepOptions(invariant_prompt_rows=64)
+    with pytest.raises(ValueError, match="invariant_prompt_rows must be None or an integer >= 1"):
+        glm_dsa.StepOptions(batch_invariant=True, invariant_prompt_rows=0)
     for rows, err in (((64, 0), ValueError), ((64,), TypeError), (64, TypeError)):
         with pytest.raises(err, match="invariant_step_rows"):
             glm_dsa.load(ckpt, dtype="float32", max_model_len=64, progress=False, batch_invariant=True,

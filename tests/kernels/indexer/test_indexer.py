@@ -222,6 +222,51 @@ def test_row_block_kernel(case, fp8, on_gpu, interpret):
     _compare_topk(pos, val, pos_ref, val_ref, n, topk, ref)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_row_block_scores_of_a_row_do_not_depend_on_its_block(fp8, interpret):
+    """Batch-invariant prompt steps score with the row-block kernel (the rule "indexer.scores_form"): in a step of
+    one shape, a request's rows score bitwise alike whatever shares their 16-row blocks: the request alone (then
+    padding rows of kv_len 0), among other requests' rows, across a block boundary, rows of one request in a
+    shared block (one key tile gathered for the block's longest row) or of several (a gather per row)."""
+    from kernels import registry
+    t, page, pages, h, di = 64, 16, 6, 16, 32
+    rng = np.random.default_rng(3)
+    n_req = 4
+    n_pages = n_req * pages + 1
+    kc = rng.normal(size=(n_pages * page, di)).astype(np.float32)
+    cache = fp8_formats.quantize_index_rows(jnp.asarray(kc)) if fp8 else jnp.asarray(kc, jnp.bfloat16)
+    bt = jnp.asarray(1 + rng.permutation(n_req * pages).reshape(n_req, pages), jnp.int32)
+    rows = 13  # the target: request 0's rows at causal lengths 70..82
+    q_t = rng.normal(size=(rows, h, di))
+    w_t = rng.uniform(0.1, 1.0, size=(rows, h))
+    lens_t = np.arange(70, 70 + rows)
+
+    def step(at, seed):
+        """The target's rows at [at, at + rows) of a 64-row step; the others: padding (seed 0), request 0's other
+        rows (seed 5: every block shared), requests 1-3."""
+        r = np.random.default_rng(seed)
+        q = r.normal(size=(t, h, di))
+        w = r.uniform(0.1, 1.0, size=(t, h))
+        req = {0: np.full(t, n_req - 1), 5: np.zeros(t, np.int64)}.get(seed, np.sort(r.integers(1, n_req, t)))
+        lens = r.integers(0, pages * page + 1, t) if seed else np.zeros(t, np.int64)
+        q[at:at + rows], w[at:at + rows], req[at:at + rows], lens[at:at + rows] = q_t, w_t, 0, lens_t
+        qp, wp = indexer.prepare_queries(jnp.asarray(q, jnp.bfloat16), jnp.asarray(w, jnp.float32), cache)
+        return qp, wp, cache, jnp.asarray(req, jnp.int32), jnp.asarray(lens, jnp.int32), bt
+
+    f = jax.jit(functools.partial(indexer_triton.indexer_scores_triton, block_size=page, block_s=32,
+                                  interpret=interpret))
+    outs = []
+    with registry.batch_invariant(rows=t, prompt_rows=t), registry.record() as log:
+        # 25: across the block boundary at 32; seed 5 at 16: the target's rows in shared blocks (one key tile)
+        for at, seed in ((0, 0), (0, 1), (16, 2), (25, 3), (t - rows, 4), (16, 5)):
+            outs.append(np.asarray(f(*step(at, seed)))[at:at + rows])
+    assert {(d.rule, d.choice, d.step_kind) for d in log} >= {("indexer.scores_form", "row_block", "prompt")}
+    for got in outs[1:]:
+        np.testing.assert_array_equal(got, outs[0])
+    visible = np.arange(outs[0].shape[1])[None, :] < lens_t[:, None]
+    assert np.all(np.isfinite(outs[0][visible])) and np.all(outs[0][~visible] == -np.inf)
+
+
 @pytest.mark.parametrize("t, requests, rows_kernel", [(63, 1, False), (64, 1, True), (64, 5, True), (64, 6, False),
                                                     (256, 17, True), (256, 18, False)])
 def test_row_block_chosen_by_shapes(t, requests, rows_kernel):

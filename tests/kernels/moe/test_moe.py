@@ -639,3 +639,44 @@ def test_gpu_fp8_glm52_widths(kernel_impl, t):
         g, u = xf[rows] @ deq[0], xf[rows] @ deq[1]
         want[rows] += np.asarray(w)[rows, slot][:, None] * ((g / (1 + np.exp(-g)) * u) @ deq[2])
     assert _rel(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("t,form", [(80, "dequant"), (16, "w8a8")])
+def test_batch_invariant_prompt_step_rows_do_not_depend_on_the_batch(kernel_impl, t, form):
+    """Batch-invariant prompt steps take the default FP8 form for the step's T rows (`moe.fp8_form` by the mean
+    rows per expert of T, a static number: "dequant" for 40 rows per expert, "w8a8" for 8) and the default launch
+    config for T: a group of rows, in a step of T rows, is bitwise the same whatever the other rows route to (the
+    experts' tile boundaries move) and wherever the group sits. K-major FP8 experts, as the model keeps them."""
+    from kernels import registry
+    k, n_exp, d, i = 4, 8, 256, 256
+    args, scales, _ = _fp8_inputs(t, k, n_exp, d, i, 0, seed=9, dtype=jnp.bfloat16)
+    nk_args, nk_scales = _k_major(args, scales)
+    x, experts, weights, *w = nk_args
+    rows = 5  # the group: its rows, experts and routing weights fixed
+    rng = np.random.default_rng(10)
+
+    def place(at, seed):
+        """A step of t rows: the group at rows [at, at + rows), the others routed by `seed` (skewed to few experts
+        by odd seeds, so the tiles differ)."""
+        r = np.random.default_rng(seed)
+        xs = np.asarray(r.normal(size=(t, d)), np.float32)
+        if seed % 2:
+            ex = np.stack([np.concatenate([[0, 1], r.choice(np.arange(2, n_exp), k - 2, replace=False)])
+                           for _ in range(t)])
+        else:
+            ex = np.stack([r.choice(n_exp, k, replace=False) for _ in range(t)])
+        ws = r.uniform(0.1, 1.0, size=(t, k))
+        xs[at:at + rows], ex[at:at + rows], ws[at:at + rows] = (np.asarray(x[:rows], np.float32),
+                                                                 np.asarray(experts[:rows]), np.asarray(weights[:rows]))
+        return jnp.asarray(xs, jnp.bfloat16), jnp.asarray(ex, jnp.int32), jnp.asarray(ws, jnp.float32)
+
+    outs = []
+    with registry.batch_invariant(rows=t, prompt_rows=t), registry.record() as log:
+        f = jax.jit(functools.partial(moe.routed_experts, impl=kernel_impl, w_layout="nk", **nk_scales))
+        for at, seed in ((0, 1), (t - rows, 2), (int(rng.integers(1, t - rows)), 3)):
+            outs.append(np.asarray(f(*place(at, seed), *w))[at:at + rows])
+    assert {(d.rule, d.choice, d.step_kind) for d in log if d.rule == "moe.fp8_form"} == {("moe.fp8_form", form,
+                                                                                         "prompt")}
+    for got in outs[1:]:
+        np.testing.assert_array_equal(got, outs[0])
+    assert np.all(np.isfinite(outs[0])) and np.any(outs[0] != 0)

@@ -139,7 +139,8 @@ GLM = (256, 8, 256, 6144, 256)  # E, k and the TP = 8 shard's widths: (n_exp, k)
 
 def test_rule_picks_mosaic_only_where_asked(monkeypatch):
     """The GPU default keeps the Triton forms (`moe.MOSAIC_ROWS` is empty); GLM_DSA_MOE_MOSAIC names the row classes
-    that take "w8a8_mosaic" (K-major, whole-block shards on a GPU only); batch-invariant mode keeps "w8a16"."""
+    that take "w8a8_mosaic" (K-major, whole-block shards on a GPU only); batch-invariant decode steps keep "w8a16"
+    and swap-AB tiles, its prompt steps take the default's form and layout for their rows."""
     def form(t, platform="gpu", w_layout="nk", i=256, i_offset=0):
         with registry.deciding_for(platform):
             return moe.fp8_form(t, 8, 256, 6144, i, i_offset, w_layout=w_layout)
@@ -156,6 +157,9 @@ def test_rule_picks_mosaic_only_where_asked(monkeypatch):
     with registry.deciding_for("gpu"), registry.batch_invariant():
         assert moe.fp8_form(32, 8, 256, 6144, 256, 0, w_layout="nk") == "w8a16"
         assert moe.mosaic_layout(8192, 8, 256) == "swap_ab"
+    with registry.deciding_for("gpu"), registry.batch_invariant(rows=8192):
+        assert moe.fp8_form(8192, 8, 256, 6144, 256, 0, w_layout="nk") == "w8a8_mosaic"
+        assert moe.mosaic_layout(8192, 8, 256) == "grouped"
     monkeypatch.setattr(moe, "MOSAIC_ROWS", frozenset({"decode"}))  # the in-code switch; the variable overrides it
     monkeypatch.setenv(moe.MOSAIC_ENV, "none")
     assert (form(32), form(8192)) == ("w8a8", "dequant")
