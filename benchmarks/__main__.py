@@ -1,6 +1,7 @@
 """`python -m benchmarks suite ...` runs the benchmark suite (`benchmarks.suite`); `python -m benchmarks render`
 rewrites BENCHMARKS.md's tables from benchmarks/results/*.json (`benchmarks.render`); `python -m benchmarks area
-NAME` is one area of the suite in this process (what the suite runs each area as)."""
+NAME` is one area of the suite in this process (what the suite runs each area as); `python -m benchmarks compare
+BEFORE.json ... --after AFTER.json --out FILE` pairs two runs' device-timed rows (`benchmarks.compare`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import sys
 
 
 def main(argv=None) -> int:
-    """The command line: `suite`, `render` or `area`."""
+    """The command line: `suite`, `render`, `area` or `compare`."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["compare"]:  # its own parser (benchmarks.compare)
+        from benchmarks import compare
+        return compare.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     from benchmarks import render, suite
@@ -21,6 +27,7 @@ def main(argv=None) -> int:
     a.add_argument("name", choices=list(suite.AREAS))
     a.add_argument("--smoke", action="store_true")
     a.add_argument("--results", default=suite.RESULTS)
+    sub.add_parser("compare", help="pair two runs' device-timed rows (see python -m benchmarks compare --help)")
     args = ap.parse_args(argv)
     if args.cmd == "suite":
         return suite.run_suite(args)

@@ -6,7 +6,8 @@
 A table sits between `<!-- table:NAME -->` and `<!-- /table -->` (NAME a key of `TABLES`); everything between the
 two markers is replaced. Each table starts with where its figures come from: device, jax version, date, commit and
 the command of the results file, or of each of its `sources` where the file was put together from several runs
-(then every row names its source, `source`, an index into that list, and the table has a "run" column).
+(then every row names its source, `source`, an index into that list or a list of them for a row made of several
+runs, and the table has a "run" column).
 """
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ TABLES = {
                                                                           ratio("xla_device_us", "device_us")),
         ("wall µs", "us"), ("xla wall µs", "xla_us"), ("TB/s", "tb_s")),
         keep=lambda r: r["op"] in ("sparse_mla", "indexer")),
+    "attention_move": Table("attention_move", (
+        ("op", "op"), ("rows paired", "pairs"), ("after / before (median)", "median_ratio"), ("min", "min_ratio"),
+        ("max", "max_ratio"), ("largest change", "largest_change")),
+        keep=lambda r: r.get("check") == "compare"),
     "fused_norm_rope": Table("attention", (
         ("cache", "cache"), ("T", "T"), ("impl", "impl"), ("launch", "pick"), ("config", label),
         ("device µs", "device_us"), ("xla device µs", "xla_device_us"),
@@ -133,6 +138,11 @@ TABLES = {
         ("op", "op"), ("weights", "weights"), ("form", "form"), ("rows", "rows"), ("tp", "tp"), ("dims", "dims"),
         ("experts used", "experts_used"), ("impl", "impl"), ("config", label), ("device µs", "device_us"), ("TFLOP/s", "tflops"),
         ("HBM", pct("hbm_fraction")))),
+    "fp8_gemm_mosaic": Table("fp8_gemm_mosaic", (
+        ("op", "op"), ("weights", "weights"), ("impl", "impl"), ("form", "form"), ("rows", "rows"), ("tp", "tp"),
+        ("dims", "dims"), ("experts used", "experts_used"), ("device µs", "device_us"), ("TFLOP/s", "tflops"),
+        ("HBM", pct("hbm_fraction")), ("rel. diff. from mosaic", "rel_diff_mosaic")),
+        keep=lambda r: r["op"] in ("moe_prefill", "moe_decode")),
     "e2e": Table("e2e", (
         ("preset", "preset"), ("layers", "layers"), ("weights", "weights"), ("kv cache", "kv_cache"),
         ("impl", "impl"), ("prefill batch x input", lambda r: f"{r['batch']} x {r['input_len']}" if r.get("prefill_s") else None),
@@ -232,7 +242,7 @@ def render_table(name: str, results: str = RESULTS) -> str:
     sources = rec.get("sources")
     lines = []
     if sources:  # those this table's rows came from
-        used = sorted({r["source"] for r in rows})
+        used = sorted({i for r in rows for i in (r["source"] if isinstance(r["source"], list) else [r["source"]])})
         lines += [f"- run {i}: {_provenance(sources[i])}" for i in used]
     else:
         lines.append(f"- {_provenance(rec)}")

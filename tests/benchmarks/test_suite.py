@@ -35,7 +35,8 @@ def check_schema(rec: dict, area: str) -> None:
         assert area != "moe" or row["weights"] in ("bf16", "fp8")
     sources = rec.get("sources")
     if sources:  # a file put together from several runs: each row names its run
-        assert all(0 <= r["source"] < len(sources) for r in rec["rows"])
+        assert all(0 <= i < len(sources) for r in rec["rows"]  # an index, or a list of them (a row of several runs)
+                   for i in (r["source"] if isinstance(r["source"], list) else [r["source"]]))
         assert all({"date", "commit", "device", "jax", "command"} <= set(s) for s in sources)
 
 
