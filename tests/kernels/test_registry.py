@@ -105,9 +105,9 @@ def test_rules_take_the_platform_and_are_recorded():
 def test_every_choice_is_a_registered_rule():
     """The rules the package registers, one per choice (a new choice made elsewhere is a new rule here)."""
     assert {r.name for r in registry.rules()} == {
-        "cache_offsets", "fp8_linear.auto", "fp8_linear.model_form", "fused_norm_rope.auto", "indexer.auto",
-        "indexer.scores_form", "launch_rows", "lse_merge.auto", "moe.auto", "moe.fp8_form", "moe.mosaic_layout",
-        "moe.xla_form", "sparse_mla.auto", "topk.auto"}
+        "cache_offsets", "fp8_linear.auto", "fp8_linear.model_form", "fp8_linear.mosaic_layout",
+        "fused_norm_rope.auto", "indexer.auto", "indexer.scores_form", "launch_rows", "lse_merge.auto", "moe.auto",
+        "moe.fp8_form", "moe.mosaic_layout", "moe.xla_form", "sparse_mla.auto", "topk.auto"}
     assert all(r.summary for r in registry.rules())  # each says what it picks (info --kernels prints it)
     with registry.deciding_for("gpu"):
         assert registry.decide("cache_offsets", impl="auto") == "int32"
@@ -132,6 +132,7 @@ def test_batch_invariant_rules_choose_alike_for_every_row_count():
                 x = jax.ShapeDtypeStruct((t, 7168), jnp.bfloat16)
                 out.setdefault("fp8_linear.model_form", set()).add(
                     registry.decide("fp8_linear.model_form", x, impl="auto"))
+                out.setdefault("fp8_linear.mosaic_layout", set()).add(registry.decide("fp8_linear.mosaic_layout", t))
                 out.setdefault("config_rows", set()).add(registry.config_rows(t))
         return out
     assert all(len(v) == 1 for v in choices(True).values()), choices(True)
@@ -157,7 +158,8 @@ def test_unknown_op_raises():
 
 
 def test_interpret_means_the_same_function_interpreted():
-    pairs = [(op, "triton") for op in OPS] + [(op, "mosaic") for op in MOSAIC_OPS]
+    pairs = ([(op, "triton") for op in OPS] + [(op, "mosaic") for op in MOSAIC_OPS]
+             + [("fp8_linear", "triton"), ("fp8_linear", "mosaic"), ("fp8_swiglu", "mosaic")])
     for op, kind in pairs:
         native, interp = registry.get(op, kind).function(), registry.get(op, f"{kind}_interpret").function()
         assert isinstance(native, functools.partial) and isinstance(interp, functools.partial)
