@@ -10,9 +10,17 @@ block scales as the model keeps them):
   decode, the TP = 8 shard (width 256), T = 32 and 128: the whole op with the "swap_ab" layout, against the current
     FP8 decode form (Triton impl, form "w8a8") and XLA's bf16 experts (impl "xla" over the same experts in bf16);
   the activation quantisation alone (`quantize_rows`, one pass, against `quantize_rows_barrier`, the formulation
-    it replaced) at x's and h's prefill shapes.
+    it replaced) at x's and h's prefill shapes;
+  the dense FP8 linears at their TP = 8 shards (kernels/fp8_linear, the model's [in, out] e4m3 weights with their
+    grids), q_b (2048 -> 2048) and o_proj (2048 -> 6144), at prefill 8192 rows and decode 32: the Mosaic W8A8 GEMM
+    with one group (impl "mosaic", form "w8a8": what the model form "w8a8_mosaic" runs, the per-call transpose of
+    the [in, out] weight included), the same kernel over the release's [out, in] weight (w_layout "nk": no
+    transpose), the model's current form (prefill "dequant": the weight dequantised to bf16, then XLA's GEMM;
+    decode "fp8_linear": the Triton W8A16 kernel) and XLA's bf16 GEMM of the same shape.
 The full run (no --quick) adds the grouped GEMMs alone at a few launch configs, the Triton W8A8 form at prefill and
-the bf16 Triton experts at decode.
+the bf16 Triton experts at decode, and for the linears every decode row count, the Triton W8A8 form and the dense
+layers' SwiGLU MLP at TP = 8 (6144 -> 2 x 1536 -> 6144: gate and up as one Mosaic GEMM with the SwiGLU epilogue, then
+down, against the current forms of its three linears and XLA bf16).
 
 Times are device time from CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`): the median over --iters calls
 of the sum of every kernel of the call. TF/s count the real routed rows; hbm_fraction is the bytes the op must read
@@ -20,13 +28,15 @@ of the sum of every kernel of the call. TF/s count the real routed rows; hbm_fra
 results schema's H200 figure; an H100 has 3.35 TB/s). Each FP8 op's output is compared with the Triton form of the
 same row (rel_diff: W8A8 against W8A8 is bf16-rounding close, against "dequant" about 3%, the activation rounding).
 
-Writes the record to --out: `rows` in benchmarks/results/moe.json's schema (DESIGN.md: op moe_prefill / moe_decode,
-weights, rows, tp, impl, device_us, tflops, hbm_fraction, plus form, dims, experts_used, rel_diff), `detail_rows`
+Writes the record to --out: `rows` in benchmarks/results/moe.json's schema (DESIGN.md: op moe_prefill / moe_decode /
+fp8_linear, weights, rows, tp, impl, device_us, tflops, hbm_fraction, plus form, dims, experts_used, rel_diff; the
+linears' rows add linear, N, K, w_layout), `detail_rows`
 (GEMMs alone, quantisation, the dense baseline), `failed` (what raised, with the error). Every row is printed as a
 JSON line and the record rewritten as it comes, so a run cut short keeps what it measured.
 
-    PYTHONPATH=. python benchmarks/bench_fp8_gemm_mosaic.py --quick --out fp8_mosaic.json    # ~3 min, one H100/H200
-    PYTHONPATH=. python benchmarks/bench_fp8_gemm_mosaic.py --out fp8_mosaic_full.json      # ~6 min
+    PYTHONPATH=. python benchmarks/bench_fp8_gemm_mosaic.py --quick --out fp8_mosaic.json    # ~4 min, one H100/H200
+    PYTHONPATH=. python benchmarks/bench_fp8_gemm_mosaic.py --out fp8_mosaic_full.json      # ~7 min
+    PYTHONPATH=. python benchmarks/bench_fp8_gemm_mosaic.py --quick --only linear            # the linears alone
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/bench_fp8_gemm_mosaic.py --smoke --out /tmp/s.json  # CPU
 """
 
@@ -45,8 +55,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.harness import command_line, record, write_json
-from kernels import fp8_gemm, moe
+from kernels import fp8_formats, fp8_gemm, fp8_linear, moe
 from kernels.fp8_gemm import Fp8GemmConfig, experts as fp8_experts
+from kernels.fp8_linear import mosaic as fp8_linear_mosaic
 
 HBM = 4.8e12  # the results schema's bytes/s (DESIGN.md)
 E4M3 = jnp.float8_e4m3fn
@@ -54,16 +65,30 @@ E4M3 = jnp.float8_e4m3fn
 
 @dataclasses.dataclass(frozen=True)
 class Dims:
-    """The model's routed-experts widths: experts, top-k, hidden, full expert width, the decode TP."""
+    """The model's routed-experts widths (experts, top-k, hidden, full expert width), the decode TP, and the dense
+    linears' (q_lora rank, heads, q head width 192 + 64, v head width, dense MLP width)."""
     experts: int = 256
     topk: int = 8
     hidden: int = 6144
     width: int = 2048
     decode_tp: int = 8
+    q_lora: int = 2048
+    heads: int = 64
+    q_head: int = 256
+    v_head: int = 256
+    dense_width: int = 12288
+
+    def linears(self) -> dict:
+        """{name: (K, N)} of the dense linears at the TP = decode_tp shard: q_b (columns split), o_proj (rows
+        split)."""
+        tp = self.decode_tp
+        return {"q_b": (self.q_lora, self.heads * self.q_head // tp),
+                "o_proj": (self.heads * self.v_head // tp, self.hidden)}
 
 
 GLM52 = Dims()
-SMOKE = Dims(experts=8, topk=2, hidden=256, width=256, decode_tp=2)
+SMOKE = Dims(experts=8, topk=2, hidden=256, width=256, decode_tp=2, q_lora=256, heads=4, q_head=128, v_head=128,
+             dense_width=512)
 
 
 class Run:
@@ -275,25 +300,162 @@ def gemms(run: Run, stage: str, t: int, tp: int, dims: Dims, key):
                 run.fail(what, e)
 
 
+def fp8_weight(key, k: int, n: int):
+    """A random e4m3 weight in the model's [in, out] layout [K, N] and its grid [K/128, N/128] (scales over
+    2^-12..2^-6)."""
+    kq, ks = jax.random.split(key)
+    grid = jax.random.uniform(ks, (-(-k // 128), -(-n // 128)), jnp.float32, 2.0 ** -12, 2.0 ** -6)
+    return random_e4m3(kq, (k, n)), grid
+
+
+def dequant_matmul(x, w, s):
+    """The model form "dequant": the [in, out] weight dequantised to x's dtype, then XLA's GEMM."""
+    wd = fp8_formats.dequantize_weight_blocks(w, s, 0, 0, dtype=x.dtype)
+    return jnp.dot(x, wd, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def linear_forms(run: Run, stage: str, quick: bool) -> list:
+    """(form, impl, w_layout, function of (x, w [K, N], grid)) of one FP8 linear: the Mosaic W8A8 GEMM over the
+    model's layout and over the release's (the weight transposed before timing), the model's current form, and in
+    the full run the Triton W8A8 kernel."""
+    mosaic = functools.partial(fp8_linear.fp8_linear, form="w8a8", impl=run.kernel)
+    forms = [("w8a8_mosaic", run.kernel, "kn", functools.partial(mosaic, w_layout="kn")),
+             ("w8a8_mosaic", run.kernel, "nk", lambda x, w, s: mosaic(x, w, s, w_layout="nk"))]
+    if stage == "prefill":
+        forms.append(("dequant", "xla", "kn", dequant_matmul))
+    else:
+        forms.append(("fp8_linear", run.triton, "kn", functools.partial(fp8_linear.fp8_linear, form="w8a16",
+                                                                        impl=run.triton, w_layout="kn")))
+    if not quick:
+        forms.append(("w8a8", run.triton, "kn", functools.partial(fp8_linear.fp8_linear, form="w8a8",
+                                                                  impl=run.triton, w_layout="kn")))
+    return forms
+
+
+def linear(run: Run, stage: str, t: int, dims: Dims, key, quick: bool):
+    """The dense FP8 linears at the TP shard (`Dims.linears`) at T rows: the Mosaic W8A8 GEMM against the model's
+    current form and XLA bf16 (module docstring)."""
+    for name, (k, n) in dims.linears().items():
+        ks = jax.random.split(jax.random.fold_in(key, k * 7 + n), 3)
+        w, s = fp8_weight(ks[0], k, n)
+        x = jax.random.normal(ks[1], (t, k), jnp.bfloat16)
+        flops = 2.0 * t * k * n
+        act = t * (k + n) * 2  # bf16 rows in and out
+        base = dict(op="fp8_linear", linear=name, rows=t, tp=dims.decode_tp, N=n, K=k, stage=stage)
+        outs = {}
+        for form, impl, w_layout, fn in linear_forms(run, stage, quick):
+            what = f"fp8_linear {name} T={t} {impl} {form} {w_layout}"
+            if run.over_budget(what):
+                continue
+            try:
+                args = (x, w.T, s.T) if w_layout == "nk" else (x, w, s)
+                f = jax.jit(fn)
+                sec = run.measure(f, *args)
+                out = np.asarray(f(*args).astype(jnp.float32))
+                row = dict(base, weights="fp8", impl=impl, form=form, w_layout=w_layout, device_us=sec * 1e6,
+                           tflops=flops / sec / 1e12, hbm_fraction=(n * k * (1 + 4 / 128 / 128) + act) / sec / HBM)
+                if form == "w8a8_mosaic":
+                    layout = fp8_linear.mosaic_layout(t)
+                    cfg = fp8_linear_mosaic.linear_config(layout, t)
+                    row.update(layout=layout, config=dataclasses.asdict(cfg))
+                    outs.setdefault("w8a8_mosaic", out)
+                if "w8a8_mosaic" in outs:
+                    row["rel_diff_mosaic"] = rel_diff(out, outs["w8a8_mosaic"])
+                run.emit(row)
+                del args
+            except Exception as e:  # reported, not fatal
+                run.fail(what, e)
+        what = f"fp8_linear {name} T={t} xla bf16"
+        if run.over_budget(what):
+            continue
+        try:
+            wb = jax.random.normal(ks[2], (k, n), jnp.bfloat16) * 0.01
+            f = jax.jit(lambda a, b: jnp.dot(a, b))
+            sec = run.measure(f, x, wb)
+            run.emit(dict(base, weights="bf16", impl="xla", form="bf16", w_layout="kn", device_us=sec * 1e6,
+                          tflops=flops / sec / 1e12, hbm_fraction=(2 * n * k + act) / sec / HBM))
+        except Exception as e:
+            run.fail(what, e)
+        print("elapsed", round(run.elapsed(), 1), flush=True)
+
+
+def dense_mlp(run: Run, stage: str, t: int, dims: Dims, key):
+    """The dense layers' SwiGLU MLP at the TP shard (hidden -> 2 x dense_width / tp -> hidden) at T rows: gate and
+    up as one Mosaic GEMM with the SwiGLU epilogue, then down through the Mosaic linear (what the model runs under
+    "w8a8_mosaic"), against the current form of each linear and XLA bf16."""
+    d, i = dims.hidden, dims.dense_width // dims.decode_tp
+    ks = jax.random.split(key, 5)
+    (wg, sg), (wu, su), (wd, sd) = fp8_weight(ks[0], d, i), fp8_weight(ks[1], d, i), fp8_weight(ks[2], i, d)
+    x = jax.random.normal(ks[3], (t, d), jnp.bfloat16)
+    flops = 2.0 * t * 3 * d * i
+    base = dict(op="fp8_linear", linear="dense_mlp", rows=t, tp=dims.decode_tp, N=i, K=d, stage=stage,
+                w_layout="kn")
+
+    def mosaic(x, wg, wu, wd, sg, su, sd):
+        h = fp8_linear.fp8_swiglu(x, wg, wu, sg, su, impl=run.kernel, w_layout="kn")
+        return fp8_linear.fp8_linear(h, wd, sd, form="w8a8", impl=run.kernel, w_layout="kn")
+
+    def current(x, wg, wu, wd, sg, su, sd):
+        if stage == "prefill":
+            one = dequant_matmul
+        else:
+            one = functools.partial(fp8_linear.fp8_linear, form="w8a16", impl=run.triton, w_layout="kn")
+        return one(jax.nn.silu(one(x, wg, sg)) * one(x, wu, su), wd, sd)
+
+    outs = {}
+    for form, impl, fn in (("w8a8_mosaic", run.kernel, mosaic),
+                           ("dequant", "xla", current) if stage == "prefill" else ("fp8_linear", run.triton, current)):
+        what = f"dense_mlp T={t} {impl} {form}"
+        if run.over_budget(what):
+            return
+        try:
+            f = jax.jit(fn)
+            args = (x, wg, wu, wd, sg, su, sd)
+            sec = run.measure(f, *args)
+            out = np.asarray(f(*args).astype(jnp.float32))
+            outs.setdefault(form, out)
+            row = dict(base, weights="fp8", impl=impl, form=form, device_us=sec * 1e6, tflops=flops / sec / 1e12,
+                       hbm_fraction=3 * d * i * (1 + 4 / 128 / 128) / sec / HBM)
+            if form != "w8a8_mosaic" and "w8a8_mosaic" in outs:
+                row["rel_diff_mosaic"] = rel_diff(out, outs["w8a8_mosaic"])
+            run.emit(row)
+        except Exception as e:
+            run.fail(what, e)
+    what = f"dense_mlp T={t} xla bf16"
+    if run.over_budget(what):
+        return
+    try:
+        bg, bu, bd = (jax.random.normal(jax.random.fold_in(ks[4], j), shape, jnp.bfloat16) * 0.01
+                      for j, shape in enumerate(((d, i), (d, i), (i, d))))
+        f = jax.jit(lambda a, g, u, dn: (jax.nn.silu(a @ g) * (a @ u)) @ dn)
+        sec = run.measure(f, x, bg, bu, bd)
+        run.emit(dict(base, weights="bf16", impl="xla", form="bf16", device_us=sec * 1e6, tflops=flops / sec / 1e12,
+                      hbm_fraction=3 * d * i * 2 / sec / HBM))
+    except Exception as e:
+        run.fail(what, e)
+
+
 def main(argv: list[str] | None = None):
     """Time the Mosaic W8A8 routed experts and their baselines; write the record to --out."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="fp8_gemm_mosaic.json")
     p.add_argument("--iters", type=int, default=10, help="profiled calls per measurement (median)")
-    p.add_argument("--only", default="quantize,prefill,decode",
-                   help="parts: quantize, prefill, decode (and gemms: the grouped GEMMs alone; on without --quick)")
+    p.add_argument("--only", default="quantize,prefill,decode,linear",
+                   help="parts: quantize, prefill, decode (the routed experts), linear (the dense FP8 linears), and "
+                        "gemms (the grouped GEMMs alone; on without --quick)")
     p.add_argument("--quick", action="store_true",
-                   help="~3 min on one H100/H200: the whole op at prefill 8192 and decode 32/128 beside the current "
-                        "Triton forms and XLA bf16, the quantisation; no GEMM config sweep, no Triton W8A8 prefill")
+                   help="~4 min on one H100/H200: the whole op at prefill 8192 and decode 32/128 beside the current "
+                        "Triton forms and XLA bf16, the quantisation, the dense linears q_b and o_proj at prefill "
+                        "8192 and decode 32; no GEMM config sweep, no Triton W8A8 forms, no dense MLP")
     p.add_argument("--decode_rows", default="32,128")
     p.add_argument("--prefill_rows", type=int, default=8192)
     p.add_argument("--budget_s", type=float, default=0.0,
-                   help="skip what starts after this many seconds (0: no budget; --quick: 170)")
+                   help="skip what starts after this many seconds (0: no budget; --quick: 230)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny widths (8 experts, top-2, hidden 256) under the interpreters: a CPU check of the script")
     args = p.parse_args(argv)
     if args.quick and not args.budget_s:
-        args.budget_s = 170.0
+        args.budget_s = 230.0
     dims = SMOKE if args.smoke else GLM52
     if args.smoke:
         args.prefill_rows, args.decode_rows, args.iters = min(args.prefill_rows, 64), "4", min(args.iters, 2)
@@ -311,6 +473,14 @@ def main(argv: list[str] | None = None):
     if "decode" in parts:
         for t in (int(r) for r in args.decode_rows.split(",")):
             routed(run, "decode", t, dims.decode_tp, dims, jax.random.fold_in(key, 3 + t), args.quick or args.smoke)
+    if "linear" in parts:
+        decode_rows = [int(r) for r in args.decode_rows.split(",")]
+        linear(run, "prefill", args.prefill_rows, dims, jax.random.fold_in(key, 6), args.quick or args.smoke)
+        for t in decode_rows[:1] if args.quick else decode_rows:
+            linear(run, "decode", t, dims, jax.random.fold_in(key, 7 + t), args.quick or args.smoke)
+        if not args.quick:
+            dense_mlp(run, "prefill", args.prefill_rows, dims, jax.random.fold_in(key, 8))
+            dense_mlp(run, "decode", decode_rows[0], dims, jax.random.fold_in(key, 9))
     if "gemms" in parts:
         gemms(run, "prefill", args.prefill_rows, 1, dims, jax.random.fold_in(key, 4))
         for t in (int(r) for r in args.decode_rows.split(",")):

@@ -16,7 +16,8 @@ from . import registry
 from .common import chunking, fp8_formats, norms, rope
 from . import fp8_linear, fused_norm_rope, indexer, lse_merge, moe, sparse_mla
 
-IMPLS = ("xla", "triton", "triton_interpret", "auto")  # every op's impls ("mosaic": sparse_mla, indexer, moe)
+IMPLS = ("xla", "triton", "triton_interpret", "auto")  # every op's impls ("mosaic": sparse_mla, indexer, moe,
+# fp8_linear; the op "fp8_swiglu", a SwiGLU MLP's FP8 gate and up, has "xla" and "mosaic" only)
 
 
 def default_impl() -> str:

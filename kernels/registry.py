@@ -43,6 +43,7 @@ import contextvars
 import dataclasses
 import functools
 import importlib
+import os
 from typing import Callable
 
 
@@ -360,6 +361,23 @@ def config_rows(t: int) -> int:
     `INVARIANT_CONFIG_ROWS` in batch-invariant decode steps (rule "launch_rows"), so a row's schedule does not
     change with the batch (in prompt steps `t`, a static shape too)."""
     return t if decide("launch_rows", t) == "rows" else INVARIANT_CONFIG_ROWS
+
+
+#: The row classes a kernel switch names (`switched_rows`): "prefill" and "decode" rows, as each rule counts them.
+ROW_CLASSES = ("prefill", "decode")
+
+
+def switched_rows(env: str, default: frozenset, what: str) -> frozenset:
+    """The row classes a kernel switch turns on: the environment variable `env` if set ("prefill", "decode",
+    "prefill,decode" or "none"; read when a rule decides, i.e. when a step is traced), else `default` (the
+    module's frozenset, the in-code switch). ValueError naming `what` and `env` for another name."""
+    value = os.environ.get(env)
+    if value is None or not value.strip():
+        return frozenset(default)
+    names = {n.strip() for n in value.split(",") if n.strip()} - {"none"}
+    if not names <= set(ROW_CLASSES):
+        raise ValueError(f"{what}: {env}={value!r}: name row classes among {', '.join(ROW_CLASSES)} (or 'none')")
+    return frozenset(names)
 
 
 def _auto_placeholder(*args, **kwargs):  # never called: `resolve` replaces "auto" before a call

@@ -99,11 +99,8 @@ def _declare(module: nnx.Module, prefix: str, names, specs: ModelSpecs, dtype) -
 
 def _swiglu(module, x, names, impl: str, comm: Collectives):
     """down(silu(gate(x)) * up(x)) from `module`'s three weights (bf16 or FP8; gate/up split on their output, down
-    on its input over every TP device)."""
-    gate, up, down = names
-    g = linear.apply(module, gate, x, split=("out", TP_AXES), impl=impl, comm=comm)
-    u = linear.apply(module, up, x, split=("out", TP_AXES), impl=impl, comm=comm)
-    return linear.apply(module, down, jax.nn.silu(g) * u, split=("in", TP_AXES), impl=impl, comm=comm)
+    on its input over every TP device): `linear.swiglu`."""
+    return linear.swiglu(module, names, x, impl=impl, comm=comm, axes=TP_AXES)
 
 
 class Indexer(nnx.Module):

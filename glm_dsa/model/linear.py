@@ -9,7 +9,9 @@ its rank, passing the slice's offset inside its first block to the kernel as a t
 
 Which FP8 form runs where is the kernels registry's rule "fp8_linear.model_form": decode-sized row counts read
 the e4m3 bytes in the W8A16 kernel; prefill-sized ones dequantise the weight to the activations' dtype and run
-XLA's GEMM. impl "xla" is the float32 reference (`fp8_linear_xla`).
+XLA's GEMM; "w8a8_mosaic" (off by default: `kernels.fp8_linear.MOSAIC_ROWS`, GLM_DSA_FP8_LINEAR_MOSAIC) runs the
+Mosaic GPU W8A8 GEMM, and `swiglu` then computes a SwiGLU MLP's gate and up as one GEMM with the SwiGLU epilogue.
+impl "xla" is the float32 reference (`fp8_linear_xla`).
 """
 
 from __future__ import annotations
@@ -47,17 +49,12 @@ def local_grid(scale, width: int, axis: int, axes, comm: Collectives | None = No
     return sub, (start % BLOCK).astype(jnp.int32)
 
 
-def apply(module, name: str, x, *, n_in: int = 1, split=None, impl: str = "xla", comm: Collectives | None = None):
-    """x [T, *in] @ module.<name> [*in, *out] -> [T, *out] (x's dtype). `split`: None, or ("in" | "out", mesh
-    axes) when TP splits that flattened axis of an FP8 weight (the float path ignores it); `comm`: the step's
-    collectives (this device's rank along those axes)."""
+def _operands(module, name: str, x, n_in: int, split, comm: Collectives | None):
+    """(x [T, K], the weight [K, N], its local grid, n_offset, k_offset, out_shape) of FP8 weight `name`."""
     w = getattr(module, name)[...]
     scale = scale_of(module, name)
-    if scale is None:
-        return jnp.tensordot(x, w, n_in)
     in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
     k, n = math.prod(in_shape), math.prod(out_shape)
-    lead = x.shape[: x.ndim - n_in]
     x2, w2 = x.reshape(-1, k), w.reshape(k, n)
     k_off = n_off = 0
     if split is not None:
@@ -66,10 +63,61 @@ def apply(module, name: str, x, *, n_in: int = 1, split=None, impl: str = "xla",
             scale, k_off = local_grid(scale, k, 0, axes, comm)
         else:
             scale, n_off = local_grid(scale, n, 1, axes, comm)
-    if registry.decide("fp8_linear.model_form", x2, impl=impl) == "dequant":
+    return x2, w2, scale, n_off, k_off, out_shape
+
+
+def _mosaic(impl: str) -> str:
+    """The Mosaic impl in `impl`'s run mode: interpreted under an interpreted impl, native otherwise."""
+    return "mosaic_interpret" if impl.endswith("_interpret") else "mosaic"
+
+
+def _fp8_product(x2, w2, scale, n_off, k_off, form: str, impl: str):
+    """x2 @ W in x2's dtype by the model form `form` (rule "fp8_linear.model_form")."""
+    if form == "dequant":
         wd = dequantize_weight_blocks(w2, scale, k_off, n_off, dtype=x2.dtype)
-        y = jnp.dot(x2, wd, preferred_element_type=jnp.float32).astype(x2.dtype)
-    else:
-        y = fp8_linear.fp8_linear(x2, w2, scale, form="w8a16", impl=impl, n_offset=n_off, k_offset=k_off,
-                                  w_layout="kn")
+        return jnp.dot(x2, wd, preferred_element_type=jnp.float32).astype(x2.dtype)
+    if form == "w8a8_mosaic":
+        return fp8_linear.fp8_linear(x2, w2, scale, form="w8a8", impl=_mosaic(impl), n_offset=n_off,
+                                     k_offset=k_off, w_layout="kn")
+    return fp8_linear.fp8_linear(x2, w2, scale, form="w8a16", impl=impl, n_offset=n_off, k_offset=k_off,
+                                 w_layout="kn")
+
+
+def apply(module, name: str, x, *, n_in: int = 1, split=None, impl: str = "xla", comm: Collectives | None = None):
+    """x [T, *in] @ module.<name> [*in, *out] -> [T, *out] (x's dtype). `split`: None, or ("in" | "out", mesh
+    axes) when TP splits that flattened axis of an FP8 weight (the float path ignores it); `comm`: the step's
+    collectives (this device's rank along those axes)."""
+    if scale_of(module, name) is None:
+        return jnp.tensordot(x, getattr(module, name)[...], n_in)
+    lead = x.shape[: x.ndim - n_in]
+    x2, w2, scale, n_off, k_off, out_shape = _operands(module, name, x, n_in, split, comm)
+    form = fp8_linear.model_form(x2, impl=impl, n_offset=n_off, k_offset=k_off)
+    y = _fp8_product(x2, w2, scale, n_off, k_off, form, impl)
     return y.reshape(*lead, *out_shape)
+
+
+def swiglu(module, names, x, *, impl: str = "xla", comm: Collectives | None = None, axes=None):
+    """down(silu(gate(x)) * up(x)) from `module`'s three weights `names` (bf16 or FP8; gate/up split on their output,
+    down on its input over the mesh `axes`). FP8 gate and up that the rule "fp8_linear.model_form" gives
+    "w8a8_mosaic" run as one Mosaic GEMM with the SwiGLU epilogue (`kernels.fp8_linear.fp8_swiglu`); otherwise each
+    is a linear of its own, as `apply` runs it."""
+    gate, up, down = names
+    split = None if axes is None else ("out", axes)
+    if scale_of(module, gate) is not None and scale_of(module, up) is not None:
+        lead = x.shape[:-1]
+        xg, wg, sg, n_off, k_off, out_shape = _operands(module, gate, x, 1, split, comm)
+        _, wu, su, u_n_off, u_k_off, _ = _operands(module, up, x, 1, split, comm)
+        form = fp8_linear.model_form(xg, impl=impl, n_offset=n_off, k_offset=k_off)
+        if form == "w8a8_mosaic" and wg.shape == wu.shape and sg.shape == su.shape:  # one split: offsets alike
+            h = fp8_linear.fp8_swiglu(xg, wg, wu, sg, su, impl=_mosaic(impl), n_offset=n_off, k_offset=k_off,
+                                      w_layout="kn")
+        else:
+            g = _fp8_product(xg, wg, sg, n_off, k_off, form, impl)
+            u = _fp8_product(xg, wu, su, u_n_off, u_k_off, form, impl)
+            h = jax.nn.silu(g) * u
+        h = h.reshape(*lead, *out_shape)
+    else:
+        g = apply(module, gate, x, split=split, impl=impl, comm=comm)
+        u = apply(module, up, x, split=split, impl=impl, comm=comm)
+        h = jax.nn.silu(g) * u
+    return apply(module, down, h, split=None if axes is None else ("in", axes), impl=impl, comm=comm)

@@ -26,8 +26,6 @@ GPU only for the row classes named in `MOSAIC_ROWS` (none by default) or the env
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
@@ -170,19 +168,12 @@ MOSAIC_IMPLS = ("mosaic", "mosaic_interpret")
 #: "none") overrides it for a run (read when a step is traced), so an engine benchmark can compare both forms.
 MOSAIC_ROWS: frozenset = frozenset()
 MOSAIC_ENV = "GLM_DSA_MOE_MOSAIC"
-_ROW_CLASSES = ("prefill", "decode")
 
 
 def mosaic_rows() -> frozenset:
     """The row classes whose FP8 experts run "w8a8_mosaic" on a GPU: GLM_DSA_MOE_MOSAIC if set, else
-    `MOSAIC_ROWS`."""
-    env = os.environ.get(MOSAIC_ENV)
-    if env is None or not env.strip():
-        return frozenset(MOSAIC_ROWS)
-    names = {n.strip() for n in env.split(",") if n.strip()} - {"none"}
-    if not names <= set(_ROW_CLASSES):
-        raise ValueError(f"moe: {MOSAIC_ENV}={env!r}: name row classes among {', '.join(_ROW_CLASSES)} (or 'none')")
-    return frozenset(names)
+    `MOSAIC_ROWS` (`registry.switched_rows`)."""
+    return registry.switched_rows(MOSAIC_ENV, MOSAIC_ROWS, "moe")
 
 
 def fp8_form(t: int, k: int, n_exp: int, d: int, i: int, i_offset, *, w_layout: str = "kn") -> str:

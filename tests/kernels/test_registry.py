@@ -106,9 +106,9 @@ def test_rules_take_the_platform_and_are_recorded():
 def test_every_choice_is_a_registered_rule():
     """The rules the package registers, one per choice (a new choice made elsewhere is a new rule here)."""
     assert {r.name for r in registry.rules()} == {
-        "cache_offsets", "fp8_linear.auto", "fp8_linear.model_form", "fused_norm_rope.auto", "indexer.auto",
-        "indexer.scores_form", "launch_rows", "lse_merge.auto", "moe.auto", "moe.fp8_form", "moe.mosaic_layout",
-        "moe.xla_form", "sparse_mla.auto", "topk.auto"}
+        "cache_offsets", "fp8_linear.auto", "fp8_linear.model_form", "fp8_linear.mosaic_layout",
+        "fused_norm_rope.auto", "indexer.auto", "indexer.scores_form", "launch_rows", "lse_merge.auto", "moe.auto",
+        "moe.fp8_form", "moe.mosaic_layout", "moe.xla_form", "sparse_mla.auto", "topk.auto"}
     assert all(r.summary for r in registry.rules())  # each says what it picks (info --kernels prints it)
     with registry.deciding_for("gpu"):
         assert registry.decide("cache_offsets", impl="auto") == "int32"
@@ -140,6 +140,7 @@ def _rule_choices(invariant: bool, step_rows: int | None, op_rows, requests=(1, 
                                                                    config=TopkConfig(chunks=1)))
             o, lse = (jax.ShapeDtypeStruct(s, jnp.float32) for s in ((2, t, 64, 512), (2, t, 64)))
             out.setdefault("lse_merge.auto", set()).add(registry.decide("lse_merge.auto", o, lse))
+            out.setdefault("fp8_linear.mosaic_layout", set()).add(registry.decide("fp8_linear.mosaic_layout", t))
             out.setdefault("config_rows", set()).add(registry.config_rows(t))
     return out
 
@@ -154,7 +155,8 @@ def test_batch_invariant_decode_steps_choose_alike_for_every_row_count():
         got = _rule_choices(True, step_rows, rows)
         assert {r: c for r, c in got.items() if r != "config_rows"} == {
             "moe.xla_form": {"gather"}, "moe.fp8_form": {"w8a16"}, "moe.mosaic_layout": {"swap_ab"},
-            "indexer.scores_form": {"per_row"}, "fp8_linear.model_form": {"fp8_linear"}, "topk.auto": {"xla"},
+            "indexer.scores_form": {"per_row"}, "fp8_linear.model_form": {"fp8_linear"},
+            "fp8_linear.mosaic_layout": {"swap_ab"}, "topk.auto": {"xla"},
             "lse_merge.auto": {"xla"}}, step_rows
         assert got["config_rows"] == {registry.INVARIANT_CONFIG_ROWS}
     default = _rule_choices(False, None, rows)
@@ -231,7 +233,8 @@ def test_unknown_op_raises():
 
 
 def test_interpret_means_the_same_function_interpreted():
-    pairs = [(op, "triton") for op in OPS] + [(op, "mosaic") for op in MOSAIC_OPS]
+    pairs = ([(op, "triton") for op in OPS] + [(op, "mosaic") for op in MOSAIC_OPS]
+             + [("fp8_linear", "triton"), ("fp8_linear", "mosaic"), ("fp8_swiglu", "mosaic")])
     for op, kind in pairs:
         native, interp = registry.get(op, kind).function(), registry.get(op, f"{kind}_interpret").function()
         assert isinstance(native, functools.partial) and isinstance(interp, functools.partial)
