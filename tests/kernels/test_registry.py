@@ -185,8 +185,9 @@ def test_batch_invariant_prompt_steps_take_the_prefill_forms():
     prompt = _rule_choices(True, t, (t,))
     assert prompt == {
         "moe.xla_form": {"gather"}, "moe.fp8_form": {"dequant"}, "moe.mosaic_layout": {"grouped"},
-        "indexer.scores_form": {"row_block"}, "fp8_linear.model_form": {"dequant"}, "topk.auto": {"triton"},
-        "lse_merge.auto": {"triton"}, "config_rows": {t}}
+        "indexer.scores_form": {"row_block"}, "fp8_linear.model_form": {"dequant"},
+        "fp8_linear.mosaic_layout": {"grouped"}, "topk.auto": {"triton"}, "lse_merge.auto": {"triton"},
+        "config_rows": {t}}
     # the default mode at 8192 rows: the same, but its xla form and its scores form for many requests
     default = _rule_choices(False, None, (t,))
     assert {r: c for r, c in default.items() if r not in ("moe.xla_form", "indexer.scores_form")} == {
@@ -215,7 +216,8 @@ def test_batch_invariant_prompt_steps_take_the_prefill_forms():
     # every rule that reads the rows says what prompt steps take: DEFAULT, a function, or None (the decode choice)
     said = {r.name: r.invariant_prompt for r in registry.rules() if r.invariant != registry.ROW_FREE}
     assert {n for n, v in said.items() if v == registry.DEFAULT} == {
-        "launch_rows", "moe.fp8_form", "moe.mosaic_layout", "fp8_linear.model_form", "topk.auto", "lse_merge.auto"}
+        "launch_rows", "moe.fp8_form", "moe.mosaic_layout", "fp8_linear.model_form", "fp8_linear.mosaic_layout",
+        "topk.auto", "lse_merge.auto"}
     assert {n for n, v in said.items() if v is None} == {"moe.xla_form", "indexer.auto"}
     assert callable(said["indexer.scores_form"])
 
