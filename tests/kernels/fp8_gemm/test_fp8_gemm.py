@@ -80,6 +80,15 @@ def rel_err(out, ref):
     return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-300)
 
 
+def _quantize_rows_is_numpys(xd):
+    """`reference.quantize_rows(xd)` (jitted), checked bit for bit against the numpy rule; returns (q, s)."""
+    nq, ns = np_quantize_rows(np.asarray(xd.astype(jnp.float32)))
+    q, s = jax.jit(reference.quantize_rows)(xd)
+    np.testing.assert_array_equal(np.asarray(s), ns)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), nq.view(np.uint8))
+    return q, s
+
+
 def test_quantize_rows_is_the_rule():
     """Bit for bit the numpy rule, the barrier formulation it replaces and the repo's own W8A8 quantiser (the
     Triton kernels' numerics), over 10^5 values of a wide dynamic range, a zero block, a saturating outlier, a
@@ -94,10 +103,7 @@ def test_quantize_rows_is_the_rule():
     x[9, :128] = np.resize(ties, 128)  # amax 448: s_a = 1 and each quotient is the tie itself
     for dtype in (jnp.float32, jnp.bfloat16):
         xd = jnp.asarray(x, dtype)
-        nq, ns = np_quantize_rows(np.asarray(xd.astype(jnp.float32)))
-        q, s = jax.jit(reference.quantize_rows)(xd)
-        np.testing.assert_array_equal(np.asarray(s), ns)
-        np.testing.assert_array_equal(np.asarray(q).view(np.uint8), nq.view(np.uint8))
+        q, s = _quantize_rows_is_numpys(xd)
         for other in (reference.quantize_rows_barrier, fp8_formats.quantize_activation_blocks):
             oq, os_ = jax.jit(other)(xd)
             np.testing.assert_array_equal(np.asarray(s), np.asarray(os_))
@@ -393,8 +399,4 @@ def test_gpu_quantize_rows_is_the_rule():
     x = (rng.standard_normal((4096, 2048)) * np.exp(4 * rng.standard_normal((4096, 1)))).astype(np.float32)
     x[5, :3] = 1e4
     for dtype in (jnp.float32, jnp.bfloat16):
-        xd = jnp.asarray(x, dtype)
-        nq, ns = np_quantize_rows(np.asarray(xd.astype(jnp.float32)))
-        q, s = jax.jit(reference.quantize_rows)(xd)
-        np.testing.assert_array_equal(np.asarray(s), ns)
-        np.testing.assert_array_equal(np.asarray(q).view(np.uint8), nq.view(np.uint8))
+        _quantize_rows_is_numpys(jnp.asarray(x, dtype))
