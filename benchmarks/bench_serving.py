@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import sys
@@ -383,7 +382,6 @@ def run_multi_turn_bench(mc: MultiTurnConfig, log=print) -> dict:
         res["settings"][name] = row
         log(f"[{name}] {json.dumps(row)}")
         del eng
-        gc.collect()  # the engine's caches go before the next one sizes its own from free memory
     on, off = res["settings"]["prefix_caching"], res["settings"]["no_prefix_caching"]
     res["ttft_p50_speedup"] = off["ttft_ms_p50"] / max(on["ttft_ms_p50"], 1e-9)
     res["output_tokens_per_s_ratio"] = on["output_tokens_per_s"] / max(off["output_tokens_per_s"], 1e-9)

@@ -245,8 +245,11 @@ class Scheduler:
         self._release(r)
         r.status, r.finish_reason, r.error = Status.FINISHED, reason, error
         self.finished[reason] += 1
-        if r.on_finish is not None:
-            r.on_finish(r)
+        finish, r.on_token, r.on_finish = r.on_finish, None, None
+        # a finished request calls nothing more: dropping its callbacks breaks the request <-> stream cycle, so an
+        # engine whose streams are dropped goes (its device caches with it) at once, not at the next gc pass
+        if finish is not None:
+            finish(r)
 
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)

@@ -117,3 +117,22 @@ def test_warmup_compiles_every_step_generate_runs(ckpt):
     m = e.metrics()
     assert m["running"] == m["waiting"] == m["kv_pages_used"] == 0 and m["kv_pages_free"] == e.num_pages - 1
     assert m["generated_tokens"] >= 18 and m["steps"] >= t["steps"]
+
+
+def test_an_engine_whose_streams_finished_is_freed_at_once(ckpt):
+    """A finished request drops its stream's callbacks, so an engine (and its device caches) whose finished streams
+    are dropped goes by reference counting alone, before the next engine sizes its caches from free memory; with
+    the callbacks kept, request and stream hold each other and the engine waits for a gc pass."""
+    import gc
+    import weakref
+    e = glm_dsa.load(ckpt, dtype="float32", max_model_len=64, max_num_seqs=2, num_pages=7, progress=False)
+    s = e.submit(_prompts(3, [5])[0], SamplingParams(temperature=0.0, max_tokens=2, stop_token_ids=[]))
+    assert len(list(s)) == 2 and s.finish_reason == "length"
+    assert s.request.on_token is None and s.request.on_finish is None
+    ref = weakref.ref(e)
+    gc.disable()
+    try:
+        del s, e
+        assert ref() is None
+    finally:
+        gc.enable()
