@@ -423,6 +423,16 @@ def check(op: str, impl: str, *args, **kwargs) -> Impl:
     return entry
 
 
+def takes(op: str, impl: str, *args, **kwargs) -> bool:
+    """Whether impl `impl` of `op` takes these arguments (`check` passes): what an "auto" rule asks of a kernel
+    before it picks it."""
+    try:
+        check(op, impl, *args, **kwargs)
+    except ValueError:
+        return False
+    return True
+
+
 def dispatch(op: str, impl: str, *args, **kwargs):
     """Run impl `impl` of `op` on the arguments ("auto": the impl `resolve` picks), after `check`."""
     impl = resolve(op, impl, *args, **kwargs)

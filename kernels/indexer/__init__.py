@@ -100,12 +100,9 @@ def _choose_indexer(platform: str, q, weights, k_cache, token_req, kv_lens, bloc
         return "xla"
     triton_options = set(kwargs) - {"block_size", "topk", "return_scores", "ordered", "row_chunk", "topk_impl",
                                      "topk_config"}
-    if not triton_options and not takes_row_blocks(q.shape[0], block_tables.shape[0]):
-        try:
-            registry.check("indexer", "mosaic", q, weights, k_cache, token_req, kv_lens, block_tables, **kwargs)
-            return "mosaic"
-        except ValueError:
-            pass
+    if (not triton_options and not takes_row_blocks(q.shape[0], block_tables.shape[0])
+            and registry.takes("indexer", "mosaic", q, weights, k_cache, token_req, kv_lens, block_tables, **kwargs)):
+        return "mosaic"
     return "triton"
 
 

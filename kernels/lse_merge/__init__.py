@@ -18,11 +18,7 @@ def choose_impl(platform: str, o, lse, **kernel_options) -> str:
     """The Triton merge on a GPU where it takes the partials (one launch against XLA's five passes), else xla."""
     if platform != "gpu":
         return "xla"
-    try:
-        registry.check("lse_merge", "triton", o, lse)
-        return "triton"
-    except ValueError:
-        return "xla"
+    return "triton" if registry.takes("lse_merge", "triton", o, lse) else "xla"
 
 
 registry.register("lse_merge", "xla", merge_splits_xla)

@@ -33,12 +33,9 @@ def choose_impl(platform: str, q, cache, indices, *, scale: float, kv_lora_rank:
     (BENCHMARKS.md, sparse MLA)."""
     if platform != "gpu":
         return "xla"
-    if not kernel_options and q.shape[0] >= 1:
-        try:
-            registry.check("sparse_mla", "mosaic", q, cache, indices, kv_lora_rank=kv_lora_rank)
-            return "mosaic"
-        except ValueError:
-            pass
+    if (not kernel_options and q.shape[0] >= 1
+            and registry.takes("sparse_mla", "mosaic", q, cache, indices, kv_lora_rank=kv_lora_rank)):
+        return "mosaic"
     return "triton"
 
 

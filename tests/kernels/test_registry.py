@@ -333,3 +333,15 @@ def test_no_settings_in_module_globals():
     from kernels.indexer import triton as indexer_triton
     assert not hasattr(indexer_triton, "topk_triton")
     assert not hasattr(sparse_mla, "MOSAIC_MIN_ROWS")  # a threshold of one row: the rule says "from one row"
+
+
+def test_takes_is_check_passing():
+    """`registry.takes`: True where `check` passes, False where the impl's `supports` names a constraint or the
+    impl does not exist (what the "auto" rules ask before picking a kernel)."""
+    o, lse = (jax.ShapeDtypeStruct(s, jnp.float32) for s in ((2, 4, 8, 16), (2, 4, 8)))
+    assert registry.takes("lse_merge", "triton", o, lse)
+    bad = jax.ShapeDtypeStruct((2, 4, 9), jnp.float32)  # lse's heads differ from o's
+    assert not registry.takes("lse_merge", "triton", o, bad)
+    with pytest.raises(ValueError, match="does not support"):
+        registry.check("lse_merge", "triton", o, bad)
+    assert not registry.takes("lse_merge", "no_such_impl", o, lse)
