@@ -11,14 +11,9 @@ import sys
 
 def main(argv=None) -> int:
     """The command line: `suite`, `render`, `area` or `compare`."""
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv[:1] == ["compare"]:  # its own parser (benchmarks.compare)
-        from benchmarks import compare
-        return compare.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    from benchmarks import render, suite
+    from benchmarks import compare, render, suite
     s = sub.add_parser("suite", help="run the benchmark areas, one process and one timeout each")
     suite.add_arguments(s)
     r = sub.add_parser("render", help="rewrite BENCHMARKS.md's tables from benchmarks/results/*.json")
@@ -27,10 +22,13 @@ def main(argv=None) -> int:
     a.add_argument("name", choices=list(suite.AREAS))
     a.add_argument("--smoke", action="store_true")
     a.add_argument("--results", default=suite.RESULTS)
-    sub.add_parser("compare", help="pair two runs' device-timed rows (see python -m benchmarks compare --help)")
+    c = sub.add_parser("compare", help="pair two runs' device-timed rows, after / before")
+    compare.add_arguments(c)
     args = ap.parse_args(argv)
     if args.cmd == "suite":
         return suite.run_suite(args)
+    if args.cmd == "compare":
+        return compare.run(args)
     if args.cmd == "area":
         return suite.run_area(args.name, args.smoke, args.results)
     return render.main(check=args.check)

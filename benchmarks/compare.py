@@ -83,38 +83,50 @@ def compare(befores: list[dict], after: dict, commit_before: str | None = None,
             "command": "python -m benchmarks compare", "rows": rows, "sources": sources}
 
 
-def main(argv=None) -> int:
-    """The command line (see the module docstring)."""
-    ap = argparse.ArgumentParser(prog="python -m benchmarks compare", description=__doc__.split("\n")[0])
-    ap.add_argument("before", nargs="+", help="results file(s) of the run(s) before the change")
-    ap.add_argument("--after", required=True, help="results file of the run after it")
-    ap.add_argument("--out", required=True, help="write the comparison record here")
-    ap.add_argument("--commit-before", default=None)
-    ap.add_argument("--commit-after", default=None)
-    args = ap.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command's flags (see the module docstring)."""
+    p.add_argument("before", nargs="+", help="results file(s) of the run(s) before the change")
+    p.add_argument("--after", required=True, help="results file of the run after it")
+    p.add_argument("--out", required=True, help="write the comparison record here")
+    p.add_argument("--commit-before", default=None, help="the commit of the runs before (where their records err)")
+    p.add_argument("--commit-after", default=None, help="the commit of the run after (where its record errs)")
 
-    def load(path):
-        try:
-            with open(path) as f:
-                rec = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise SystemExit(f"compare: cannot read {path}: {e}") from None
-        if not isinstance(rec, dict) or not isinstance(rec.get("rows"), list):
-            raise SystemExit(f"compare: {path} is not a results file (no 'rows' list)")
-        return rec
+
+def _load(path: str) -> dict:
     try:
-        out = compare([load(p) for p in args.before], load(args.after), args.commit_before, args.commit_after)
+        with open(path) as f:
+            rec = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"compare: cannot read {path}: {e}") from None
+    if not isinstance(rec, dict) or not isinstance(rec.get("rows"), list):
+        raise SystemExit(f"compare: {path} is not a results file (no 'rows' list)")
+    return rec
+
+
+def run(args) -> int:
+    """Compare the parsed flags' files, write the record to --out and print one line per op."""
+    from benchmarks.harness import write_json
+    try:
+        out = compare([_load(p) for p in args.before], _load(args.after), args.commit_before, args.commit_after)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    out["command"] = "python -m benchmarks compare " + " ".join(argv if argv is not None else sys.argv[1:])
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
+    commits = "".join(f" --commit-{k} {v}" for k, v in (("before", args.commit_before),
+                                                         ("after", args.commit_after)) if v)
+    out["command"] = (f"python -m benchmarks compare {' '.join(args.before)} --after {args.after} --out {args.out}"
+                      + commits)
+    write_json(args.out, out)
     for r in out["rows"]:
         if r["check"] == "compare":
             print(f"{r['op']}: {r['pairs']} rows, after / before median {r['median_ratio']:.3f} "
                   f"({r['min_ratio']:.3f} .. {r['max_ratio']:.3f}); largest change {r['largest_change']}")
     return 0
+
+
+def main(argv=None) -> int:
+    """The command line (see the module docstring)."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks compare", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -61,3 +61,25 @@ def test_no_pair_is_an_error(tmp_path):
 def test_the_committed_move_check_renders_each_run():
     text = render.render_table("attention_move")
     assert text.count("- run ") == 3 and "| sparse_mla |" in text
+
+
+def test_the_readme_command_runs_from_a_fresh_interpreter(tmp_path):
+    """`python -m benchmarks compare BEFORE.json --after AFTER.json --out FILE` as the README gives it: a new
+    process in a folder of its own, relative paths; the record names the command with them."""
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    (tmp_path / "before.json").write_text(json.dumps(_rec("old", [_row("sparse_mla", "mosaic", 10.0)])))
+    (tmp_path / "after.json").write_text(json.dumps(_rec("new", [_row("sparse_mla", "mosaic", 12.0)])))
+    env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "benchmarks", "compare", "before.json", "--after", "after.json", "--out", "c.json"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "sparse_mla: 1 rows, after / before median 1.200" in proc.stdout
+    rec = json.loads((tmp_path / "c.json").read_text())
+    assert rec["command"] == "python -m benchmarks compare before.json --after after.json --out c.json"
+    bad = subprocess.run(cmd[:4] + ["missing.json", "--after", "after.json", "--out", "c.json"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "compare: cannot read missing.json" in bad.stderr
+    assert "Traceback" not in bad.stderr
