@@ -21,8 +21,10 @@ import statistics
 import sys
 from collections import defaultdict
 
+from benchmarks.suite import SCHEMA_KEYS
+
 PAIR_KEYS = ("op", "stage", "cache", "B", "T", "impl")
-SOURCE_KEYS = ("date", "commit", "device", "jax", "command")
+SOURCE_KEYS = tuple(k for k in SCHEMA_KEYS if k != "rows")  # what a source of a results file says
 
 
 def row_key(r: dict) -> tuple:

@@ -206,7 +206,7 @@ def run_serving(smoke: bool, work: str) -> tuple[list[dict], dict]:
     for i, (smoke_argv, argv) in enumerate(SERVING_RUNS):
         args = (["--cpu"] if _on_cpu() else []) + smoke_argv if smoke else argv
         rec = _bench_record(bench_serving.main, args, work, f"bench_serving_{i}")
-        sources.append({k: rec[k] for k in ("date", "commit", "device", "jax", "command")})
+        sources.append({k: rec[k] for k in SCHEMA_KEYS if k != "rows"})
         rows += [{**r, "source": i} for r in rec["rows"]]
     return rows, {"sources": sources}
 
