@@ -234,19 +234,25 @@ def stage_costs(sb_or_cfg, parallel: ParallelConfig, batch: StepBatch, context: 
     rows = batch.token_ids.shape[0]
     x = jax.ShapeDtypeStruct((rows, cfg.hidden_size), jnp.dtype(dtype))
     topk = jax.ShapeDtypeStruct((rows, cfg.index_topk), jnp.int32)
+    # Counted on the CPU client whatever the device: jax's Lowered.cost_analysis asks the client of the program's
+    # device, and the GPU's (a PJRT C API plugin) raises NotImplementedError for a program not compiled. The
+    # arguments go in abstract (shapes and dtypes only), so nothing ties the program to the GPU; the counts of the
+    # xla-form program are the shapes', not the backend's.
+    abstract = functools.partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                 if hasattr(a, "shape") and hasattr(a, "dtype") else a)
+    args = abstract((params, caches, x, topk, batch))
+    try:
+        cpu = jax.devices("cpu")[0]
+    except RuntimeError:
+        cpu = None  # no CPU client in this process (JAX_PLATFORMS names only the GPU): the counts stay None
     out = {}
     for stage in stages:
         if not stage_layers(cfg)["moe" if stage == "router" else stage]:
             continue
         f = stage_body(stage, cfg, ctx)
-        with ctx.comm.record() as log:
-            traced = jax.jit(f).trace(params, caches, x, topk, batch)
-        # lowered for the CPU whatever the device: the GPU client has no HLO cost model for a program not compiled,
-        # and the counts of the xla-form program are the shapes', not the backend's
-        try:
-            ca = traced.lower(lowering_platforms=("cpu",)).cost_analysis()
-        except (NotImplementedError, RuntimeError, jax.errors.JaxRuntimeError):
-            ca = None  # no CPU backend in this process (JAX_PLATFORMS names only the GPU)
+        with ctx.comm.record() as log, jax.default_device(cpu):
+            lowered = jax.jit(f).trace(*args).lower()
+            ca = None if cpu is None else lowered.cost_analysis()
         ca = ca[0] if isinstance(ca, (list, tuple)) else ca
         out[stage] = {"flops": None if ca is None else float(ca.get("flops", 0.0)),
                       "bytes": None if ca is None else float(ca.get("bytes accessed", 0.0)), "collectives": list(log)}
