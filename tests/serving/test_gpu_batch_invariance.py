@@ -92,9 +92,14 @@ def test_bitwise_alone_and_in_batches(weights, kv):
 @pytest.mark.parametrize("weights", ["bf16", "fp8"])
 def test_bitwise_after_preemption(weights, kv):
     alone = _run(_engine(weights, kv, True), [TARGET], 0)
-    pages = -(-(TARGET_LEN + NEW) // 16) + 40  # the target and a few others at once: the rest preempt
-    eng = _engine(weights, kv, True, num_pages=pages + 1)
-    got = _run(eng, _others(8, 11) + [TARGET], 8)
+    # two others of 35 whole pages each, the target (135 pages for its prompt), two more others; pages for the first
+    # three with one to spare (page 0 is padding): the first decode step needs a page for each of the two others,
+    # so the newest running request, the target, is preempted, and recomputed (its prompt in prompt steps, any
+    # generated tokens in decode steps) once the others have finished
+    others = _prompts(11, [35 * 16] * 4)
+    target_pages = -(-TARGET_LEN // 16)
+    eng = _engine(weights, kv, True, num_pages=1 + 2 * 35 + target_pages + 1)
+    got = _run(eng, others[:2] + [TARGET] + others[2:], 2)
     assert eng.last_timings["preemptions"] > 0
     assert _bits(got) == _bits(alone), _first_difference(got, alone)
 
