@@ -290,6 +290,7 @@ def serve_multi_turn(eng: Engine, system: list[int], users, output_len: int, sta
     params = SamplingParams(temperature=0.0, max_tokens=output_len, stop_token_ids=[])
     n, turns = len(users), len(users[0])
     m0 = eng.metrics()
+    s0 = dataclasses.replace(eng.stats)
     compiled0 = eng.runner.serve_step._cache_size()
     ttft: list[float] = []
     out_tokens = 0
@@ -339,7 +340,14 @@ def serve_multi_turn(eng: Engine, system: list[int], users, output_len: int, sta
             time.sleep(min(0.001, max(0.0, starts[nxt] - (time.perf_counter() - t0))))
     end = time.perf_counter()
     m = eng.metrics()
+    st = {k: getattr(eng.stats, k) - getattr(s0, k) for k in ("steps", "prompt_steps", "wall_s", "host_s",
+                                                               "decode_wall_s", "decode_timed_steps")}
     return {"turns": n * turns, "output_tokens": out_tokens, "duration_s": end - t0,
+            # where a turn's time goes: the loop's steps (wall time per step: the device's step, or the host's
+            # when it is slower), their host share, and decode-only steps apart
+            "steps": st["steps"], "prompt_steps": st["prompt_steps"],
+            "step_ms": 1e3 * st["wall_s"] / max(st["steps"], 1), "host_ms_per_step": 1e3 * st["host_s"] /
+            max(st["steps"], 1), "decode_step_ms": 1e3 * st["decode_wall_s"] / max(st["decode_timed_steps"], 1),
             "output_tokens_per_s": out_tokens / (end - t0),
             "ttft_ms_p50": 1e3 * _pct(ttft, 50), "ttft_ms_p99": 1e3 * _pct(ttft, 99),
             "prefix_cache_queries": m["prefix_cache_queries"] - m0["prefix_cache_queries"],
@@ -394,7 +402,9 @@ def format_multi_turn(res: dict) -> str:
     lines = [f"device {res['device']}, {res['layers']} layers, config {json.dumps(res['config'])}"]
     for name, r in res["settings"].items():
         lines.append(f"[{name:>17}] TTFT p50/p99 {r['ttft_ms_p50']:.1f}/{r['ttft_ms_p99']:.1f} ms; "
-                     f"{r['output_tokens_per_s']:.0f} out tok/s; {r['prefix_cache_hits']} of "
+                     f"{r['output_tokens_per_s']:.0f} out tok/s; {r['steps']} steps ({r['prompt_steps']} with "
+                     f"prompt rows) of {r['step_ms']:.2f} ms ({r['host_ms_per_step']:.2f} ms host), decode-only "
+                     f"{r['decode_step_ms']:.2f} ms; {r['prefix_cache_hits']} of "
                      f"{r['prefix_cache_queries']} prompt tokens cached; {r['preemptions']} preemptions; "
                      f"{r['compiles']} compiled in the timed pass")
     lines.append(f"prefix caching: TTFT p50 {res['ttft_p50_speedup']:.2f}x lower, output tokens/s x"
