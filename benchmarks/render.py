@@ -151,7 +151,7 @@ TABLES = {
         ("decode ms/step B=1", lambda r: r["decode_ms"].get("1")),
         ("B=32", lambda r: r["decode_ms"].get("32")), ("B=128", lambda r: r["decode_ms"].get("128"))),
         keep=lambda r: "check" not in r),
-    "batch_invariant_cost": Table("e2e", (
+    "batch_invariant_cost": Table("batch_invariance", (
         ("preset", "preset"), ("layers", "layers"), ("weights", "weights"), ("kv cache", "kv_cache"),
         ("impl", "impl"), ("phase", "phase"),
         ("shape", lambda r: f"{r['batch']} x {r['input_len']}" if r["phase"] == "prefill"
