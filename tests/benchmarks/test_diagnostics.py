@@ -60,8 +60,27 @@ def test_forms_are_refused_where_they_do_not_apply():
 
 
 def test_scripts_are_there():
-    assert set(SCRIPTS) == {"diag_indexer_parts", "diag_launch_gap", "probe_indexer_mosaic", "probe_moe_fp8",
-                            "probe_sparse_mla_mosaic", "profile_kernels"}
+    assert set(SCRIPTS) == {"diag_indexer_parts", "diag_launch_gap", "multi_turn_schedule", "probe_indexer_mosaic",
+                            "probe_moe_fp8", "probe_sparse_mla_mosaic", "profile_kernels"}
+
+
+def test_multi_turn_schedule_hits_the_pages_a_turn_repeats():
+    """The scheduler-only multi-turn run finds, by hand's page arithmetic, the shared system prompt's whole pages for
+    every conversation but the first, and for each later turn the whole pages of the previous prompt and the answer
+    tokens computed (the answer's last token is sampled, never fed back); no hits without caching; and under a cost
+    that grows with a step's rows a hit's turn waits less."""
+    from benchmarks.bench_serving import MultiTurnConfig
+    from benchmarks.diagnostics.multi_turn_schedule import simulate
+    n, turns, S, U, O, B = 6, 3, 256, 24, 40, 16
+    mc = MultiTurnConfig(conversations=n, turns=turns, system_len=S, user_len=U, output_len=O, request_rate=50.0,
+                         block_size=B, max_num_seqs=8, max_num_batched_tokens=512, num_pages=400)
+    on, off = (simulate(mc, 1000, caching, 8.0, 4.0) for caching in (True, False))
+    prompts = [S + U + k * (U + O) for k in range(turns)]
+    want = (n - 1) * min((S + U - 1) // B, S // B) * B + n * sum((p + O - 1) // B * B for p in prompts[:-1])
+    assert (on["prefix_cache_hits"], on["prefix_cache_queries"]) == (want, n * sum(prompts))
+    assert (off["prefix_cache_hits"], off["prefix_cache_queries"]) == (0, 0)
+    assert on["turns"] == off["turns"] == n * turns
+    assert on["ttft_ms_p50"] < off["ttft_ms_p50"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
