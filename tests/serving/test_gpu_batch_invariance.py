@@ -7,7 +7,13 @@ chat's next turn with the first turn's prompt pages found in the prefix cache ag
 decode steps' logprobs (and their top alternatives) bitwise equal, and the prefill's last-token logprobs (the
 first sampled token's, from a prompt step). Every run computes its prompts (the prefix cache emptied first) but
 the hit. The default mode is the negative control: its differences are printed (`-s`), not asserted. bf16
-weights of the bench preset take ~70 GB: an H200."""
+weights of the bench preset take ~70 GB: an H200.
+
+Each case builds its own engines (an engine takes most of the free memory for its cache), so run with a persistent
+compilation cache, which lets an engine skip the compiles of an earlier one of the same shapes:
+`JAX_COMPILATION_CACHE_DIR=/tmp/jc JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 GLM_DSA_TEST_GPU=1 python -m pytest
+-m gpu -s tests/serving/test_gpu_batch_invariance.py` (with it, 30 s to 2.5 min a case on an H100: more than one
+10-minute run for the 16 cases; `-k fp8` or `-k bf16` split them)."""
 
 import functools
 
