@@ -13,7 +13,7 @@ Each case builds its own engines (an engine takes most of the free memory for it
 compilation cache, which lets an engine skip the compiles of an earlier one of the same shapes:
 `JAX_COMPILATION_CACHE_DIR=/tmp/jc JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 GLM_DSA_TEST_GPU=1 python -m pytest
 -m gpu -s tests/serving/test_gpu_batch_invariance.py` (with it, 30 s to 2.5 min a case on an H100: more than one
-10-minute run for the 16 cases; `-k fp8` or `-k bf16` split them)."""
+10-minute run for the 16 cases; `-k fp8-` or `-k bf16-` split them by weights)."""
 
 import functools
 
