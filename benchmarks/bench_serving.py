@@ -397,9 +397,14 @@ def run_multi_turn_bench(mc: MultiTurnConfig, log=print) -> dict:
     return res
 
 
+def results_header(res: dict) -> str:
+    """The first line of a results table: the device, the model's depth and the run's config."""
+    return f"device {res['device']}, {res['layers']} layers, config {json.dumps(res['config'])}"
+
+
 def format_multi_turn(res: dict) -> str:
     """The multi-turn results as a table."""
-    lines = [f"device {res['device']}, {res['layers']} layers, config {json.dumps(res['config'])}"]
+    lines = [results_header(res)]
     for name, r in res["settings"].items():
         lines.append(f"[{name:>17}] TTFT p50/p99 {r['ttft_ms_p50']:.1f}/{r['ttft_ms_p99']:.1f} ms; "
                      f"{r['output_tokens_per_s']:.0f} out tok/s; {r['steps']} steps ({r['prompt_steps']} with "
@@ -479,7 +484,7 @@ def run_serving_bench(bc: ServingBenchConfig, log=print) -> dict:
 
 def format_results(res: dict) -> str:
     """The results as a table."""
-    lines = [f"device {res['device']}, {res['layers']} layers, config {json.dumps(res['config'])}"]
+    lines = [results_header(res)]
     for mode, r in res["modes"].items():
         lines.append(f"[{mode:>10}] {r['output_tokens_per_s']:.0f} out tok/s; TTFT p50/p99 {r['ttft_ms_p50']:.1f}/"
                      f"{r['ttft_ms_p99']:.1f} ms; TPOT p50/p99 {r['tpot_ms_p50']:.2f}/{r['tpot_ms_p99']:.2f} ms; "
