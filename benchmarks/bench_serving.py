@@ -43,14 +43,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 
 import jax
 import numpy as np
 
-from benchmarks.harness import command_line, record, write_json
+from benchmarks.harness import apply_platform_flags, command_line, record, write_json
 from glm_dsa.serving.engine import Engine
 from glm_dsa.model.random_init import init_params
 from glm_dsa.serving.sampling import SamplingParams
@@ -550,11 +549,7 @@ def main(argv=None) -> int:
     ap.add_argument("--system-len", type=int, default=2048, help="multi-turn: tokens of the shared system prompt")
     ap.add_argument("--user-len", type=int, default=64, help="multi-turn: new user tokens per turn")
     args = ap.parse_args(argv)
-    if args.xla_autotune is not None:
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_gpu_autotune_level={args.xla_autotune}"
-    if args.cpu:  # jax is imported but no backend started yet: the platform and XLA's flags still apply
-        jax.config.update("jax_platforms", "cpu")
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    apply_platform_flags(args.cpu, args.xla_autotune)  # jax is imported, but no backend started yet
     if args.workload == "multi-turn":
         mc = MultiTurnConfig(preset=args.preset, num_layers=args.num_layers, conversations=args.conversations,
                              turns=args.turns, system_len=args.system_len, user_len=args.user_len,
