@@ -30,7 +30,7 @@ import sys
 import jax
 import numpy as np
 
-from benchmarks.harness import command_line, median_seconds, peak_bytes, record, write_json
+from benchmarks.harness import apply_platform_flags, command_line, median_seconds, peak_bytes, record, write_json
 from glm_dsa import configs
 from glm_dsa.serving.engine import Engine
 from glm_dsa.model.random_init import init_params
@@ -200,11 +200,7 @@ def main(argv=None) -> int:
                          "identity engine; DCP = 1 and DCP = N run under the same level)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if args.xla_autotune is not None:
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_gpu_autotune_level={args.xla_autotune}"
-    if args.cpu:  # jax is imported but no backend started yet: the platform and XLA's flags still apply
-        jax.config.update("jax_platforms", "cpu")
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    apply_platform_flags(args.cpu, args.xla_autotune)  # jax is imported, but no backend started yet
     bc = DcpBenchConfig(preset=args.preset, num_layers=args.num_layers, tp=args.tp, dcp=args.dcp,
                         variants=tuple(args.variants.split(",")),
                         identity_variants=tuple(args.identity_variants.split(",")) if args.identity_variants else None,

@@ -43,14 +43,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 
 import jax
 import numpy as np
 
-from benchmarks.harness import command_line, record, write_json
+from benchmarks.harness import apply_platform_flags, command_line, record, write_json
 from glm_dsa.serving.engine import Engine
 from glm_dsa.model.random_init import init_params
 from glm_dsa.serving.sampling import SamplingParams
@@ -397,9 +396,14 @@ def run_multi_turn_bench(mc: MultiTurnConfig, log=print) -> dict:
     return res
 
 
+def results_header(res: dict) -> str:
+    """The first line of a results table: the device, the model's depth and the run's config."""
+    return f"device {res['device']}, {res['layers']} layers, config {json.dumps(res['config'])}"
+
+
 def format_multi_turn(res: dict) -> str:
     """The multi-turn results as a table."""
-    lines = [f"device {res['device']}, {res['layers']} layers, config {json.dumps(res['config'])}"]
+    lines = [results_header(res)]
     for name, r in res["settings"].items():
         lines.append(f"[{name:>17}] TTFT p50/p99 {r['ttft_ms_p50']:.1f}/{r['ttft_ms_p99']:.1f} ms; "
                      f"{r['output_tokens_per_s']:.0f} out tok/s; {r['steps']} steps ({r['prompt_steps']} with "
@@ -479,7 +483,7 @@ def run_serving_bench(bc: ServingBenchConfig, log=print) -> dict:
 
 def format_results(res: dict) -> str:
     """The results as a table."""
-    lines = [f"device {res['device']}, {res['layers']} layers, config {json.dumps(res['config'])}"]
+    lines = [results_header(res)]
     for mode, r in res["modes"].items():
         lines.append(f"[{mode:>10}] {r['output_tokens_per_s']:.0f} out tok/s; TTFT p50/p99 {r['ttft_ms_p50']:.1f}/"
                      f"{r['ttft_ms_p99']:.1f} ms; TPOT p50/p99 {r['tpot_ms_p50']:.2f}/{r['tpot_ms_p99']:.2f} ms; "
@@ -545,11 +549,7 @@ def main(argv=None) -> int:
     ap.add_argument("--system-len", type=int, default=2048, help="multi-turn: tokens of the shared system prompt")
     ap.add_argument("--user-len", type=int, default=64, help="multi-turn: new user tokens per turn")
     args = ap.parse_args(argv)
-    if args.xla_autotune is not None:
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_gpu_autotune_level={args.xla_autotune}"
-    if args.cpu:  # jax is imported but no backend started yet: the platform and XLA's flags still apply
-        jax.config.update("jax_platforms", "cpu")
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    apply_platform_flags(args.cpu, args.xla_autotune)  # jax is imported, but no backend started yet
     if args.workload == "multi-turn":
         mc = MultiTurnConfig(preset=args.preset, num_layers=args.num_layers, conversations=args.conversations,
                              turns=args.turns, system_len=args.system_len, user_len=args.user_len,

@@ -261,6 +261,21 @@ def budgeted_sweep(configs: Iterable, measure: Callable[[Any], float], budget: B
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# a script's platform flags
+
+
+def apply_platform_flags(cpu: bool, xla_autotune: int | None = None) -> None:
+    """Apply a script's `--xla-autotune` (XLA's GPU autotune level) and `--cpu` (8 simulated CPU devices, for smoke
+    runs) flags. Call it before anything starts a backend: jax may be imported, but the platform and XLA's flags
+    apply only to a backend started after them."""
+    if xla_autotune is not None:
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_gpu_autotune_level={xla_autotune}"
+    if cpu:
+        jax.config.update("jax_platforms", "cpu")
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Nsight Compute
 
 

@@ -21,12 +21,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks import harness  # noqa: E402
+# the benchmark's shapes and timing case: the probe's rows stand beside its rows (bench_attention)
+from benchmarks.bench_sparse_mla import DR, H, K, R, SCALE, bytes_moved, make_case  # noqa: E402
 from benchmarks.diagnostics.sparse_mla_forms import form, fp8_only as form_is_fp8_only  # noqa: E402
 from kernels import fp8_formats, sparse_mla  # noqa: E402
 from kernels.sparse_mla import mosaic  # noqa: E402
 
-H, R, DR, K, CTX = 64, 512, 64, 2048, 32768
-SCALE = (192 + 64) ** -0.5
 VARIANTS = {"cp_async": dict(producer="cp_async"), "cp_async_xla_merge": dict(producer="cp_async", merge="xla"),
             "tma_gmem": dict(producer="tma", slot_source="gmem"),
             "tma_smem": dict(producer="tma", slot_source="smem"),
@@ -61,24 +61,6 @@ VARIANTS = {"cp_async": dict(producer="cp_async"), "cp_async_xla_merge": dict(pr
 def fp8_only(variant):
     """Whether the variant is a timing-only form of the fp8_ds_mla producer (a bf16 cache refuses it)."""
     return form_is_fp8_only(VARIANTS[variant].get("hooks", form("none")))
-
-
-def case(b, reps, fp8=False, seed=0):
-    regions = max(b, 16)  # 32K-token regions (37.7 MB each): a row's rows are not in L2 from another row
-    if fp8:  # a uint8 cache must stay under 2 GiB for the Triton kernel (triton_common.check_addressable)
-        regions = min(regions, (2**31 - 1) // (CTX * fp8_formats.mla_row_bytes(R, DR)))
-    key = jax.random.PRNGKey(seed)
-    k1, k2, k3, k4 = jax.random.split(key, 4)
-    cache = jax.random.normal(k1, (regions * CTX, R + DR), jnp.bfloat16)
-    if fp8:
-        cache = jax.jit(lambda x: fp8_formats.quantize_mla_rows(x[:, :R], x[:, R:]))(cache)
-    q = jax.random.normal(k3, (reps, b, H, R + DR), jnp.bfloat16)
-    a = 2 * jax.random.randint(k4, (reps, b, 1), 0, CTX // 2) + 1
-    c = jax.random.randint(k2, (reps, b, 1), 0, CTX)
-    pos = (a * jnp.arange(K)[None, None, :] + c) % CTX
-    region = (jnp.arange(reps)[:, None, None] * b + jnp.arange(b)[None, :, None]) % regions
-    idx = (region * CTX + pos).astype(jnp.int32)
-    return cache, harness.per_rep(q), harness.per_rep(idx)  # the timed executables slice nothing
 
 
 def runner(fn, reps):
@@ -157,9 +139,8 @@ def main(argv=None):
     for b, cache_kind in [(int(x), c) for c in caches for x in args.batches.split(",")]:
         fp8 = cache_kind == "fp8"
         reps = 12 if b >= 128 else 24
-        cache, q, idx = case(b, reps, fp8)
-        row = fp8_formats.mla_row_bytes(R, DR) if fp8 else 2 * (R + DR)
-        nbytes = b * K * row + b * H * (R + DR) * 2 + b * H * (R + 1) * 4 + b * K * 4
+        cache, q, idx = make_case(b, fp8, reps)
+        nbytes = bytes_moved(b, fp8)
         impls = {name: functools.partial(sparse_mla.sparse_mla, impl=name)
                  for name in args.baselines.split(",") if name}
         if args.before:

@@ -13,7 +13,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kernels import fp8_formats, moe, registry
+from kernels import moe, registry
+
+from moe_inputs import fp8_expert_stacks  # the folder is on sys.path under pytest
 
 _MOSAIC = "mosaic" if jax.default_backend() == "gpu" else "mosaic_interpret"
 
@@ -22,12 +24,7 @@ def _inputs(t, k, n_exp, d, i, *, seed, dtype=jnp.bfloat16):
     """K-major FP8 stacks (gate/up [E, I, D], down [E, D, I], the model's layout) of block-quantised random weights
     with their grids, routing weights and rows."""
     rng = np.random.default_rng(seed)
-    stacks, grids = [], []
-    for n, kk in ((i, d), (i, d), (d, i)):
-        w = rng.normal(size=(n_exp, n, kk)) * rng.uniform(0.2, 3.0, size=(n_exp, n, 1)) / np.sqrt(kk)
-        q, s = fp8_formats.quantize_weight_blocks(w)
-        stacks.append(q)
-        grids.append(s)
+    stacks, grids = fp8_expert_stacks(rng, n_exp, d, i)
     experts = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(t)])
     x = rng.normal(size=(t, d)) * rng.uniform(0.1, 10.0, size=(t, 1))
     w = rng.uniform(0.1, 1.0, size=(t, k))

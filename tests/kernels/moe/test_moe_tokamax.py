@@ -16,18 +16,15 @@ import pytest
 from kernels import fp8_formats, moe, registry
 from kernels.moe import tokamax as moe_tokamax
 
+from moe_inputs import fp8_expert_stacks  # the folder is on sys.path under pytest
+
 RS = moe_tokamax.RS
 
 
 def _inputs(t, k, n_exp, d, i, *, seed, x_scale=1.0):
     """K-major FP8 stacks (gate/up [E, I, D], down [E, D, I]) of block-quantised random weights, routing, x."""
     rng = np.random.default_rng(seed)
-    stacks, grids = [], []
-    for n, kk in ((i, d), (i, d), (d, i)):
-        w = rng.normal(size=(n_exp, n, kk)) * rng.uniform(0.2, 3.0, size=(n_exp, n, 1)) / np.sqrt(kk)
-        q, s = fp8_formats.quantize_weight_blocks(w)
-        stacks.append(q)
-        grids.append(s)
+    stacks, grids = fp8_expert_stacks(rng, n_exp, d, i)
     experts = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(t)])
     x = rng.normal(size=(t, d)) * x_scale
     x[0] *= 3e5  # a row past float16's 65504: only the row steering keeps it finite
