@@ -2,6 +2,7 @@
 kernel's `Hooks`) lower for CUDA on CPU and leave out what they say they leave out; they are refused where they do
 not apply; every diagnostics script imports without starting work and answers --help."""
 
+import dataclasses
 import functools
 import glob
 import os
@@ -61,7 +62,39 @@ def test_forms_are_refused_where_they_do_not_apply():
 
 def test_scripts_are_there():
     assert set(SCRIPTS) == {"diag_indexer_parts", "diag_launch_gap", "multi_turn_schedule", "probe_indexer_mosaic",
-                            "probe_moe_fp8", "probe_sparse_mla_mosaic", "profile_kernels"}
+                            "probe_moe_fp8", "probe_sparse_mla_mosaic", "profile_kernels", "row_invariance"}
+
+
+def test_row_invariance_names_the_first_op_a_changed_row_reaches(monkeypatch):
+    """The row-count diagnostic on the tiny preset: the same T twice is bitwise equal everywhere; a target row whose
+    token differs at one T (as a row-count-dependent op would make it differ) is reported there, its logits unequal
+    and every layer's first difference the first traced op (layer 0: the q latent, computed from the token)."""
+    import jax
+
+    from benchmarks.diagnostics import row_invariance as ri
+    from glm_dsa import configs
+    from glm_dsa.model.options import StepOptions
+    from glm_dsa.model.paged_cache import allocate_caches, cache_dtype, pages_needed
+    from glm_dsa.model.random_init import init_params
+    from glm_dsa.serving.benchmark import random_caches
+    cfg = configs.tiny
+    params = init_params(cfg, seed=0, dtype="float32")
+    caches = allocate_caches(cfg, 1 + 16 * pages_needed(48, 16, 1), 16, cache_dtype("auto", jax.numpy.float32))
+    caches = random_caches(cfg, caches, jax.random.key(1))
+    kw = dict(cfg=cfg, params=params, caches=caches, block_size=16, context=48,
+              options=StepOptions(impl="xla", batch_invariant=True), log=lambda *_: None)
+    same = ri.compare([8, 8], **kw)
+    assert [(r["logits_equal"], r["first_difference"]) for r in same] == [(True, {}), (True, {})]
+    target = ri.target_batch
+
+    def other_token_at_16(t, *a):
+        b = target(t, *a)
+        return b if t != 16 else dataclasses.replace(b, token_ids=b.token_ids.at[0].set(2))
+    monkeypatch.setattr(ri, "target_batch", other_token_at_16)
+    got = ri.compare([8, 16], **kw)
+    assert got[0]["logits_equal"] and not got[1]["logits_equal"] and got[1]["logits_max_abs_diff"] > 0
+    assert got[1]["first_difference"]["0"] == "attn.q_norm"
+    assert set(got[1]["first_difference"]) == {str(i) for i in range(cfg.num_hidden_layers)}
 
 
 def test_multi_turn_schedule_hits_the_pages_a_turn_repeats():
