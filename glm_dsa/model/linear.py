@@ -96,27 +96,31 @@ def apply(module, name: str, x, *, n_in: int = 1, split=None, impl: str = "xla",
     return y.reshape(*lead, *out_shape)
 
 
+def _fused_swiglu(module, gate: str, up: str, x, split, impl: str, comm: Collectives | None):
+    """silu(gate(x)) * up(x) as one Mosaic GEMM with the SwiGLU epilogue (`kernels.fp8_linear.fp8_swiglu`) where
+    both weights are FP8, the rule "fp8_linear.model_form" gives "w8a8_mosaic" and they split alike (one offset
+    pair serves both); None otherwise."""
+    if scale_of(module, gate) is None or scale_of(module, up) is None:
+        return None
+    xg, wg, sg, n_off, k_off, out_shape = _operands(module, gate, x, 1, split, comm)
+    if fp8_linear.model_form(xg, impl=impl, n_offset=n_off, k_offset=k_off) != "w8a8_mosaic":
+        return None
+    _, wu, su, *_ = _operands(module, up, x, 1, split, comm)
+    if wg.shape != wu.shape or sg.shape != su.shape:
+        return None
+    h = fp8_linear.fp8_swiglu(xg, wg, wu, sg, su, impl=_mosaic(impl), n_offset=n_off, k_offset=k_off, w_layout="kn")
+    return h.reshape(*x.shape[:-1], *out_shape)
+
+
 def swiglu(module, names, x, *, impl: str = "xla", comm: Collectives | None = None, axes=None):
     """down(silu(gate(x)) * up(x)) from `module`'s three weights `names` (bf16 or FP8; gate/up split on their output,
     down on its input over the mesh `axes`). FP8 gate and up that the rule "fp8_linear.model_form" gives
-    "w8a8_mosaic" run as one Mosaic GEMM with the SwiGLU epilogue (`kernels.fp8_linear.fp8_swiglu`); otherwise each
-    is a linear of its own, as `apply` runs it."""
+    "w8a8_mosaic" run as one Mosaic GEMM with the SwiGLU epilogue (`_fused_swiglu`); otherwise each is a linear of
+    its own (`apply`)."""
     gate, up, down = names
     split = None if axes is None else ("out", axes)
-    if scale_of(module, gate) is not None and scale_of(module, up) is not None:
-        lead = x.shape[:-1]
-        xg, wg, sg, n_off, k_off, out_shape = _operands(module, gate, x, 1, split, comm)
-        _, wu, su, u_n_off, u_k_off, _ = _operands(module, up, x, 1, split, comm)
-        form = fp8_linear.model_form(xg, impl=impl, n_offset=n_off, k_offset=k_off)
-        if form == "w8a8_mosaic" and wg.shape == wu.shape and sg.shape == su.shape:  # one split: offsets alike
-            h = fp8_linear.fp8_swiglu(xg, wg, wu, sg, su, impl=_mosaic(impl), n_offset=n_off, k_offset=k_off,
-                                      w_layout="kn")
-        else:
-            g = _fp8_product(xg, wg, sg, n_off, k_off, form, impl)
-            u = _fp8_product(xg, wu, su, u_n_off, u_k_off, form, impl)
-            h = jax.nn.silu(g) * u
-        h = h.reshape(*lead, *out_shape)
-    else:
+    h = _fused_swiglu(module, gate, up, x, split, impl, comm)
+    if h is None:
         g = apply(module, gate, x, split=split, impl=impl, comm=comm)
         u = apply(module, up, x, split=split, impl=impl, comm=comm)
         h = jax.nn.silu(g) * u
