@@ -86,6 +86,21 @@ def _pct(xs, q):
     return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
+def loop_figures(eng: Engine, before) -> dict:
+    """The serving loop's figures since `before` (a copy of `eng.stats` taken then: `dataclasses.replace`): its
+    steps (and of them those with prompt rows, and decode-only ones), wall and host ms per step, and the same over
+    the turns that waited for a decode-only step (`engine._LoopStats`)."""
+    st = eng.stats
+    d = {k: getattr(st, k) - getattr(before, k) for k in ("steps", "prompt_steps", "decode_steps", "wall_s",
+                                                           "host_s", "decode_wall_s", "decode_host_s",
+                                                           "decode_timed_steps")}
+    steps, timed = max(d["steps"], 1), max(d["decode_timed_steps"], 1)
+    return {"steps": d["steps"], "prompt_steps": d["prompt_steps"], "decode_steps": d["decode_steps"],
+            "step_ms": 1e3 * d["wall_s"] / steps, "host_ms_per_step": 1e3 * d["host_s"] / steps,
+            "decode_step_ms": 1e3 * d["decode_wall_s"] / timed,
+            "decode_host_ms_per_step": 1e3 * d["decode_host_s"] / timed}
+
+
 def serve_workload(eng: Engine, prompts, output_len: int, arrivals, mode: str) -> dict:
     """Run `prompts` arriving at `arrivals` (seconds from now) through `eng`'s loop in this thread and return the
     per-request latencies and the loop's figures. mode "continuous": each request is submitted when it arrives;
@@ -99,9 +114,7 @@ def serve_workload(eng: Engine, prompts, output_len: int, arrivals, mode: str) -
     times: list[list[float]] = [[] for _ in range(n)]
     streams = [None] * n
     st, pre0 = eng.stats, eng.scheduler.preemptions
-    steps0, host0, wall0, dsteps0, dhost0, dwall0 = (st.steps, st.host_s, st.wall_s, st.decode_steps,
-                                                     st.decode_host_s, st.decode_wall_s)
-    timed0 = st.decode_timed_steps
+    s0 = dataclasses.replace(st)
     compiled0 = eng.runner.serve_step._cache_size()
     t0 = time.perf_counter()
     nxt = 0
@@ -141,20 +154,13 @@ def serve_workload(eng: Engine, prompts, output_len: int, arrivals, mode: str) -
     ttft = [times[i][0] - t0 - arrivals[i] for i in range(n)]
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1]
     out_tokens = sum(len(t) for t in times)
-    steps = st.steps - steps0
-    dsteps, timed = st.decode_steps - dsteps0, st.decode_timed_steps - timed0
     return {"mode": mode, "requests": n, "output_tokens": out_tokens, "duration_s": end - t0,
             "output_tokens_per_s": out_tokens / (end - t0),
             "ttft_ms_p50": 1e3 * _pct(ttft, 50), "ttft_ms_p99": 1e3 * _pct(ttft, 99),
             "tpot_ms_p50": 1e3 * _pct(tpot, 50), "tpot_ms_p99": 1e3 * _pct(tpot, 99),
-            "steps": steps, "preemptions": eng.scheduler.preemptions - pre0,
+            "preemptions": eng.scheduler.preemptions - pre0,
             "compiles": eng.runner.serve_step._cache_size() - compiled0,
-            "mean_running": float(np.mean(running)) if running else 0.0,
-            "host_ms_per_step": 1e3 * (st.host_s - host0) / max(steps, 1),
-            "step_ms": 1e3 * (st.wall_s - wall0) / max(steps, 1),
-            "decode_steps": dsteps,
-            "decode_host_ms_per_step": 1e3 * (st.decode_host_s - dhost0) / max(timed, 1),
-            "decode_step_ms": 1e3 * (st.decode_wall_s - dwall0) / max(timed, 1)}
+            "mean_running": float(np.mean(running)) if running else 0.0, **loop_figures(eng, s0)}
 
 
 class DecodeStepRecorder:
@@ -271,13 +277,22 @@ class MultiTurnConfig:
     warm_passes: int = 2
     seed: int = 0
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt and answer: the system prompt and every turn's user tokens and answer."""
+        return self.system_len + self.turns * (self.user_len + self.output_len)
 
-def multi_turn_conversations(mc: MultiTurnConfig, vocab_size: int, rng) -> tuple[list[int], list[list[list[int]]]]:
-    """(the shared system prompt, per conversation its turns' new user tokens)."""
+
+def multi_turn_workload(mc: MultiTurnConfig, vocab_size: int) -> tuple[list[int], list[list[list[int]]], np.ndarray]:
+    """(the shared system prompt, per conversation its turns' new user tokens, each conversation's start in seconds:
+    Poisson at mc.request_rate, all at 0 for inf), drawn from mc.seed."""
+    rng = np.random.default_rng(mc.seed)
     system = rng.integers(2, vocab_size, mc.system_len).tolist()
     users = [[rng.integers(2, vocab_size, mc.user_len).tolist() for _ in range(mc.turns)]
              for _ in range(mc.conversations)]
-    return system, users
+    starts = (np.zeros(mc.conversations) if np.isinf(mc.request_rate)
+              else np.cumsum(rng.exponential(1.0 / mc.request_rate, mc.conversations)))
+    return system, users, starts
 
 
 def serve_multi_turn(eng: Engine, system: list[int], users, output_len: int, starts) -> dict:
@@ -339,14 +354,10 @@ def serve_multi_turn(eng: Engine, system: list[int], users, output_len: int, sta
             time.sleep(min(0.001, max(0.0, starts[nxt] - (time.perf_counter() - t0))))
     end = time.perf_counter()
     m = eng.metrics()
-    st = {k: getattr(eng.stats, k) - getattr(s0, k) for k in ("steps", "prompt_steps", "wall_s", "host_s",
-                                                               "decode_wall_s", "decode_timed_steps")}
     return {"turns": n * turns, "output_tokens": out_tokens, "duration_s": end - t0,
             # where a turn's time goes: the loop's steps (wall time per step: the device's step, or the host's
             # when it is slower), their host share, and decode-only steps apart
-            "steps": st["steps"], "prompt_steps": st["prompt_steps"],
-            "step_ms": 1e3 * st["wall_s"] / max(st["steps"], 1), "host_ms_per_step": 1e3 * st["host_s"] /
-            max(st["steps"], 1), "decode_step_ms": 1e3 * st["decode_wall_s"] / max(st["decode_timed_steps"], 1),
+            **loop_figures(eng, s0),
             "output_tokens_per_s": out_tokens / (end - t0),
             "ttft_ms_p50": 1e3 * _pct(ttft, 50), "ttft_ms_p99": 1e3 * _pct(ttft, 99),
             "prefix_cache_queries": m["prefix_cache_queries"] - m0["prefix_cache_queries"],
@@ -364,11 +375,8 @@ def run_multi_turn_bench(mc: MultiTurnConfig, log=print) -> dict:
         cfg = cfg.with_depth(mc.num_layers)
     parallel = ParallelConfig(tensor_parallel_size=mc.tp, decode_context_parallel_size=mc.dcp)
     params = init_params(cfg, seed=mc.seed, dtype=mc.dtype, parallel=parallel)
-    rng = np.random.default_rng(mc.seed)
-    system, users = multi_turn_conversations(mc, cfg.vocab_size, rng)
-    starts = (np.zeros(mc.conversations) if np.isinf(mc.request_rate)
-              else np.cumsum(rng.exponential(1.0 / mc.request_rate, mc.conversations)))
-    max_len = mc.system_len + mc.turns * (mc.user_len + mc.output_len)
+    system, users, starts = multi_turn_workload(mc, cfg.vocab_size)
+    max_len = mc.max_model_len
     dev0 = jax.devices()[0]
     res = {"config": dataclasses.asdict(mc), "device": getattr(dev0, "device_kind", str(dev0)),
            "layers": cfg.num_hidden_layers, "max_model_len": max_len, "settings": {}}

@@ -2,7 +2,7 @@
 
 `benchmarks/bench_serving.py --workload multi-turn` measures TTFT with prefix caching on and off on a GPU. This
 diagnostic asks the scheduler's half of that question without a device: the same conversations and arrivals
-(`bench_serving.multi_turn_conversations`, Poisson starts), the same scheduler settings, and the engine loop's
+(`bench_serving.multi_turn_workload`: Poisson starts), the same scheduler settings, and the engine loop's
 shape (one step in flight: step n+1 is planned and launched before step n's ids are read, as `Engine.step` does),
 but each step takes `--base-ms` + `--us-per-row` x its rows of virtual time. So any TTFT difference it shows comes
 from planning (admission, chunking, cache hits), none from kernels:
@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from benchmarks.bench_serving import MultiTurnConfig, multi_turn_conversations
+from benchmarks.bench_serving import MultiTurnConfig, multi_turn_workload
 from glm_dsa.model.paged_cache import PageAllocator
 from glm_dsa.serving.prefix_cache import PrefixCachingAllocator
 from glm_dsa.serving.sampling import SamplingParams
@@ -31,13 +31,11 @@ def simulate(mc: MultiTurnConfig, vocab_size: int, caching: bool, base_ms: float
     """One pass of `mc`'s conversations through a `Scheduler` (num_pages `mc.num_pages`), each step costing
     base_ms + us_per_row x rows of virtual time; sampled ids are a constant (no stop ids, so every turn runs to
     its length, as in the bench)."""
-    rng = np.random.default_rng(mc.seed)
-    system, users = multi_turn_conversations(mc, vocab_size, rng)
-    starts = np.cumsum(rng.exponential(1.0 / mc.request_rate, mc.conversations))
+    system, users, starts = multi_turn_workload(mc, vocab_size)
     alloc = (PrefixCachingAllocator if caching else PageAllocator)(mc.num_pages)
     sched = Scheduler(alloc, block_size=mc.block_size, dcp=1, interleave=1, max_num_seqs=mc.max_num_seqs,
                       max_num_batched_tokens=mc.max_num_batched_tokens,
-                      max_model_len=mc.system_len + mc.turns * (mc.user_len + mc.output_len), prefix_caching=caching)
+                      max_model_len=mc.max_model_len, prefix_caching=caching)
     params = SamplingParams(temperature=0.0, max_tokens=mc.output_len, stop_token_ids=[])
     n, turns = mc.conversations, mc.turns
     now, device_free, pending, nxt = 0.0, 0.0, None, 0
@@ -59,9 +57,9 @@ def simulate(mc: MultiTurnConfig, vocab_size: int, caching: bool, base_ms: float
         plan = sched.schedule()
         launched = None
         if plan is not None:  # runs once the device is free, for its modelled time
-            device_free = max(now, device_free) + 1e-3 * (base_ms + 1e-3 * us_per_row * len(plan.req))
+            device_free = max(now, device_free) + 1e-3 * (base_ms + 1e-3 * us_per_row * plan.num_rows)
             launched = (plan, device_free)
-            steps, rows = steps + 1, rows + len(plan.req)
+            steps, rows = steps + 1, rows + plan.num_rows
         if pending is not None:  # the previous step's ids: the loop waits for them
             prev, end = pending
             now = max(now, end)
