@@ -251,8 +251,8 @@ def stage_costs(sb_or_cfg, parallel: ParallelConfig, batch: StepBatch, context: 
             continue
         f = stage_body(stage, cfg, ctx)
         with ctx.comm.record() as log, jax.default_device(cpu):
-            lowered = jax.jit(f).trace(*args).lower()
-            ca = None if cpu is None else lowered.cost_analysis()
+            traced = jax.jit(f).trace(*args)  # the trace records the collectives; the CPU lowering counts
+            ca = None if cpu is None else traced.lower().cost_analysis()
         ca = ca[0] if isinstance(ca, (list, tuple)) else ca
         out[stage] = {"flops": None if ca is None else float(ca.get("flops", 0.0)),
                       "bytes": None if ca is None else float(ca.get("bytes accessed", 0.0)), "collectives": list(log)}
