@@ -46,23 +46,18 @@ def pair_rows(before: list[dict], after: list[dict]) -> list[tuple[dict, dict]]:
     return pairs
 
 
+def _source(rec: dict, commit: str | None) -> dict:
+    """What a results file says of its run (`SOURCE_KEYS`), its commit replaced by `commit` where given."""
+    return {**{k: rec.get(k) for k in SOURCE_KEYS}, **({"commit": commit} if commit else {})}
+
+
 def compare(befores: list[dict], after: dict, commit_before: str | None = None,
             commit_after: str | None = None) -> dict:
     """The comparison record of `befores` (records of the runs before, their rows taken together) and `after`."""
     if not befores:
         raise ValueError("compare: no run before the change given")
-    sources = []
-    before_rows = []
-    for i, rec in enumerate(befores):
-        src = {k: rec.get(k) for k in SOURCE_KEYS}
-        if commit_before:
-            src["commit"] = commit_before
-        sources.append(src)
-        before_rows += [dict(r, source=i) for r in rec["rows"]]
-    src = {k: after.get(k) for k in SOURCE_KEYS}
-    if commit_after:
-        src["commit"] = commit_after
-    sources.append(src)
+    sources = [_source(rec, commit_before) for rec in befores] + [_source(after, commit_after)]
+    before_rows = [dict(r, source=i) for i, rec in enumerate(befores) for r in rec["rows"]]
     pairs = pair_rows(before_rows, after["rows"])
     if not pairs:
         raise ValueError("compare: no row of the run after was timed on the device in a run before")
@@ -81,8 +76,7 @@ def compare(befores: list[dict], after: dict, commit_before: str | None = None,
                      "largest_change": f"{where}: {far['before_device_us']:.1f} -> {far['after_device_us']:.1f} µs",
                      "source": sorted({p["before_source"] for p in ps} | {len(befores)})})
     rows += [{"check": "compare_pair", **p, "source": len(befores)} for ps in by_op.values() for p in ps]
-    return {**{k: after.get(k) for k in SOURCE_KEYS}, **({"commit": commit_after} if commit_after else {}),
-            "command": "python -m benchmarks compare", "rows": rows, "sources": sources}
+    return {**sources[-1], "command": "python -m benchmarks compare", "rows": rows, "sources": sources}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
