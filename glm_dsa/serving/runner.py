@@ -57,8 +57,11 @@ def check_invariant_rows(rows, batch_invariant: bool) -> tuple[int, int] | None:
         return registry.INVARIANT_PROMPT_ROWS, registry.INVARIANT_STEP_ROWS
     if not isinstance(rows, (tuple, list)) or len(rows) != 2:
         raise TypeError(f"invariant_step_rows must be (prompt rows, decode rows), got {rows!r}")
-    return (check_positive_int("invariant_step_rows[0] (prompt rows)", rows[0]),
-            check_positive_int("invariant_step_rows[1] (decode rows)", rows[1]))
+    prompt = check_positive_int("invariant_step_rows[0] (prompt rows)", rows[0])
+    decode = check_positive_int("invariant_step_rows[1] (decode rows)", rows[1])
+    if decode >= prompt:  # the kernels' rules tell the kinds apart by rows (kernels.registry.step_kind)
+        raise ValueError(f"invariant_step_rows={tuple(rows)!r}: the decode rows must be fewer than the prompt rows")
+    return prompt, decode
 
 
 def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32,

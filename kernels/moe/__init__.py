@@ -279,8 +279,13 @@ def _xla_form_invariant(platform: str, t: int, k: int, n_exp: int) -> str:
 
 def _fp8_form_invariant(platform: str, t: int, k: int, n_exp: int, d: int, i: int, i_offset, *,
                         w_layout: str = "kn") -> str:
-    """Batch-invariant decode steps: "w8a16" for every row count (the rows as given, against e4m3 weights converted
-    in registers), not the forms the mean rows per expert picks.
+    """Batch-invariant decode steps: "w8a8" for every row count where the shard is of whole 128-blocks on a block
+    boundary, else "w8a16" (as `_fp8_form` for decode tiles), not the forms the mean rows per expert picks.
+
+    "w8a8" quantises each row per 128-block by its own amax and reads K-major stacks (the model's) as they are
+    stored; "w8a16" reads [E, K, N] stacks only, so for the model's K-major experts it would cost a transposed
+    copy of every expert per step (on an H100, 20 ms of each 4-layer bench-preset decode step: BENCHMARKS.md,
+    batch-invariant mode's cost).
 
     Prompt steps take the default (`registry.DEFAULT`): the form of `_fp8_form` for T, the step's static padded
     rows (`experts.shape[0]`), through `tile_rows(T, k, n_exp)`, the MEAN rows per expert of T padded rows, a
@@ -289,11 +294,12 @@ def _fp8_form_invariant(platform: str, t: int, k: int, n_exp: int, d: int, i: in
     and runs the bf16 grouped GEMM; "w8a8" quantises each row per 128-block by its own amax (x before the up
     kernel, h in it or between the kernels); "w8a8_mosaic" the same, through the Mosaic grouped GEMM (only where
     `mosaic_rows()` names prefill). In every one the expert tiles' boundaries move with how many rows each expert
-    got, but a row's K steps (bk_up, bk_down, fixed by the launch config for T) run in one order whatever tile or
-    tile position it lands in, split-K partials (decode configs only) are summed in split order, and each
-    token's k pair results are summed in a fixed order in XLA."""
-    del platform, t, k, n_exp, d, i, i_offset, w_layout
-    return "w8a16"
+    got, but a row's K steps (bk_up, bk_down, fixed by the launch config, `registry.config_rows`) run in one order
+    whatever tile or tile position it lands in, split-K partials (decode configs only) are summed in split order,
+    and each token's k pair results are summed in a fixed order in XLA."""
+    del platform, t, k, n_exp, w_layout
+    aligned = isinstance(i_offset, int) and i_offset == 0 and d % 128 == 0 and i % 128 == 0
+    return "w8a8" if aligned else "w8a16"
 
 
 def _mosaic_layout_invariant(platform: str, t: int, k: int, n_exp: int) -> str:

@@ -154,7 +154,7 @@ def test_batch_invariant_decode_steps_choose_alike_for_every_row_count():
     for step_rows in (None, 1, registry.INVARIANT_STEP_ROWS, registry.INVARIANT_PROMPT_ROWS - 1):
         got = _rule_choices(True, step_rows, rows)
         assert {r: c for r, c in got.items() if r != "config_rows"} == {
-            "moe.xla_form": {"gather"}, "moe.fp8_form": {"w8a16"}, "moe.mosaic_layout": {"swap_ab"},
+            "moe.xla_form": {"gather"}, "moe.fp8_form": {"w8a8"}, "moe.mosaic_layout": {"swap_ab"},
             "indexer.scores_form": {"per_row"}, "fp8_linear.model_form": {"fp8_linear"},
             "fp8_linear.mosaic_layout": {"swap_ab"}, "topk.auto": {"xla"},
             "lse_merge.auto": {"xla"}}, step_rows

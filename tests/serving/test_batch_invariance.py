@@ -220,7 +220,7 @@ def test_flag_is_checked_and_reaches_the_steps(ckpt):
         glm_dsa.StepOptions(invariant_prompt_rows=64)
     with pytest.raises(ValueError, match="invariant_prompt_rows must be None or an integer >= 1"):
         glm_dsa.StepOptions(batch_invariant=True, invariant_prompt_rows=0)
-    for rows, err in (((64, 0), ValueError), ((64,), TypeError), (64, TypeError)):
+    for rows, err in (((64, 0), ValueError), ((64,), TypeError), (64, TypeError), ((16, 16), ValueError)):
         with pytest.raises(err, match="invariant_step_rows"):
             glm_dsa.load(ckpt, dtype="float32", max_model_len=64, progress=False, batch_invariant=True,
                          invariant_step_rows=rows)

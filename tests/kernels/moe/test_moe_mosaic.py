@@ -136,8 +136,9 @@ GLM = (256, 8, 256, 6144, 256)  # E, k and the TP = 8 shard's widths: (n_exp, k)
 
 def test_rule_picks_mosaic_only_where_asked(monkeypatch):
     """The GPU default keeps the Triton forms (`moe.MOSAIC_ROWS` is empty); GLM_DSA_MOE_MOSAIC names the row classes
-    that take "w8a8_mosaic" (K-major, whole-block shards on a GPU only); batch-invariant decode steps keep "w8a16"
-    and swap-AB tiles, its prompt steps take the default's form and layout for their rows."""
+    that take "w8a8_mosaic" (K-major, whole-block shards on a GPU only); batch-invariant decode steps take "w8a8"
+    at every row count (no transposed copy of the K-major stacks; "w8a16" for ragged shards) and swap-AB tiles, its
+    prompt steps take the default's form and layout for their rows."""
     def form(t, platform="gpu", w_layout="nk", i=256, i_offset=0):
         with registry.deciding_for(platform):
             return moe.fp8_form(t, 8, 256, 6144, i, i_offset, w_layout=w_layout)
@@ -152,7 +153,8 @@ def test_rule_picks_mosaic_only_where_asked(monkeypatch):
     assert form(32, platform="cpu") == "w8a8" and form(8192, w_layout="kn") == "dequant"
     assert form(32, i=200) == form(32, i_offset=64) == "w8a16"
     with registry.deciding_for("gpu"), registry.batch_invariant():
-        assert moe.fp8_form(32, 8, 256, 6144, 256, 0, w_layout="nk") == "w8a16"
+        assert [moe.fp8_form(t, 8, 256, 6144, 256, 0, w_layout="nk") for t in (8, 32, 256)] == ["w8a8"] * 3
+        assert moe.fp8_form(32, 8, 256, 6144, 200, 0, w_layout="nk") == "w8a16"
         assert moe.mosaic_layout(8192, 8, 256) == "swap_ab"
     with registry.deciding_for("gpu"), registry.batch_invariant(rows=8192):
         assert moe.fp8_form(8192, 8, 256, 6144, 256, 0, w_layout="nk") == "w8a8_mosaic"
