@@ -165,6 +165,11 @@ def test_the_committed_projection_is_its_runs_reprojected():
     for r in (r for r in rec["rows"] if r["system"] == "glm-dsa (projected)"):
         assert r["compute_ms"] == pytest.approx(r["stage_sum_ms"] * r["compute_scale"])
         assert r["compute_scale"] <= 1.0 and r["notes"]
+    # a record without its layer counts takes them from the caller, checked against every recorded compute
+    bare = {**rec, "workload": {k: v for k, v in rec["workload"].items() if k != "stage_layers"}}
+    with pytest.raises(ValueError, match="pass the run's --preset/--num-layers"):
+        bp.reproject(bare, layers={**rec["workload"]["stage_layers"], "moe": 74})
+    assert bp.reproject(bare, layers=rec["workload"]["stage_layers"], reach=rec["scale_reach"])["rows"] == again["rows"]
 
 
 def test_bench_shard_of_in_a_subprocess(tmp_path):
