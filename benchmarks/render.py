@@ -7,7 +7,8 @@ A table sits between `<!-- table:NAME -->` and `<!-- /table -->` (NAME a key of 
 two markers is replaced. Each table starts with where its figures come from: device, jax version, date, commit and
 the command of the results file, or of each of its `sources` where the file was put together from several runs
 (then every row names its source, `source`, an index into that list or a list of them for a row made of several
-runs, and the table has a "run" column).
+runs, and the table has a "run" column). A record whose rows were recomputed later from its own measurements
+(`reprojected`: date, commit, command) says so on a second line.
 """
 
 from __future__ import annotations
@@ -200,7 +201,8 @@ TABLES = {
         ("oracle mean accepted length", "oracle_mean_accepted_length"))),
     "projection": Table("projection", (
         ("system", "system"), ("DCP", "dcp"), ("concurrency", "concurrency"), ("MTP", "mtp"),
-        ("step ms", "step_ms"), ("compute ms", "compute_ms"), ("collective ms", "collective_ms"),
+        ("step ms", "step_ms"), ("compute ms", "compute_ms"), ("stage sum ms", "stage_sum_ms"),
+        ("x whole step / stage sum", "compute_scale"), ("scale from", "scaled_by"), ("collective ms", "collective_ms"),
         ("output tok/s per GPU", "tok_s_per_gpu"), ("TTFT ms (one 8K prompt)", "ttft_ms"),
         ("largest cost", "largest_cost"), ("sources", _sources))),
     "multihost": Table("multihost", (
@@ -246,6 +248,10 @@ def render_table(name: str, results: str = RESULTS) -> str:
         lines += [f"- run {i}: {_provenance(sources[i])}" for i in used]
     else:
         lines.append(f"- {_provenance(rec)}")
+    again = rec.get("reprojected")
+    if again:  # rows recomputed from the record's own measurements, later and elsewhere
+        lines.append(f"- rows reprojected from that run's measurements, {_date(again['date'])}, commit "
+                     f"`{again['commit']}`: `{' '.join(again['command'].split())}`")
     cols = list(t.columns)
     if sources:
         cols.insert(0, ("run", "source"))
