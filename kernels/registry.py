@@ -113,9 +113,11 @@ INVARIANT_CONFIG_ROWS = 64
 
 #: The rows of a decode step in batch-invariant mode (the serving runner pads each such step to it, and its
 #: scheduler puts at most this many rows in one). XLA picks a computation's algorithm, and with it a row's reduction
-#: order, by the computation's shape: even a row-wise RMSNorm or GEMM rounds differently at 16 rows than at 64 on
-#: the CPU, and cuBLAS picks split-K by M. A fixed step shape makes every op's shapes the same whatever the batch,
-#: so what is left to fix is each op's choices by the row count (the rules here) and by row position. The serving
+#: order, by the computation's shape (cuBLAS picks split-K by M), and on the GPU decode steps padded to row buckets
+#: (8 to 256) changed a row's numbers after a few steps even with every rule's choice fixed and XLA's products at
+#: one shape (BENCHMARKS.md, batch-invariant mode's cost). A fixed step shape makes every op's shapes the same
+#: whatever the batch, so what is left to fix is each op's choices by the row count (the rules here) and by row
+#: position. The serving
 #: steps have two fixed shapes, one per kind of token (glm_dsa.serving.scheduler): decode steps (decode rows, and
 #: the generated tokens of a preempted request when it is recomputed) of these rows, and prompt steps (prompt
 #: tokens only) of `INVARIANT_PROMPT_ROWS`. A token is always computed in the shape of its kind, so the two shapes
