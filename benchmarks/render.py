@@ -181,7 +181,10 @@ TABLES = {
         ("TTFT p50 / p99 ms", lambda r: f"{fmt(r.get('ttft_ms_p50'))} / {fmt(r.get('ttft_ms_p99'))}"),
         ("prompt tokens cached / queried", lambda r: f"{r['prefix_cache_hits']} / {r['prefix_cache_queries']}"),
         ("TTFT p50 speed-up", "ttft_p50_speedup"), ("output tok/s ratio", "output_tokens_per_s_ratio"),
-        ("preemptions", "preemptions")),
+        ("preemptions", "preemptions"), ("steps", lambda r: fmt(r.get("steps"))),
+        ("step ms (host)", lambda r: f"{fmt(r.get('step_ms'))} ({fmt(r.get('host_ms_per_step'))})"),
+        ("decode step ms", lambda r: fmt(r.get("decode_step_ms"))),
+        ("compiled in the timed pass", lambda r: fmt(r.get("compiles")))),
         keep=lambda r: r.get("check") == "multi_turn"),
     "dcp_timing": Table("dcp", (
         ("variant", "variant"), ("total s", "total_s"), ("prefill s", "prefill_s"),
