@@ -64,6 +64,20 @@ def check_invariant_rows(rows, batch_invariant: bool) -> tuple[int, int] | None:
     return prompt, decode
 
 
+def _change_tables(tables, resets, updates):
+    """The device block table with the rows `resets` marks (int32 [S + 1], 1: zero the row) zeroed, then the
+    entries `updates` (int32 [3, U]: row, column, page) set; updates of rows past S are padding, dropped."""
+    tables = jnp.where(resets[:, None] > 0, 0, tables)
+    return tables.at[updates[0], updates[1]].set(updates[2], mode="drop")
+
+
+def _change_tables_packed(tables, packed, *, layout: host_buffer.Layout):
+    """`_change_tables` with its host inputs (resets, updates) in one uint32 buffer (`host_buffer.pack`): one
+    transfer; `layout` (static) is the pack's."""
+    resets, updates = host_buffer.unpack(packed, layout)
+    return _change_tables(tables, resets, updates)
+
+
 def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32,
                 prev_ids, *, config, parallel, options, n_out: int, block_size: int, width: int, greedy: bool,
                 logprobs: bool = False, with_logits: bool = False):
@@ -86,8 +100,7 @@ def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_re
     the same logits (`sampling.token_logprobs`): the ids come back as (ids, logprob, top ids, top logprobs). A
     step without it computes nothing more than before. `with_logits` (static): the sampled rows' float32 logits
     are returned too (a fourth output, for tests that compare them)."""
-    tables = jnp.where(table_resets[:, None] > 0, 0, tables)
-    tables = tables.at[table_updates[0], table_updates[1]].set(table_updates[2], mode="drop")
+    tables = _change_tables(tables, table_resets, table_updates)
     block_tables = tables[plan_rows, :width]
     src, pos, req = rows[3], rows[1], rows[2]
     token_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], rows[0])
@@ -208,6 +221,12 @@ class ModelRunner:
         # outputs placed exactly as the inputs they replace: a step fed the caches (or ids) of the previous one
         # hits the compiled step the first call made, instead of compiling again for an equal-but-new sharding
         out_shardings = (self.replicated, jax.tree.map(lambda c: c.sharding, self.caches), self.replicated)
+        # block-table changes a step's updates array cannot hold (see `table_inputs`): written before the step, in
+        # chunks of one fixed shape, compiled here (a no-op write of padding) so a serving loop never compiles it
+        self.table_chunk = self.pages_per_seq  # an admitted request's cached pages fit one chunk
+        self._change_tables = jax.jit(_change_tables_packed, static_argnames=("layout",), donate_argnums=(0,),
+                                      out_shardings=self.replicated)
+        self.write_tables(np.zeros(self.max_num_seqs + 1, np.int32), np.zeros((3, 0), np.int32))
         # the serving loop's step: block-table changes, the model step and the sampler in one executable
         self.serve_step = jax.jit(functools.partial(_serve_step_packed, config=config, parallel=self.parallel,
                                                     options=self.options, n_out=self.n_out, block_size=self.block_size),
@@ -295,18 +314,38 @@ class ModelRunner:
 
     def table_inputs(self, plan: StepPlan, t: int, nr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The block-table inputs of a plan's step (see `_serve_step`): the requests' table rows int32 [nr], the
-        entries it changes int32 [3, u] and the rows it clears int32 [max_num_seqs + 1]; u is t, or t times a
-        power of two when a step adds more pages than it computes rows (a request admitted on cached prefix pages
-        gains them all in the step of its first rows)."""
+        entries it changes int32 [3, t] and the rows it clears int32 [max_num_seqs + 1].
+
+        A step adds at most one page per row it computes, except that a request admitted on cached prefix pages
+        gains them all in the step of its first rows: the plan may change more than t entries. Then the resets and
+        all but the last t entries are written to the device table here, before the step (`write_tables`), and
+        the step gets the last t and no resets: the table it reads is the same (resets first, then the entries in
+        order), and its input shapes do not depend on how many cached pages its admissions bring."""
         plan_rows = np.full(nr, self.max_num_seqs, np.int32)  # padding requests read the all-zero last row
         plan_rows[: len(plan.requests)] = [r.table_row for r in plan.requests]
-        # without cached pages a step adds at most one page per row it computes: the rows bucket bounds the updates
-        nu = plan.table_updates.shape[1]
-        upd = np.full((3, _bucket(nu, t)), self.max_num_seqs + 1, np.int32)  # padding updates: outside the table
-        upd[:, :nu] = plan.table_updates
         resets = np.zeros(self.max_num_seqs + 1, np.int32)
         resets[plan.table_resets] = 1
+        updates = plan.table_updates
+        if updates.shape[1] > t:
+            self.write_tables(resets, updates[:, :-t])
+            updates = updates[:, -t:]
+            resets = np.zeros_like(resets)  # applied: a second reset would clear the entries just written
+        upd = np.full((3, t), self.max_num_seqs + 1, np.int32)  # padding updates: outside the table
+        upd[:, : updates.shape[1]] = updates
         return plan_rows, upd, resets
+
+    def write_tables(self, resets: np.ndarray, updates: np.ndarray) -> None:
+        """Zero the device table rows `resets` marks (int32 [max_num_seqs + 1]), then set the entries `updates`
+        (int [3, U], any U): in chunks of `table_chunk` entries padded with entries outside the table, so every
+        call runs the one executable compiled at construction. Launched without waiting (it precedes the step
+        that reads the table on the same device stream)."""
+        c = self.table_chunk
+        for start in range(0, max(updates.shape[1], 1), c):
+            chunk = np.full((3, c), self.max_num_seqs + 1, np.int32)
+            part = updates[:, start: start + c]
+            chunk[:, : part.shape[1]] = part
+            packed, layout = host_buffer.pack(resets if start == 0 else np.zeros_like(resets), chunk)
+            self.tables = self._change_tables(self.tables, packed, layout=layout)
 
     def execute(self, plan: StepPlan, dry: set | None = None):
         """Build a scheduler plan's step inputs on the host and launch the fused serving step; returns the device

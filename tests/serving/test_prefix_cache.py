@@ -229,6 +229,45 @@ def test_a_long_hit_with_few_rows_sends_all_its_pages(params):
     assert _m(on)["prefix_cache_hits"] == 80
 
 
+def _record_table_inputs(eng) -> list:
+    """Wrap `eng`'s runner's `table_inputs`: each call appends (rows bucket t, the plan's table updates, the
+    columns of the step's updates array) to the returned list."""
+    seen, table_inputs = [], eng.runner.table_inputs
+
+    def recording(plan, t, nr):
+        plan_rows, upd, resets = table_inputs(plan, t, nr)
+        seen.append((t, plan.table_updates.shape[1], upd.shape[1]))
+        return plan_rows, upd, resets
+    eng.runner.table_inputs = recording
+    return seen
+
+
+def test_multi_turn_step_shapes_do_not_depend_on_cache_hits(params):
+    """Two conversations on one 60-token system prompt, the second arriving while the first decodes, then a second
+    turn of each (prompt, answer, 3 new tokens): admissions gain 15 to 17 cached pages with a few rows computed.
+    Every step's updates array has its rows bucket's columns (the entries past it are written before the step, by
+    the one table write compiled with the engine), and the tokens are those without caching."""
+    system = _tokens(30, 60)
+    first = {"a": system + _tokens(31, 6), "b": system + _tokens(32, 5)}
+    seen = {}
+
+    def script(run):
+        seen[run.eng.scheduler.prefix_caching] = _record_table_inputs(run.eng)
+        compiled.append(run.eng.runner._change_tables._cache_size())
+        out = run([(0, "a1", first["a"]), (2, "b1", first["b"])], max_tokens=4)
+        out.update(run([(0, "a2", first["a"] + out["a1"] + [5, 6, 7]),
+                        (1, "b2", first["b"] + out["b1"] + [8, 9, 4])], max_tokens=4))
+        compiled[-1] = run.eng.runner._change_tables._cache_size() - compiled[-1]
+        return out
+    compiled = []  # per run: the table-write executables compiled while serving
+    off, on, _ = _both(params, script, max_model_len=96, max_num_batched_tokens=128, num_pages=64)
+    assert _m(on)["prefix_cache_hits"] >= 60 + 2 * 64
+    assert any(nu > t for t, nu, _ in seen[True])  # some step's admissions bring more pages than its rows bucket
+    for steps in seen.values():
+        assert all(u == t for t, _, u in steps), steps
+    assert compiled == [0, 0]  # the table write compiled with the engine, never in the loop
+
+
 def test_eviction_under_a_tiny_page_budget_while_a_request_reads_the_chain_parent(params):
     first = _tokens(5, 16)
     other = first[:4] + _tokens(6, 20)
