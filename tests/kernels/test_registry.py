@@ -156,7 +156,7 @@ def test_batch_invariant_decode_steps_choose_alike_for_every_row_count():
         assert {r: c for r, c in got.items() if r != "config_rows"} == {
             "moe.xla_form": {"gather"}, "moe.fp8_form": {"w8a8"}, "moe.mosaic_layout": {"swap_ab"},
             "indexer.scores_form": {"per_row"}, "fp8_linear.model_form": {"fp8_linear"},
-            "fp8_linear.mosaic_layout": {"swap_ab"}, "topk.auto": {"xla"},
+            "fp8_linear.mosaic_layout": {"swap_ab"}, "topk.auto": {"triton"},
             "lse_merge.auto": {"xla"}}, step_rows
         assert got["config_rows"] == {registry.INVARIANT_CONFIG_ROWS}
     default = _rule_choices(False, None, rows)

@@ -107,7 +107,7 @@ def test_batch_invariant_table_is_what_the_step_dispatches():
     assert {rule: chosen[decode, rule] for rule in ("moe.fp8_form", "fp8_linear.model_form", "indexer.auto",
                                                      "indexer.scores_form", "topk.auto", "launch_rows")} == {
         "moe.fp8_form": "w8a8", "fp8_linear.model_form": "fp8_linear", "indexer.auto": "triton",
-        "indexer.scores_form": "per_row", "topk.auto": "xla", "launch_rows": "fixed"}
+        "indexer.scores_form": "per_row", "topk.auto": "triton", "launch_rows": "fixed"}
     # the engine's own shapes: a prompt step of 8192 rows, a decode step of 256
     assert [rows for _, rows, _ in invariant_shape_classes()] == [8192, 256]
 
