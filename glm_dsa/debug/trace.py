@@ -14,7 +14,7 @@ interleaved order of docs/math.md §2 (pairs (x[2i], x[2i+1])). Names, in model 
 | `dcp.partial_lse` | [N, T, H] | DCP only: each rank's partial log-sum-exp |
 | `dcp.merged_o` / `dcp.merged_lse` | [T, H, kv_lora_rank] / [T, H] | DCP only: after the LSE merge |
 | `attn.out` | [T, H, v_head_dim] | attention output per head, before o_proj |
-| `moe.experts` / `moe.weights` | [T, k] | MoE layers: chosen experts (ascending id) and their weights |
+| `moe.experts` / `moe.weights` | [T, k] | MoE layers: chosen experts (ascending id; -1 = none) and their weights |
 | `residual` | [T, hidden] | the residual stream after the layer |
 
 `attn.topk` rows are compared as sets (Jaccard overlap): the order within a top-k is not part of the math.

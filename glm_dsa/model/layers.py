@@ -36,6 +36,8 @@ class StepBatch:
 
     token_ids, positions, slot_mapping (-1 = write nothing), token_req (the row's request): int32 [T];
     block_tables: int32 [R, pages]; logits_indices: int32 [L], the rows whose logits are returned.
+    A row at position -1 is padding (the serving runner pads a step's rows to a static bucket so): it writes
+    nothing, attends to nothing and routes to no expert (`MoE.route`); its outputs are never read.
     """
 
     token_ids: jax.Array
@@ -247,8 +249,11 @@ class MoE(nnx.Module):
         _declare(self, prefix, names, specs, dtype)
         self.has_shared = bool(cfg.n_shared_experts)
 
-    def route(self, x, cfg: GlmDsaConfig):
-        """Chosen experts [T, k] and their weights [T, k] (float32)."""
+    def route(self, x, cfg: GlmDsaConfig, valid=None):
+        """Chosen experts [T, k] and their weights [T, k] (float32). `valid` (bool [T], default all): rows marked
+        False (padding) route to no expert: their experts are the sentinel E (one past the last expert, which
+        `kernels.moe.routed_experts` computes nowhere) and their weights 0. Padding rows all carry the same token,
+        so they would otherwise all pick the same k experts, real work whose output is never read."""
         s = jax.nn.sigmoid(x.astype(jnp.float32) @ self.router[...])
         choice = s + self.router_bias[...]
         t, e = choice.shape
@@ -262,7 +267,11 @@ class MoE(nnx.Module):
         w = jnp.take_along_axis(s, experts, axis=1)
         if cfg.norm_topk_prob:
             w = w / (jnp.sum(w, axis=1, keepdims=True) + 1e-20)
-        return experts, w * cfg.routed_scaling_factor
+        w = w * cfg.routed_scaling_factor
+        if valid is not None:
+            experts = jnp.where(valid[:, None], experts, e)
+            w = jnp.where(valid[:, None], w, 0.0)
+        return experts, w
 
     def expert_scales(self, comm: Collectives | None = None) -> dict:
         """The FP8 experts' keywords for `moe.routed_experts`: their scale grids (this device's blocks of the expert
@@ -278,12 +287,14 @@ class MoE(nnx.Module):
         return dict(wg_scale=wg, wu_scale=wu, wd_scale=wd, i_offset=off, w_layout="nk")
 
     def __call__(self, x, cfg: GlmDsaConfig, options: StepOptions | None = None, tracer: Tracer = NO_TRACE,
-                 comm: Collectives | None = None):
+                 comm: Collectives | None = None, valid=None):
         """The MoE output [T, hidden] summed over the TP devices; `options` picks the experts' impl and form,
-        `comm` the collectives (the mesh's by default)."""
+        `comm` the collectives (the mesh's by default). `valid` (bool [T], default all rows; the decoder layer
+        passes `batch.positions >= 0`): the rows that are not padding. None of a padding row's pairs is computed
+        (`route`) and its routed experts' output is 0; its shared expert still runs (a dense GEMM over every row)."""
         options, comm = options or StepOptions(), comm or Collectives()
-        experts, weights = self.route(x, cfg)
-        tracer.experts(experts, weights)
+        experts, weights = self.route(x, cfg, valid)
+        tracer.experts(experts, weights, self.router.shape[1])
         out = moe.routed_experts(x, experts, weights, self.experts_gate[...], self.experts_up[...],
                                  self.experts_down[...], impl=options.impl, mode=options.moe_mode,
                                  **self.expert_scales(comm))
@@ -309,7 +320,7 @@ class DecoderLayer(nnx.Module):
                                                     topk_prev, batch, ctx)
         x = x + a
         h = rms_norm(x, self.post_norm[...], eps)
-        x = x + (self.moe(h, ctx.cfg, ctx.options, tr, ctx.comm) if self.moe is not None
+        x = x + (self.moe(h, ctx.cfg, ctx.options, tr, ctx.comm, valid=batch.positions >= 0) if self.moe is not None
                  else self.mlp(h, ctx.options, ctx.comm))
         tr.record("residual", x)
         return x, mla_cache, index_cache, topk

@@ -74,9 +74,12 @@ class Tracer:
         self.heads("dcp.merged_o", o)
         self.heads("dcp.merged_lse", lse)
 
-    def experts(self, experts, weights) -> None:
-        """Record `moe.experts` / `moe.weights` [T, k] in a canonical order: by expert id."""
+    def experts(self, experts, weights, n_exp: int) -> None:
+        """Record `moe.experts` / `moe.weights` [T, k] in a canonical order: by expert id. A padding row's
+        sentinel (an id outside [0, n_exp): no expert) is recorded as -1, "none", as `attn.topk` records an unfilled
+        entry, so the trace diff's set comparison skips it (two padding rows compare as equal empty sets)."""
         if self.active:
+            experts = jnp.where((experts >= 0) & (experts < n_exp), experts, -1)
             order = jnp.argsort(experts, axis=1)
             self.record("moe.experts", jnp.take_along_axis(experts, order, axis=1))
             self.record("moe.weights", jnp.take_along_axis(weights, order, axis=1))

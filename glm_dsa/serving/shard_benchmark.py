@@ -118,9 +118,11 @@ def stage_body(stage: str, cfg: GlmDsaConfig, ctx: StepContext, *, with_caches: 
                 index_all[j] = idx.reshape(caches["indexer"][j].shape)
             return out, {**caches, "mla": tuple(mla_all), "indexer": tuple(index_all)}
         h = rms_norm(x, mod.post_norm[...], cfg.rms_norm_eps)
+        valid = batch.positions >= 0  # padding rows route to no expert, as in the step (DecoderLayer)
         if stage == "router":  # the MoE's replicated part: every device routes every row (moe_width_check)
-            return mod.moe.route(h, cfg)[1], caches
-        out = mod.moe(h, cfg, ctx.options, comm=ctx.comm) if stage == "moe" else mod.mlp(h, ctx.options, ctx.comm)
+            return mod.moe.route(h, cfg, valid)[1], caches
+        out = (mod.moe(h, cfg, ctx.options, comm=ctx.comm, valid=valid) if stage == "moe"
+               else mod.mlp(h, ctx.options, ctx.comm))
         return out, caches
 
     if with_caches:

@@ -5,7 +5,8 @@ y[t] = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, j],
 channels once (before the gather, so T rows are quantised, not T x k), the (token, expert) pairs placed in
 tile-aligned groups (`reference.group_layout`), gate and up by one GEMM with the SwiGLU epilogue (the config's
 swiglu: gate and up read as stored, two operands), h stored in x's dtype and quantised per row per 128 channels,
-the down GEMM (stored in x's dtype) and the weighted combine in float32 in XLA.
+the down GEMM (stored in x's dtype) and the weighted combine in float32 in XLA. A pair whose expert id is outside
+[0, E) (a padding row's sentinel) is placed in no group (`pair_layout`), so neither GEMM computes it; it adds 0.
 
 Layouts (`layout`): "grouped" (prefill: 128-row tiles of one expert, the rows on wgmma's M side) and "swap_ab"
 (decode: 8-64-row tiles, the weights on wgmma's M side); `kernels.moe` picks one per shape (its rule
@@ -45,16 +46,22 @@ def expert_configs(layout: str, t: int, k: int, n_exp: int) -> tuple[Fp8GemmConf
 
 def pair_layout(experts, n_experts: int, tile_m: int):
     """(dest int32 [T k], tile_group int32 [n_tiles]): the row of each (token, j) pair (flattened row-major) in the
-    tile-aligned grouped layout, and each tile's group. n_tiles = ceil(T k / tile_m) + n_experts - 1 (static)."""
+    tile-aligned grouped layout, and each tile's group. n_tiles = ceil(T k / tile_m) + n_experts - 1 (static).
+    A pair whose expert id is outside [0, n_experts) (a padding row's sentinel) is in no group: its dest is
+    n_tiles * tile_m, one past the last row (scatter it with mode "drop", select its result away)."""
     flat = experts.reshape(-1).astype(jnp.int32)
     pairs = flat.shape[0]
     n_tiles = -(-pairs // tile_m) + n_experts - 1
-    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    routed = (flat >= 0) & (flat < n_experts)
+    key = jnp.where(routed, flat, n_experts)  # unrouted pairs (negative ids too) sort after every group
+    sizes = jnp.bincount(key, length=n_experts + 1)[:n_experts].astype(jnp.int32)
     starts, tile_group = group_layout(sizes, tile_m, n_tiles)
-    order = jnp.argsort(flat, stable=True)
+    order = jnp.argsort(key, stable=True)
+    group = jnp.minimum(key[order], n_experts - 1)  # clamped for the gathers; unrouted pairs replaced below
     first = jnp.cumsum(sizes) - sizes  # each group's first position in sorted order
-    rank = jnp.arange(pairs, dtype=jnp.int32) - first[flat[order]]
-    dest = jnp.zeros((pairs,), jnp.int32).at[order].set(starts[flat[order]] + rank)
+    rank = jnp.arange(pairs, dtype=jnp.int32) - first[group]
+    row = jnp.where(routed[order], starts[group] + rank, n_tiles * tile_m)
+    dest = jnp.zeros((pairs,), jnp.int32).at[order].set(row)
     return dest, tile_group
 
 
@@ -76,14 +83,16 @@ def routed_experts_w8a8(x, experts, weights, w_gate, w_up, s_gate, s_up, w_down,
     rows = tile_group.shape[0] * tm
     a_q, s_a = quantize_rows(x)
     token = jnp.arange(t * k, dtype=jnp.int32) // k
-    a_rows = jnp.zeros((rows, d), FP8).at[dest].set(a_q[token])
-    s_rows = jnp.ones((rows, s_a.shape[1]), jnp.float32).at[dest].set(s_a[token])
+    # unrouted pairs (dest == rows: a padding row's sentinel expert) are dropped here and selected away below
+    a_rows = jnp.zeros((rows, d), FP8).at[dest].set(a_q[token], mode="drop")
+    s_rows = jnp.ones((rows, s_a.shape[1]), jnp.float32).at[dest].set(s_a[token], mode="drop")
     h_dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
     h = grouped_matmul(a_rows, s_rows, (w_gate, w_up), (s_gate, s_up), tile_group, impl=impl, config=up_config,
                        out_dtype=h_dtype)
     h_q, h_s = quantize_rows(h)
     y = grouped_matmul(h_q, h_s, w_down, s_down, tile_group, impl=impl, config=down_config, out_dtype=h_dtype)
-    return (y[dest].astype(jnp.float32) * weights.reshape(-1, 1).astype(jnp.float32)).reshape(t, k, d).sum(axis=1)
+    y = y[jnp.minimum(dest, rows - 1)].astype(jnp.float32) * weights.reshape(-1, 1).astype(jnp.float32)
+    return jnp.where((dest < rows)[:, None], y, 0.0).reshape(t, k, d).sum(axis=1)
 
 
 def supports(x, experts, weights, wg, wu, wd, *, wg_scale=None, wu_scale=None, wd_scale=None, i_offset=0,

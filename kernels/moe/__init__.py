@@ -49,6 +49,12 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: 
     """float32 [T, D]: the routed SwiGLU experts of rows `x` [T, D] at `experts` [T, k] (int) with routing
     `weights` [T, k]; gate/up [E, D, I], down [E, I, D].
 
+    An expert id outside [0, E) (the model's sentinel E, one past the last expert, for a padding row) marks a
+    pair computed nowhere: it is in no tile or group of any impl and contributes exactly 0, whatever its weight
+    and its row of x (NaN included); a row with no routed pair comes out 0. The routed pairs' results are the
+    same, bit for bit, as with the unrouted pairs absent. The registry's rules are unaffected: they choose from
+    the static shapes (T padded rows), not from how many pairs are routed.
+
     impl (`kernels.registry`): "xla" (the forms above), "triton" (the grouped-GEMM Pallas kernel, any widths),
     "triton_interpret" (that kernel interpreted: CPU tests), "tokamax" (FP8 K-major experts of whole blocks
     through tokamax's grouped GEMM, W8A16 in float16: `kernels.moe.tokamax`, by name only), "mosaic" /

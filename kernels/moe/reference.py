@@ -1,5 +1,10 @@
 """The routed experts' oracle (impl "xla"): the plain-jnp forms, each reading the weights differently (docs/math.md
-§2, MoE; the forms are described in `kernels.moe`). FP8 experts run over the experts dequantised to float32."""
+§2, MoE; the forms are described in `kernels.moe`). FP8 experts run over the experts dequantised to float32.
+
+A pair whose expert id is outside [0, n_exp) (`tiles.routed_pairs`: the model's padding rows) contributes exactly 0
+in every form, whatever its weight and even where its row of x is not finite: each form selects (`jnp.where`)
+rather than multiplies by a zero weight, since a clamped gather's weights times a NaN row would be NaN. The
+routed pairs' results are those of the same form without the unrouted pairs, bit for bit."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import jax.numpy as jnp
 
 from .. import registry
 from ..common.fp8_formats import dequantize_weight_blocks
-from .tiles import tile_plan, tile_rows
+from .tiles import routed_pairs, tile_plan, tile_rows
 
 MODES = ("gather", "dense", "tiles", "ragged")
 
@@ -44,12 +49,14 @@ def _experts_fp8_xla(x, experts, weights, wg, wu, wd, wg_scale, wu_scale, wd_sca
     weight set per (token, expert) pair), x in float32, then the bf16 path's form `mode` at highest precision
     (h stays float32 here; the kernels round it to x.dtype)."""
     t, k = experts.shape
-    mode = mode or pick_mode(t, k, wg.shape[0])
+    n_exp = wg.shape[0]
+    mode = mode or pick_mode(t, k, n_exp)
     if mode == "gather":
-        flat = experts.reshape(-1)
+        flat = experts.reshape(-1)  # unrouted ids clamp to an expert here; the gather form drops their results
         wg, wu, wd = (dequantize_weight_blocks(w[flat], s[flat], r, c) for w, s, r, c in
                       ((wg, wg_scale, 0, i_offset), (wu, wu_scale, 0, i_offset), (wd, wd_scale, i_offset, 0)))
-        experts = jnp.arange(t * k, dtype=jnp.int32).reshape(t, k)
+        # one weight set per pair; unrouted pairs keep an id outside [0, T k) so the form below drops them
+        experts = jnp.where(routed_pairs(experts, n_exp), jnp.arange(t * k, dtype=jnp.int32).reshape(t, k), t * k)
     else:
         wg = dequantize_weight_blocks(wg, wg_scale, 0, i_offset)
         wu = dequantize_weight_blocks(wu, wu_scale, 0, i_offset)
@@ -69,26 +76,35 @@ def experts_xla(x, experts, weights, wg, wu, wd, *, mode: str | None = None, wg_
     mode = mode or pick_mode(t, k, n_exp)
     if mode == "tiles":
         return _tiles(x, experts, weights, wg, wu, wd)
+    routed = routed_pairs(experts, n_exp)
     if mode == "gather":
-        flat = experts.reshape(-1)
+        flat = experts.reshape(-1)  # unrouted ids: the gathers clamp them to an expert, whose result is dropped
         xs = jnp.repeat(x, k, axis=0)
         h = jax.nn.silu(jnp.einsum("pd,pdi->pi", xs, wg[flat])) * jnp.einsum("pd,pdi->pi", xs, wu[flat])
         y = jnp.einsum("pi,pid->pd", h, wd[flat]).astype(jnp.float32) * weights.reshape(-1)[:, None]
-        return y.reshape(t, k, -1).sum(1)
+        return jnp.where(routed[..., None], y.reshape(t, k, -1), 0.0).sum(1)
     if mode == "dense":
-        combine = jnp.zeros((t, n_exp), jnp.float32).at[jnp.arange(t)[:, None], experts].add(weights)
+        # unrouted pairs add nothing to `combine`: their index n_exp is out of range and dropped (a negative id
+        # would wrap to an expert, so it is replaced too); a row with no routed pair is zeroed (selected, not
+        # multiplied: it may be NaN), so its products are 0 and its output 0, not NaN x 0
+        index = jnp.where(routed, experts, n_exp)
+        combine = jnp.zeros((t, n_exp), jnp.float32).at[jnp.arange(t)[:, None], index].add(weights, mode="drop")
+        x = jnp.where(routed.any(1, keepdims=True), x, jnp.zeros_like(x))
         h = jax.nn.silu(jnp.einsum("td,edi->tei", x, wg)) * jnp.einsum("td,edi->tei", x, wu)
         h = h * combine[..., None].astype(h.dtype)  # unselected experts contribute exactly 0
         return jnp.einsum("tei,eid->td", h, wd, preferred_element_type=jnp.float32)
     if mode == "ragged":
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
+        # unrouted pairs sort last (key n_exp) into no group; their rows of xs are zeroed (x may be NaN there) and
+        # their results dropped, whatever ragged_dot leaves in rows past the groups
+        key = jnp.where(routed, experts, n_exp).reshape(-1)
+        order = jnp.argsort(key, stable=True)
         token = order // k
-        sizes = jnp.bincount(flat, length=n_exp).astype(jnp.int32)
-        xs = x[token]
+        sizes = jnp.bincount(key, length=n_exp + 1)[:n_exp].astype(jnp.int32)
+        kept = routed.reshape(-1)[order][:, None]
+        xs = jnp.where(kept, x[token], jnp.zeros((), x.dtype))
         g = jax.lax.ragged_dot(xs, wg, sizes)
         u = jax.lax.ragged_dot(xs, wu, sizes)
         y = jax.lax.ragged_dot(jax.nn.silu(g) * u, wd, sizes)
-        y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+        y = jnp.where(kept, y.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
         return jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(y)
     raise ValueError(f"moe: unknown mode {mode!r} (available: {', '.join(MODES)})")

@@ -13,24 +13,40 @@ def tile_rows(t: int, k: int, n_exp: int) -> int:
     return min(128, max(16, 1 << (per_expert - 1).bit_length()))
 
 
+def routed_pairs(experts, n_exp: int):
+    """bool, experts' shape: the (token, expert) pairs routed to an expert, i.e. with an id in [0, n_exp). An id
+    outside it (the model's sentinel n_exp for a padding row) marks a pair computed nowhere."""
+    return (experts >= 0) & (experts < n_exp)
+
+
 def tile_plan(experts, n_exp: int, tile: int):
     """Layout of the (token, expert) pairs sorted by expert, each expert's run padded to whole tiles.
 
     Returns (src, tile_expert): src int32 [n_tiles * tile], the pair index (token * k + j) at each padded row or
     -1; tile_expert int32 [n_tiles], the expert of each tile (tiles past the last are all -1 rows). A tile's
-    padding rows come after its real rows, so a tile is empty exactly when its first row is -1.
-    n_tiles = ceil(P / tile) + min(E, P) bounds sum_e ceil(size_e / tile) for P = T * k pairs."""
+    padding rows come after its real rows, so a tile is empty exactly when its first row is -1. A pair whose
+    expert id is outside [0, n_exp) (`routed_pairs`) gets no row: it is in no tile, so nothing computes it.
+    n_tiles = ceil(P / tile) + min(E, P) bounds sum_e ceil(size_e / tile) for P = T * k pairs (a static bound:
+    with unrouted pairs the tiles past the last used one are empty)."""
     t, k = experts.shape
     p = t * k
     flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    group = flat[order]
-    sizes = jnp.bincount(flat, length=n_exp)
+    routed = routed_pairs(flat, n_exp)
+    # unrouted pairs sort after every expert's run (key n_exp, negative ids too), so the routed pairs' places are
+    # those of a plan without them
+    key = jnp.where(routed, flat, n_exp)
+    order = jnp.argsort(key, stable=True)
+    group = key[order]
+    sizes = jnp.bincount(key, length=n_exp + 1)[:n_exp]  # the unrouted pairs' count (key n_exp) dropped
     padded = (sizes + tile - 1) // tile * tile
     start = jnp.cumsum(padded) - padded
-    dest = start[group] + jnp.arange(p) - (jnp.cumsum(sizes) - sizes)[group]
     n_tiles = -(-p // tile) + min(n_exp, p)
-    src = jnp.full((n_tiles * tile,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32))
+    # group n_exp would gather start[n_exp] clamped to the last expert's: give those pairs a row past the end
+    # instead, which the scatter below drops (mode "drop" said, not left to jnp's default)
+    first = jnp.cumsum(sizes) - sizes
+    dest = jnp.where(group < n_exp, start[jnp.minimum(group, n_exp - 1)] + jnp.arange(p)
+                     - first[jnp.minimum(group, n_exp - 1)], n_tiles * tile)
+    src = jnp.full((n_tiles * tile,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
     # one broadcast compare, not the default binary-search loop (a while loop of ~9 launches on a GPU)
     tile_expert = jnp.searchsorted(start + padded, jnp.arange(n_tiles) * tile, side="right", method="compare_all")
     return src, jnp.minimum(tile_expert, n_exp - 1).astype(jnp.int32)

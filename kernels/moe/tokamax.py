@@ -133,17 +133,23 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, wg_scale, wu_scale, wd_sc
     inputs are checked by `supports` where the registry dispatches here (`moe.routed_experts(impl="tokamax")`)."""
     dot = dot or tokamax_dot(config)
     t, k = experts.shape
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    n_exp = wg.shape[0]
+    routed = ((experts >= 0) & (experts < n_exp)).reshape(-1)
+    key = jnp.where(routed, experts.reshape(-1), n_exp)  # unrouted pairs (padding rows) sort after every expert
+    order = jnp.argsort(key, stable=True)
     token = order // k
-    sizes = jnp.bincount(flat, length=wg.shape[0]).astype(jnp.int32)
+    kept = routed[order][:, None]
+    sizes = jnp.bincount(key, length=n_exp + 1)[:n_exp].astype(jnp.int32)
     # the kernel's row tiles are TMA copies of whole 8-row groups: pad the pairs to a multiple of 8 with zero
-    # rows in the last expert's group (they compute zeros, dropped below)
+    # rows in the last expert's group (they compute zeros, dropped below). The unrouted pairs (an expert id
+    # outside [0, n_exp): padding rows) go there too, as zero rows with their results dropped, not into no group:
+    # tokamax's ragged dot has only been run with groups covering every row, and what it writes to rows past
+    # them is not known. They cost rows of the last expert's GEMMs (impl "tokamax" runs only when named)
     pad = -(t * k) % 8
-    xs = jnp.pad(x[token], ((0, pad), (0, 0)))
-    sizes = sizes.at[-1].add(pad)
+    xs = jnp.pad(jnp.where(kept, x[token], jnp.zeros((), x.dtype)), ((0, pad), (0, 0)))
+    sizes = sizes.at[-1].add(t * k + pad - jnp.sum(sizes))
     g = _project(xs, wg, wg_scale, sizes, dot)
     u = _project(xs, wu, wu_scale, sizes, dot)
     y = _project(jax.nn.silu(g) * u, wd, wd_scale, sizes, dot)[: t * k]
-    y = y * weights.reshape(-1)[order][:, None].astype(jnp.float32)
+    y = jnp.where(kept, y * weights.reshape(-1)[order][:, None].astype(jnp.float32), 0.0)
     return jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(y)

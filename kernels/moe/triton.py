@@ -5,7 +5,8 @@ a column block and consecutive tiles of one expert find its weight block in L2:
   up:   h[tile rows, n-block] = silu(x[tokens] @ gate_e) * (x[tokens] @ up_e), the x rows gathered by token;
   down: y[pair, d-block] = w_pair * (h[tile rows] @ down_e), stored at each row's (token, j) pair index.
 Empty tiles (first row -1) do no work, so a decode step reads only the weights of the experts it uses.
-The combine y[T, k, D].sum(1) is one XLA reduction outside.
+The combine y[T, k, D].sum(1) is one XLA reduction outside. A pair whose expert id is outside [0, n_exp) (a
+padding row's) is in no tile (`tile_plan`), so neither kernel computes it, and the combine takes 0 for it.
 Widths that are not a multiple of the blocks (a tiny model's expert slice under TP: I = 4..8) take 16-wide
 blocks whose columns past the width are masked: loads read zeros there (so those h columns are exactly 0) and
 stores skip them. Launch configs are `MoEConfig`s (`default_config` picks one per shape).
@@ -29,7 +30,7 @@ from .. import registry
 from ..common import fp8_formats
 from ..common.fp8_formats import FP8, WEIGHT_BLOCK as FP8_BLOCK, load_e4m3, quantize_activation_blocks
 from ..common.triton_common import MASKED_ROW, col_range, div_rn, dot, gather, with_options
-from .tiles import tile_plan
+from .tiles import routed_pairs, tile_plan
 from .config import MoEConfig, block_width, default_config, word_form  # noqa: F401 (read from here)
 
 
@@ -574,4 +575,7 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
         out_shape=jax.ShapeDtypeStruct((t * k, d), out_dtype),
         compiler_params=params, interpret=interpret, name="moe_down",
     )(*args)
-    return y.astype(jnp.float32).reshape(t, k, d).sum(1)
+    # the down kernel writes the rows of the pairs in tiles only: an unrouted pair's row (an expert id outside
+    # [0, n_exp), in no tile: `tile_plan`) is never written, so it is selected away, not summed
+    y = jnp.where(routed_pairs(experts, n_exp)[..., None], y.astype(jnp.float32).reshape(t, k, d), 0.0)
+    return y.sum(1)

@@ -680,3 +680,88 @@ def test_batch_invariant_prompt_step_rows_do_not_depend_on_the_batch(kernel_impl
     for got in outs[1:]:
         np.testing.assert_array_equal(got, outs[0])
     assert np.all(np.isfinite(outs[0])) and np.any(outs[0] != 0)
+
+
+# ------------------------------------------------------------------------------ padding rows (unrouted pairs)
+
+PAD_ROWS = [1, 4, 5, 9]  # of 10 rows; row 9's pairs carry -1, the others the model's sentinel E
+
+
+def _padded(args, n_exp):
+    """args with rows PAD_ROWS marked padding as the model marks them: expert ids outside [0, E) and weights 0,
+    and their x rows NaN (a pair computed into any real row would show it). Returns (padded args, real rows)."""
+    x, experts, weights, *rest = args
+    pad = np.asarray(PAD_ROWS)
+    real = np.setdiff1d(np.arange(x.shape[0]), pad)
+    sentinel = np.where(pad[:, None] == 9, -1, n_exp)
+    return (x.at[pad].set(jnp.nan), experts.at[pad].set(jnp.asarray(sentinel, jnp.int32)), weights.at[pad].set(0.0),
+            *rest), real
+
+
+def _check_padded(got, want_real, real, tol, before=None):
+    """Real rows within `tol` of the oracle over the real rows alone; padding rows exactly 0; with `before` (the
+    same call with the padding rows routed to real experts, finite x) the real rows bit for bit as there."""
+    got = np.asarray(got)
+    pad = np.setdiff1d(np.arange(got.shape[0]), real)
+    assert np.all(got[pad] == 0), got[pad]
+    assert _rel(got[real], want_real) < tol
+    if before is not None:
+        np.testing.assert_array_equal(got[real], np.asarray(before)[real])
+
+
+def test_tile_plan_gives_unrouted_pairs_no_row():
+    """experts [[0, 1], [S, S], [1, 2]] (S = 3 = E, or -1) at 2-row tiles: pairs 2 and 3 get no row; every other
+    pair's row is where it would be without them (expert 0: [0, -], expert 1: [1, 4], expert 2: [5, -])."""
+    want_src = [0, -1, 1, 4, 5, -1] + [-1] * 6  # n_tiles = ceil(6 / 2) + min(3, 6) = 6, a static bound
+    for pad in ([3, 3], [-1, 3], [-1, -1], [7, 100]):
+        src, tile_expert = moe_tiles.tile_plan(jnp.asarray([[0, 1], pad, [1, 2]], jnp.int32), 3, 2)
+        assert np.asarray(src).tolist() == want_src, pad
+        assert np.asarray(tile_expert).tolist() == [0, 1, 2, 2, 2, 2], pad
+    np.testing.assert_array_equal(moe_tiles.routed_pairs(jnp.asarray([[0, 2], [3, -1]]), 3), [[True, True],
+                                                                                              [False, False]])
+
+
+@pytest.mark.parametrize("mode", moe.MODES + (None,))
+def test_padding_rows_xla(mode):
+    """Every xla form: unrouted pairs contribute exactly 0 (padding rows 0, their NaN rows nowhere in the real
+    rows), the real rows the oracle's over the real rows alone and bit for bit those of the unpadded call."""
+    args = _inputs(10, 3, 8, 32, 16, seed=4)
+    padded, real = _padded(args, 8)
+    with jax.default_matmul_precision("highest"):
+        got = moe.routed_experts(*padded, mode=mode)
+        before = moe.routed_experts(*args, mode=mode)
+    _check_padded(got, _oracle(*(a[real] for a in args[:3]), *args[3:]), real, 1e-5, before)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_padding_rows_triton(kernel_impl, dtype, tol):
+    """The grouped-GEMM kernels over bf16 / float32 experts: padding rows' pairs are in no tile (their NaN rows reach
+    no real row, their outputs are 0) and the real rows are bit for bit those of the unpadded call."""
+    args = _inputs(10, 3, 8, 64, 32, seed=5, dtype=dtype)
+    padded, real = _padded(args, 8)
+    got, before = _run(kernel_impl, padded, tile=16), _run(kernel_impl, args, tile=16)
+    _check_padded(got, _oracle(*(a[real] for a in args[:3]), *args[3:]), real, tol, before)
+
+
+@pytest.mark.parametrize("kernel,w_layout,form", [
+    (False, "kn", None), (False, "nk", None),  # the xla reference
+    (True, "kn", "w8a16"), (True, "kn", "w8a8"), (True, "nk", "w8a8"), (True, "nk", "dequant"), (True, "nk", "w8a16"),
+])
+def test_padding_rows_fp8(kernel_impl, kernel, w_layout, form):
+    """FP8 experts, each form of the kernels and the xla reference, over both stacks' layouts: padding rows 0, the
+    real rows the oracle's over the real rows alone (W8A8: its float64 rule) and bit for bit those of the unpadded
+    call."""
+    impl = kernel_impl if kernel else "xla"
+    dtype = jnp.bfloat16 if form == "w8a8" else jnp.float32
+    args, scales, deq = _fp8_inputs(10, 2, 8, 256, 256, 0, seed=8, dtype=dtype)
+    padded, real = _padded(args, 8)
+    if form == "w8a8":
+        want, tol = _oracle_w8a8(*(a[real] for a in args[:3]), *args[3:], scales["wg_scale"], scales["wu_scale"],
+                                 scales["wd_scale"], ml_dtypes.bfloat16), 5e-3
+    else:
+        want, tol = _oracle(*(a[real] for a in args[:3]), *deq), 2e-6
+    if w_layout == "nk":
+        args, scales = _k_major(args, scales)
+        padded, _ = _padded(args, 8)
+    opts = dict(scales, w_layout=w_layout, **({} if form is None else {"form": form}))
+    _check_padded(_run(impl, padded, **opts), want, real, tol, _run(impl, args, **opts))

@@ -208,3 +208,30 @@ def test_gpu_mosaic_experts(t, layout):
     assert err < 1e-2
     triton = jax.jit(functools.partial(moe.routed_experts, impl="triton", form="w8a8", **fp8))(*args)
     print(f"t={t}: Triton W8A8 relative error {_rel(triton, want):.3g}")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_padding_rows_reach_no_group(name):
+    """Rows marked padding (expert ids E, the model's sentinel, or -1; weights 0; x NaN): their pairs are in no
+    group of either layout (`pair_layout` gives them the row past the end), so their NaN rows reach no real row and
+    their outputs are 0; the real rows are the W8A8 rule's over the real rows alone and bit for bit those of the
+    call without padding."""
+    from kernels.fp8_gemm.experts import pair_layout
+    t, k, n_exp, d, i, dtype, layout = CASES[name]
+    args, fp8 = _inputs(t, k, n_exp, d, i, seed=7, dtype=dtype)
+    x, experts, w, *stacks = args
+    pad, real = np.array([1, 4]), np.array([0, 2, 3, 5])
+    sentinel = jnp.asarray([[n_exp] * k, [-1] * k], jnp.int32)
+    padded = (x.at[pad].set(jnp.nan), experts.at[pad].set(sentinel), w.at[pad].set(0.0), *stacks)
+    run = jax.jit(functools.partial(moe.routed_experts, impl=_MOSAIC, layout=layout, **fp8))
+    got, before = np.asarray(run(*padded)), np.asarray(run(*args))
+    assert np.all(got[pad] == 0)
+    assert _rel(got[real], _oracle_w8a8(*(a[real] for a in args[:3]), *stacks, **fp8)) < 2e-3
+    np.testing.assert_array_equal(got[real], before[real])
+    dest, tile_group = pair_layout(padded[1], n_exp, 8)
+    rows = tile_group.shape[0] * 8
+    dest = np.asarray(dest).reshape(t, k)
+    assert np.all(dest[pad] == rows)
+    kept = dest[real].ravel()  # every real pair on its own row, in a tile of its expert
+    assert len(set(kept.tolist())) == kept.size and np.all(kept < rows)
+    np.testing.assert_array_equal(np.asarray(tile_group)[kept // 8], np.asarray(experts)[real].ravel())

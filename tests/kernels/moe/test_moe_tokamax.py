@@ -158,3 +158,19 @@ def test_gpu_tokamax_matches_the_oracle(t, k, n_exp, d, i):
     want = _oracle(*args, **scales)
     assert np.all(np.isfinite(np.asarray(got)))
     assert _rel(got, want) < 2e-3
+
+
+def test_padding_rows_contribute_nothing():
+    """Rows marked padding (expert ids E, the model's sentinel, or -1; weights 0; x NaN): zero rows in the last
+    group (the groups still cover every row) whose results are dropped: padding rows 0, the real rows the oracle's
+    over the real rows alone and bit for bit those of the call without padding (a jnp stand-in for the kernel)."""
+    args, scales = _inputs(9, 3, 8, 128, 256, seed=4)
+    x, experts, w, *stacks = args
+    pad, real = np.array([3, 6, 7]), np.array([0, 1, 2, 4, 5, 8])
+    sentinel = jnp.asarray([[8] * 3, [-1] * 3, [8, -1, 8]], jnp.int32)
+    padded = (x.at[pad].set(jnp.nan), experts.at[pad].set(sentinel), w.at[pad].set(0.0), *stacks)
+    got = np.asarray(moe_tokamax.routed_experts(*padded, **scales, dot=_jnp_dot))
+    before = np.asarray(moe_tokamax.routed_experts(*args, **scales, dot=_jnp_dot))
+    assert np.all(got[pad] == 0)
+    assert _rel(got[real], _oracle(*(a[real] for a in args[:3]), *stacks, **scales)) < 2e-3
+    np.testing.assert_array_equal(got[real], before[real])
