@@ -49,6 +49,7 @@ import json
 import statistics
 import time
 import traceback
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +122,20 @@ class Run:
         self.failed.append({"what": what, "error": repr(e)[:400]})
         self.write()
 
+    def guarded(self, what: str, step: Callable[[], None]) -> bool:
+        """One step of a sweep (`step()` times one form and emits its rows), named `what` in the record: once
+        --budget_s is spent it is skipped and listed in `failed` as such; what it raises is listed in `failed` (the
+        traceback printed) and the run goes on, so one form that fails to compile or run costs only its own row.
+        False when the budget was spent (a sweep whose later steps would only be skipped too stops there), else
+        True."""
+        if self.over_budget(what):
+            return False
+        try:
+            step()
+        except Exception as e:  # a form that fails to compile or run is reported, not fatal
+            self.fail(what, e)
+        return True
+
     def write(self):
         if self.args.out:
             write_json(self.args.out, record(self.rows, command=command_line(script=__file__),
@@ -192,30 +207,22 @@ def routed(run: Run, stage: str, t: int, tp: int, dims: Dims, key, quick: bool):
     layout = "grouped" if stage == "prefill" else "swap_ab"
     triton_forms = ["dequant"] + ([] if quick else ["w8a8"]) if stage == "prefill" else ["w8a8"]
     outs = {}
-    for impl, form in [(run.kernel, "w8a8_mosaic")] + [(run.triton, f) for f in triton_forms]:
-        what = f"{op} T={t} {impl} {form}"
-        if run.over_budget(what):
-            continue
-        try:
-            opts = dict(layout=layout) if form == "w8a8_mosaic" else dict(form=form)
-            f = jax.jit(functools.partial(moe.routed_experts, impl=impl, **opts, **fp8))
-            sec = run.measure(f, x, experts, weights, wg, wu, wd)
-            outs[form] = np.asarray(f(x, experts, weights, wg, wu, wd))
-            row = dict(base, weights="fp8", impl=impl, form=form, device_us=sec * 1e6, tflops=flops / sec / 1e12,
-                       hbm_fraction=fp8_read / sec / HBM)
-            if form != "w8a8_mosaic" and "w8a8_mosaic" in outs:
-                row["rel_diff_mosaic"] = rel_diff(outs["w8a8_mosaic"], outs[form])
-            if form == "w8a8_mosaic":
-                up, down = fp8_experts.expert_configs(layout, t, dims.topk, dims.experts)
-                row.update(layout=layout, config=[dataclasses.asdict(up), dataclasses.asdict(down)])
-            run.emit(row)
-        except Exception as e:  # a form that fails to compile or run is reported, not fatal
-            run.fail(what, e)
-        print("elapsed", round(run.elapsed(), 1), flush=True)
-    del wg, wu, wd
-    if run.over_budget(f"{op} T={t} xla bf16"):
-        return
-    try:
+
+    def fp8_form(impl: str, form: str):
+        opts = dict(layout=layout) if form == "w8a8_mosaic" else dict(form=form)
+        f = jax.jit(functools.partial(moe.routed_experts, impl=impl, **opts, **fp8))
+        sec = run.measure(f, x, experts, weights, wg, wu, wd)
+        outs[form] = np.asarray(f(x, experts, weights, wg, wu, wd))
+        row = dict(base, weights="fp8", impl=impl, form=form, device_us=sec * 1e6, tflops=flops / sec / 1e12,
+                   hbm_fraction=fp8_read / sec / HBM)
+        if form != "w8a8_mosaic" and "w8a8_mosaic" in outs:
+            row["rel_diff_mosaic"] = rel_diff(outs["w8a8_mosaic"], outs[form])
+        if form == "w8a8_mosaic":
+            up, down = fp8_experts.expert_configs(layout, t, dims.topk, dims.experts)
+            row.update(layout=layout, config=[dataclasses.asdict(up), dataclasses.asdict(down)])
+        run.emit(row)
+
+    def bf16():
         kb = jax.random.split(ks[0], 3)
         if stage == "prefill":  # the same FLOPs as one dense GEMM chain (what cuBLAS does at this size)
             rows = t * dims.topk
@@ -238,28 +245,31 @@ def routed(run: Run, stage: str, t: int, tp: int, dims: Dims, key, quick: bool):
                 run.emit(dict(base, weights="bf16", impl=impl, form=moe.pick_mode(t, dims.topk, e) if impl == "xla"
                               else "bf16", device_us=sec * 1e6, tflops=flops / sec / 1e12,
                               hbm_fraction=used * 3 * width * d * 2 / sec / HBM))
-    except Exception as e:
-        run.fail(f"{op} T={t} xla bf16", e)
+
+    for impl, form in [(run.kernel, "w8a8_mosaic")] + [(run.triton, f) for f in triton_forms]:
+        if run.guarded(f"{op} T={t} {impl} {form}", functools.partial(fp8_form, impl, form)):
+            print("elapsed", round(run.elapsed(), 1), flush=True)
+    del wg, wu, wd  # the FP8 stacks are freed before the bf16 ones are made
+    run.guarded(f"{op} T={t} xla bf16", bf16)
 
 
 def quantize(run: Run, shapes, key):
     """`quantize_rows` (one pass) against `quantize_rows_barrier` at the given [rows, K] shapes of bf16."""
+
+    def one(x, outs: list, name: str, fn):
+        rows, k = x.shape
+        f = jax.jit(fn)
+        sec = run.measure(f, x)
+        outs.append(np.asarray(f(x)[0]).view(np.uint8))
+        run.emit(dict(op="quantize_rows", rows=rows, K=k, impl="xla", form=name, device_us=sec * 1e6,
+                      hbm_fraction=rows * k * (2 + 1 + 4 / 128) / sec / HBM,
+                      same_bits=bool(np.array_equal(outs[0], outs[-1]))), detail=True)
+
     for rows, k in shapes:
         x = jax.random.normal(key, (rows, k), jnp.bfloat16)
         outs = []
         for name, fn in (("one_pass", fp8_gemm.quantize_rows), ("barrier", fp8_gemm.quantize_rows_barrier)):
-            what = f"quantize_rows {rows}x{k} {name}"
-            if run.over_budget(what):
-                continue
-            try:
-                f = jax.jit(fn)
-                sec = run.measure(f, x)
-                outs.append(np.asarray(f(x)[0]).view(np.uint8))
-                run.emit(dict(op="quantize_rows", rows=rows, K=k, impl="xla", form=name, device_us=sec * 1e6,
-                              hbm_fraction=rows * k * (2 + 1 + 4 / 128) / sec / HBM,
-                              same_bits=bool(np.array_equal(outs[0], outs[-1]))), detail=True)
-            except Exception as e:
-                run.fail(what, e)
+            run.guarded(f"quantize_rows {rows}x{k} {name}", functools.partial(one, x, outs, name, fn))
         del x
 
 
@@ -277,27 +287,25 @@ def gemms(run: Run, stage: str, t: int, tp: int, dims: Dims, key):
                for s in (4, 6)]
         downs = [Fp8GemmConfig(tile_m=tm, tile_n=128, stages=6, swap_ab=True) for tm in (8, 16)]
     pairs = t * dims.topk
+
+    def one(which: str, cfg: Fp8GemmConfig, w, s, k: int, n: int):
+        dest, tg = fp8_experts.pair_layout(experts, dims.experts, cfg.tile_m)
+        m = tg.shape[0] * cfg.tile_m
+        a_q, s_a = fp8_gemm.quantize_rows(jax.random.normal(key, (m, k), jnp.bfloat16))
+        f = jax.jit(functools.partial(fp8_gemm.grouped_matmul, impl=run.kernel, config=cfg))
+        sec = run.measure(f, a_q, s_a, w, s, tg)
+        flops = 2.0 * pairs * k * n * (2 if cfg.swiglu else 1)
+        read = used * n * k * (2 if cfg.swiglu else 1) * (1 + 4 / 128 / 128) + pairs * k
+        run.emit(dict(op="fp8_grouped_gemm", stage=stage, which=which, rows=t, tp=tp, impl=run.kernel,
+                      config=dataclasses.asdict(cfg), N=n, K=k, device_us=sec * 1e6,
+                      tflops=flops / sec / 1e12, hbm_fraction=read / sec / HBM), detail=True)
+
     for which, configs, w, s, k, n in (("gate_up", ups, (wg, wu), (fp8["wg_scale"], fp8["wu_scale"]), dims.hidden,
                                         width),
                                        ("down", downs, wd, fp8["wd_scale"], width, dims.hidden)):
         for cfg in configs:
-            what = f"grouped gemm {stage} {which} {cfg}"
-            if run.over_budget(what):
-                return
-            try:
-                dest, tg = fp8_experts.pair_layout(experts, dims.experts, cfg.tile_m)
-                m = tg.shape[0] * cfg.tile_m
-                a_q, s_a = fp8_gemm.quantize_rows(jax.random.normal(key, (m, k), jnp.bfloat16))
-                f = jax.jit(functools.partial(fp8_gemm.grouped_matmul, impl=run.kernel, config=cfg))
-                sec = run.measure(f, a_q, s_a, w, s, tg)
-                flops = 2.0 * pairs * k * n * (2 if cfg.swiglu else 1)
-                read = used * n * k * (2 if cfg.swiglu else 1) * (1 + 4 / 128 / 128) + pairs * k
-                run.emit(dict(op="fp8_grouped_gemm", stage=stage, which=which, rows=t, tp=tp, impl=run.kernel,
-                              config=dataclasses.asdict(cfg), N=n, K=k, device_us=sec * 1e6,
-                              tflops=flops / sec / 1e12, hbm_fraction=read / sec / HBM), detail=True)
-                del a_q, s_a
-            except Exception as e:
-                run.fail(what, e)
+            if not run.guarded(f"grouped gemm {stage} {which} {cfg}", functools.partial(one, which, cfg, w, s, k, n)):
+                return  # the budget is spent: the stage's remaining configs are not listed one by one
 
 
 def fp8_weight(key, k: int, n: int):
@@ -336,46 +344,46 @@ def linear(run: Run, stage: str, t: int, dims: Dims, key, quick: bool):
     """The dense FP8 linears at the TP shard (`Dims.linears`) at T rows: the Mosaic W8A8 GEMM against the model's
     current form and XLA bf16 (module docstring)."""
     for name, (k, n) in dims.linears().items():
-        ks = jax.random.split(jax.random.fold_in(key, k * 7 + n), 3)
-        w, s = fp8_weight(ks[0], k, n)
-        x = jax.random.normal(ks[1], (t, k), jnp.bfloat16)
-        flops = 2.0 * t * k * n
-        act = t * (k + n) * 2  # bf16 rows in and out
-        base = dict(op="fp8_linear", linear=name, rows=t, tp=dims.decode_tp, N=n, K=k, stage=stage)
-        outs = {}
-        for form, impl, w_layout, fn in linear_forms(run, stage, quick):
-            what = f"fp8_linear {name} T={t} {impl} {form} {w_layout}"
-            if run.over_budget(what):
-                continue
-            try:
-                args = (x, w.T, s.T) if w_layout == "nk" else (x, w, s)
-                f = jax.jit(fn)
-                sec = run.measure(f, *args)
-                out = np.asarray(f(*args).astype(jnp.float32))
-                row = dict(base, weights="fp8", impl=impl, form=form, w_layout=w_layout, device_us=sec * 1e6,
-                           tflops=flops / sec / 1e12, hbm_fraction=(n * k * (1 + 4 / 128 / 128) + act) / sec / HBM)
-                if form == "w8a8_mosaic":
-                    layout = fp8_linear.mosaic_layout(t)
-                    cfg = fp8_linear_mosaic.linear_config(layout, t)
-                    row.update(layout=layout, config=dataclasses.asdict(cfg))
-                    outs.setdefault("w8a8_mosaic", out)
-                if "w8a8_mosaic" in outs:
-                    row["rel_diff_mosaic"] = rel_diff(out, outs["w8a8_mosaic"])
-                run.emit(row)
-                del args
-            except Exception as e:  # reported, not fatal
-                run.fail(what, e)
-        what = f"fp8_linear {name} T={t} xla bf16"
-        if run.over_budget(what):
-            continue
-        try:
-            wb = jax.random.normal(ks[2], (k, n), jnp.bfloat16) * 0.01
-            f = jax.jit(lambda a, b: jnp.dot(a, b))
-            sec = run.measure(f, x, wb)
-            run.emit(dict(base, weights="bf16", impl="xla", form="bf16", w_layout="kn", device_us=sec * 1e6,
-                          tflops=flops / sec / 1e12, hbm_fraction=(2 * n * k + act) / sec / HBM))
-        except Exception as e:
-            run.fail(what, e)
+        one_linear(run, stage, t, dims, name, k, n, jax.random.fold_in(key, k * 7 + n), quick)
+
+
+def one_linear(run: Run, stage: str, t: int, dims: Dims, name: str, k: int, n: int, key, quick: bool):
+    """`linear` for one of the linears ([K, N] weight, named `name` in the rows), its inputs drawn from `key`."""
+    ks = jax.random.split(key, 3)
+    w, s = fp8_weight(ks[0], k, n)
+    x = jax.random.normal(ks[1], (t, k), jnp.bfloat16)
+    flops = 2.0 * t * k * n
+    act = t * (k + n) * 2  # bf16 rows in and out
+    base = dict(op="fp8_linear", linear=name, rows=t, tp=dims.decode_tp, N=n, K=k, stage=stage)
+    outs = {}
+
+    def fp8_form(form: str, impl: str, w_layout: str, fn):
+        args = (x, w.T, s.T) if w_layout == "nk" else (x, w, s)
+        f = jax.jit(fn)
+        sec = run.measure(f, *args)
+        out = np.asarray(f(*args).astype(jnp.float32))
+        row = dict(base, weights="fp8", impl=impl, form=form, w_layout=w_layout, device_us=sec * 1e6,
+                   tflops=flops / sec / 1e12, hbm_fraction=(n * k * (1 + 4 / 128 / 128) + act) / sec / HBM)
+        if form == "w8a8_mosaic":
+            layout = fp8_linear.mosaic_layout(t)
+            cfg = fp8_linear_mosaic.linear_config(layout, t)
+            row.update(layout=layout, config=dataclasses.asdict(cfg))
+            outs.setdefault("w8a8_mosaic", out)
+        if "w8a8_mosaic" in outs:
+            row["rel_diff_mosaic"] = rel_diff(out, outs["w8a8_mosaic"])
+        run.emit(row)
+
+    def bf16():
+        wb = jax.random.normal(ks[2], (k, n), jnp.bfloat16) * 0.01
+        f = jax.jit(lambda a, b: jnp.dot(a, b))
+        sec = run.measure(f, x, wb)
+        run.emit(dict(base, weights="bf16", impl="xla", form="bf16", w_layout="kn", device_us=sec * 1e6,
+                      tflops=flops / sec / 1e12, hbm_fraction=(2 * n * k + act) / sec / HBM))
+
+    for form, impl, w_layout, fn in linear_forms(run, stage, quick):
+        run.guarded(f"fp8_linear {name} T={t} {impl} {form} {w_layout}", functools.partial(fp8_form, form, impl,
+                                                                                            w_layout, fn))
+    if run.guarded(f"fp8_linear {name} T={t} xla bf16", bf16):
         print("elapsed", round(run.elapsed(), 1), flush=True)
 
 
@@ -403,36 +411,32 @@ def dense_mlp(run: Run, stage: str, t: int, dims: Dims, key):
         return one(jax.nn.silu(one(x, wg, sg)) * one(x, wu, su), wd, sd)
 
     outs = {}
-    for form, impl, fn in (("w8a8_mosaic", run.kernel, mosaic),
-                           ("dequant", "xla", current) if stage == "prefill" else ("fp8_linear", run.triton, current)):
-        what = f"dense_mlp T={t} {impl} {form}"
-        if run.over_budget(what):
-            return
-        try:
-            f = jax.jit(fn)
-            args = (x, wg, wu, wd, sg, su, sd)
-            sec = run.measure(f, *args)
-            out = np.asarray(f(*args).astype(jnp.float32))
-            outs.setdefault(form, out)
-            row = dict(base, weights="fp8", impl=impl, form=form, device_us=sec * 1e6, tflops=flops / sec / 1e12,
-                       hbm_fraction=3 * d * i * (1 + 4 / 128 / 128) / sec / HBM)
-            if form != "w8a8_mosaic" and "w8a8_mosaic" in outs:
-                row["rel_diff_mosaic"] = rel_diff(out, outs["w8a8_mosaic"])
-            run.emit(row)
-        except Exception as e:
-            run.fail(what, e)
-    what = f"dense_mlp T={t} xla bf16"
-    if run.over_budget(what):
-        return
-    try:
+
+    def fp8_form(form: str, impl: str, fn):
+        f = jax.jit(fn)
+        args = (x, wg, wu, wd, sg, su, sd)
+        sec = run.measure(f, *args)
+        out = np.asarray(f(*args).astype(jnp.float32))
+        outs.setdefault(form, out)
+        row = dict(base, weights="fp8", impl=impl, form=form, device_us=sec * 1e6, tflops=flops / sec / 1e12,
+                   hbm_fraction=3 * d * i * (1 + 4 / 128 / 128) / sec / HBM)
+        if form != "w8a8_mosaic" and "w8a8_mosaic" in outs:
+            row["rel_diff_mosaic"] = rel_diff(out, outs["w8a8_mosaic"])
+        run.emit(row)
+
+    def bf16():
         bg, bu, bd = (jax.random.normal(jax.random.fold_in(ks[4], j), shape, jnp.bfloat16) * 0.01
                       for j, shape in enumerate(((d, i), (d, i), (i, d))))
         f = jax.jit(lambda a, g, u, dn: (jax.nn.silu(a @ g) * (a @ u)) @ dn)
         sec = run.measure(f, x, bg, bu, bd)
         run.emit(dict(base, weights="bf16", impl="xla", form="bf16", device_us=sec * 1e6, tflops=flops / sec / 1e12,
                       hbm_fraction=3 * d * i * 2 / sec / HBM))
-    except Exception as e:
-        run.fail(what, e)
+
+    for form, impl, fn in (("w8a8_mosaic", run.kernel, mosaic),
+                           ("dequant", "xla", current) if stage == "prefill" else ("fp8_linear", run.triton, current)):
+        if not run.guarded(f"dense_mlp T={t} {impl} {form}", functools.partial(fp8_form, form, impl, fn)):
+            return  # the budget is spent: what is left of the MLP is not listed one by one
+    run.guarded(f"dense_mlp T={t} xla bf16", bf16)
 
 
 def main(argv: list[str] | None = None):
