@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import fp8_formats
+from kernels.moe.tiles import routed_pairs
 from sharding import DCP, TP, TP_AXES, dcp
 
 
@@ -79,7 +80,7 @@ class Tracer:
         sentinel (an id outside [0, n_exp): no expert) is recorded as -1, "none", as `attn.topk` records an unfilled
         entry, so the trace diff's set comparison skips it (two padding rows compare as equal empty sets)."""
         if self.active:
-            experts = jnp.where((experts >= 0) & (experts < n_exp), experts, -1)
+            experts = jnp.where(routed_pairs(experts, n_exp), experts, -1)
             order = jnp.argsort(experts, axis=1)
             self.record("moe.experts", jnp.take_along_axis(experts, order, axis=1))
             self.record("moe.weights", jnp.take_along_axis(weights, order, axis=1))

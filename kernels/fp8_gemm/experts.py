@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from ..moe.tiles import sort_pairs
 from .config import BLOCK, Fp8GemmConfig
 from .reference import FP8, group_layout, quantize_rows
 
@@ -49,18 +50,14 @@ def pair_layout(experts, n_experts: int, tile_m: int):
     tile-aligned grouped layout, and each tile's group. n_tiles = ceil(T k / tile_m) + n_experts - 1 (static).
     A pair whose expert id is outside [0, n_experts) (a padding row's sentinel) is in no group: its dest is
     n_tiles * tile_m, one past the last row (scatter it with mode "drop", select its result away)."""
-    flat = experts.reshape(-1).astype(jnp.int32)
-    pairs = flat.shape[0]
+    pairs = experts.size
     n_tiles = -(-pairs // tile_m) + n_experts - 1
-    routed = (flat >= 0) & (flat < n_experts)
-    key = jnp.where(routed, flat, n_experts)  # unrouted pairs (negative ids too) sort after every group
-    sizes = jnp.bincount(key, length=n_experts + 1)[:n_experts].astype(jnp.int32)
+    key, order, sizes = sort_pairs(experts.astype(jnp.int32), n_experts)  # unrouted pairs last, in no group
     starts, tile_group = group_layout(sizes, tile_m, n_tiles)
-    order = jnp.argsort(key, stable=True)
     group = jnp.minimum(key[order], n_experts - 1)  # clamped for the gathers; unrouted pairs replaced below
     first = jnp.cumsum(sizes) - sizes  # each group's first position in sorted order
     rank = jnp.arange(pairs, dtype=jnp.int32) - first[group]
-    row = jnp.where(routed[order], starts[group] + rank, n_tiles * tile_m)
+    row = jnp.where(key[order] < n_experts, starts[group] + rank, n_tiles * tile_m)
     dest = jnp.zeros((pairs,), jnp.int32).at[order].set(row)
     return dest, tile_group
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from .. import registry
 from ..common.fp8_formats import dequantize_weight_blocks
-from .tiles import routed_pairs, tile_plan, tile_rows
+from .tiles import routed_pairs, sort_pairs, tile_plan, tile_rows
 
 MODES = ("gather", "dense", "tiles", "ragged")
 
@@ -96,11 +96,9 @@ def experts_xla(x, experts, weights, wg, wu, wd, *, mode: str | None = None, wg_
     if mode == "ragged":
         # unrouted pairs sort last (key n_exp) into no group; their rows of xs are zeroed (x may be NaN there) and
         # their results dropped, whatever ragged_dot leaves in rows past the groups
-        key = jnp.where(routed, experts, n_exp).reshape(-1)
-        order = jnp.argsort(key, stable=True)
+        key, order, sizes = sort_pairs(experts, n_exp)
         token = order // k
-        sizes = jnp.bincount(key, length=n_exp + 1)[:n_exp].astype(jnp.int32)
-        kept = routed.reshape(-1)[order][:, None]
+        kept = (key[order] < n_exp)[:, None]
         xs = jnp.where(kept, x[token], jnp.zeros((), x.dtype))
         g = jax.lax.ragged_dot(xs, wg, sizes)
         u = jax.lax.ragged_dot(xs, wu, sizes)

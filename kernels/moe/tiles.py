@@ -19,6 +19,18 @@ def routed_pairs(experts, n_exp: int):
     return (experts >= 0) & (experts < n_exp)
 
 
+def sort_pairs(experts, n_exp: int):
+    """(key, order, sizes) of the (token, expert) pairs of `experts` [T, k] flattened row-major: key int [T k], each
+    pair's expert, or n_exp for an unrouted one (`routed_pairs`: negative ids too); order, the pairs sorted by key
+    (stable), so every expert's run comes in pair order and the unrouted pairs after all of them; sizes int32
+    [n_exp], each expert's pair count (the unrouted pairs counted in none). The routed pairs' places in `order` are
+    those of the same pairs without the unrouted ones."""
+    flat = experts.reshape(-1)
+    key = jnp.where(routed_pairs(flat, n_exp), flat, n_exp)
+    order = jnp.argsort(key, stable=True)
+    return key, order, jnp.bincount(key, length=n_exp + 1)[:n_exp].astype(jnp.int32)
+
+
 def tile_plan(experts, n_exp: int, tile: int):
     """Layout of the (token, expert) pairs sorted by expert, each expert's run padded to whole tiles.
 
@@ -30,14 +42,8 @@ def tile_plan(experts, n_exp: int, tile: int):
     with unrouted pairs the tiles past the last used one are empty)."""
     t, k = experts.shape
     p = t * k
-    flat = experts.reshape(-1)
-    routed = routed_pairs(flat, n_exp)
-    # unrouted pairs sort after every expert's run (key n_exp, negative ids too), so the routed pairs' places are
-    # those of a plan without them
-    key = jnp.where(routed, flat, n_exp)
-    order = jnp.argsort(key, stable=True)
+    key, order, sizes = sort_pairs(experts, n_exp)  # unrouted pairs last, in no expert's run
     group = key[order]
-    sizes = jnp.bincount(key, length=n_exp + 1)[:n_exp]  # the unrouted pairs' count (key n_exp) dropped
     padded = (sizes + tile - 1) // tile * tile
     start = jnp.cumsum(padded) - padded
     n_tiles = -(-p // tile) + min(n_exp, p)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from ..common.fp8_formats import FP8, WEIGHT_BLOCK
+from .tiles import sort_pairs
 
 RS = -5  # the largest column scale becomes 2**-5 at most: |w16| <= 14, |a16| <= 1 keeps the float16 sums in range
 
@@ -134,12 +135,9 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, wg_scale, wu_scale, wd_sc
     dot = dot or tokamax_dot(config)
     t, k = experts.shape
     n_exp = wg.shape[0]
-    routed = ((experts >= 0) & (experts < n_exp)).reshape(-1)
-    key = jnp.where(routed, experts.reshape(-1), n_exp)  # unrouted pairs (padding rows) sort after every expert
-    order = jnp.argsort(key, stable=True)
+    key, order, sizes = sort_pairs(experts, n_exp)  # unrouted pairs (padding rows) after every expert
     token = order // k
-    kept = routed[order][:, None]
-    sizes = jnp.bincount(key, length=n_exp + 1)[:n_exp].astype(jnp.int32)
+    kept = (key[order] < n_exp)[:, None]
     # the kernel's row tiles are TMA copies of whole 8-row groups: pad the pairs to a multiple of 8 with zero
     # rows in the last expert's group (they compute zeros, dropped below). The unrouted pairs (an expert id
     # outside [0, n_exp): padding rows) go there too, as zero rows with their results dropped, not into no group:
