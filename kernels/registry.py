@@ -117,11 +117,10 @@ INVARIANT_CONFIG_ROWS = 64
 #: (8 to 256) changed a row's numbers after a few steps even with every rule's choice fixed and XLA's products at
 #: one shape (BENCHMARKS.md, batch-invariant mode's cost). A fixed step shape makes every op's shapes the same
 #: whatever the batch, so what is left to fix is each op's choices by the row count (the rules here) and by row
-#: position. The serving
-#: steps have two fixed shapes, one per kind of token (glm_dsa.serving.scheduler): decode steps (decode rows, and
-#: the generated tokens of a preempted request when it is recomputed) of these rows, and prompt steps (prompt
-#: tokens only) of `INVARIANT_PROMPT_ROWS`. A token is always computed in the shape of its kind, so the two shapes
-#: need not round alike. 256: a decode batch of up to 256 requests is one step.
+#: position. The serving steps have two fixed shapes, one per kind of token (glm_dsa.serving.scheduler): decode
+#: steps (decode rows, and the generated tokens of a preempted request when it is recomputed) of these rows, and
+#: prompt steps (prompt tokens only) of `INVARIANT_PROMPT_ROWS`. A token is always computed in the shape of its
+#: kind, so the two shapes need not round alike. 256: a decode batch of up to 256 requests is one step.
 INVARIANT_STEP_ROWS = 256
 
 #: The rows of a prompt step in batch-invariant mode (see `INVARIANT_STEP_ROWS`): prefill chunks pad to it, so a

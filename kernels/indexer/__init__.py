@@ -31,9 +31,14 @@ def select_width_supported(s: int) -> str | None:
     return None if s <= SELECT_MAX_S else f"top-k rows of {s} scores exceed SELECT_MAX_S {SELECT_MAX_S}"
 
 
+def _topk_width(scores, width: int | None) -> int:
+    """The scores per row a top-k selects from: the first `width` columns of `scores` (all of them for None)."""
+    return scores.shape[-1] if width is None else min(width, scores.shape[-1])
+
+
 def select_supports(scores, kv_lens, topk: int, width: int | None = None, **_) -> str | None:
     """The select kernel's `supports` check: rows of at most SELECT_MAX_S scores (the first `width` columns)."""
-    return select_width_supported(scores.shape[-1] if width is None else min(width, scores.shape[-1]))
+    return select_width_supported(_topk_width(scores, width))
 
 
 def indexer_topk(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int, topk: int,
@@ -83,7 +88,7 @@ def _choose_topk(platform: str, scores, kv_lens, topk: int, width: int | None = 
     del kv_lens
     if platform != "gpu":
         return "xla"
-    s = scores.shape[-1] if width is None else min(width, scores.shape[-1])
+    s = _topk_width(scores, width)
     if select_width_supported(s):
         return "xla"
     two_pass = (config or TopkConfig()).two_pass(s, topk)
@@ -134,9 +139,8 @@ def _choose_topk_invariant(platform: str, scores, kv_lens, topk: int, width: int
     arithmetic, one program per row in the select kernel (its two passes split a row into chunks fixed by the
     width and k), and give the same positions and scores (ties by lower position), in position order where the
     caller takes a set (`ordered=False`): a function of the row's own scores whatever the other rows."""
-    del kv_lens, topk, config
-    s = scores.shape[-1] if width is None else min(width, scores.shape[-1])
-    return "triton" if platform == "gpu" and not select_width_supported(s) else "xla"
+    del config
+    return "triton" if platform == "gpu" and not select_supports(scores, kv_lens, topk, width) else "xla"
 
 
 def _scores_form_invariant(platform: str, t: int, requests: int, float32_cache: bool) -> str:
