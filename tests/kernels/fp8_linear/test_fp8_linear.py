@@ -58,6 +58,7 @@ CASES = [  # t, n, k, n_offset, k_offset
     (5, 200, 300, 0, 0),       # ragged edge blocks on both axes
     (16, 256, 256, 0, 0),      # whole blocks: the unmasked block loads
     (3, 100, 150, 70, 90),     # a TP shard starting mid-block on both axes
+    (200, 256, 1024, 0, 0),    # the decode-step tiles (64 < t <= 256): ragged 128-row blocks, K split 8 ways
 ]
 
 
@@ -223,7 +224,7 @@ def _random_fp8(key, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(2048, 2048), (6144, 2048)])  # q_b and o_proj at TP = 8
-@pytest.mark.parametrize("t", [1, 32, 8192])
+@pytest.mark.parametrize("t", [1, 32, 256, 8192])  # 256: a batch-invariant decode step's rows
 @pytest.mark.parametrize("form", fp8_linear.FORMS)
 @pytest.mark.parametrize("w_layout", ["nk", "kn"])
 def test_gpu_glm52_shapes(kernel_impl, form, t, n, k, w_layout):
