@@ -24,7 +24,9 @@ prompt-step rows) is a prompt step, fewer a decode step.
 - Decode steps take `invariant`: one fixed, per-row schedule tuned for decode-sized steps (a form without
   reductions across rows, a fixed split count), or `ROW_FREE` where the rule's choice never depends on the rows or
   the batch. The rule "launch_rows" fixes the row count the kernels' default launch configs (tiles, split counts)
-  are chosen for (`config_rows`: `INVARIANT_CONFIG_ROWS`).
+  are chosen for (`config_rows`: `INVARIANT_CONFIG_ROWS`), except the FP8 linear kernel's, which are for its own
+  rows (the step's fixed `INVARIANT_STEP_ROWS`: a GEMM's cost is how often its tiles read the weight, the same for
+  a padding row as for a real one; `kernels.fp8_linear.config.default_config`).
 - Prompt steps take `invariant_prompt`: `DEFAULT` (the default mode's choice at the same static shapes: the
   prefill forms, for rules whose default choice is batch-independent at a fixed shape; each such rule says why),
   a function of its own, or None (the decode steps' choice, for a rule whose default is not batch-independent
@@ -106,7 +108,9 @@ ROW_FREE = "row_free"
 DEFAULT = "default"
 
 #: The row count the kernels' launch configs are chosen for in the decode steps of batch-invariant mode (see
-#: `config_rows`): a decode-sized count, so the fixed tiles suit decode batches. Prompt steps take the default
+#: `config_rows`): a decode-sized count, so the fixed tiles and split counts suit the few real rows of a decode
+#: batch (sparse MLA's splits a row, the indexer's keys a program). Not the FP8 linear kernel's: it chooses for the
+#: step's 256 rows, which 64-row tiles would cover by reading each weight tile four times. Prompt steps take the default
 #: mode's configs for their ops' rows instead (rule "launch_rows": `DEFAULT` there), as invariant, since each
 #: token is computed in one shape (checked on the GPU at both shapes by tests/serving/test_gpu_batch_invariance.py).
 INVARIANT_CONFIG_ROWS = 64

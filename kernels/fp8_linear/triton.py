@@ -2,8 +2,8 @@
 e4m3 bytes of w_q [N, K] (1 byte per weight from HBM), or y = x @ (w_q * s) for a [K, N] weight (`w_layout` "kn":
 the model's own layout; the same program with the tile and scale indices swapped).
 
-Grid (row block m, column block n, K split c), c fastest then n: the programs in flight share x's row block (a
-prefill chunk's rows are read from HBM about once, the weight from L2). A program walks its K range in steps of
+Grid (row block m, column block n, K split c), m fastest (Pallas Triton launches grid axis 0 as CUDA's x): the
+programs in flight share a weight tile, which HBM then serves about once for all row blocks. A program walks its K range in steps of
 `bk` columns (bk divides 128, and the steps start on the weight's block boundaries, so one step lies in one scale
 block even for a shard starting mid-block): loads the x tile and the e4m3 weight tile [bn, bk], and
   w8a16: acc += dot(x, w_q.astype(x.dtype)^T) * s_w[:, kb]          (float32 accumulation)
@@ -24,7 +24,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .. import registry
 from ..common.fp8_formats import FP8, WEIGHT_BLOCK, block_count, load_e4m3, quantize_activation_blocks
 from ..common.triton_common import MASKED_ROW, col_range, dot, with_options
 from .config import Fp8LinearConfig, cdiv, default_config  # noqa: F401 (default_config: read from here)
@@ -120,7 +119,12 @@ def fp8_matmul(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0, 
     kn = w_layout == "kn"
     n = w_q.shape[1] if kn else w_q.shape[0]
     k_blocks = w_scale.shape[0] if kn else w_scale.shape[1]
-    cfg = config or default_config(registry.config_rows(t), n, k, form, jnp.dtype(x.dtype).itemsize)
+    # the config of the op's own rows, not `registry.config_rows` (batch-invariant decode steps' fixed 64): a GEMM
+    # does the same work for a padding row as for a real one, and what it costs is how often the tiles read the
+    # weight and the rows (`default_config`: 12 W from L2 with 64-row tiles at 256 rows, 6 W with the step tiles).
+    # At one static T the config is one, so a row's K order (steps, splits summed in split order) is the same
+    # wherever it sits and whatever the other rows hold.
+    cfg = config or default_config(t, n, k, form, jnp.dtype(x.dtype).itemsize)
     cfg = with_options(cfg, overrides, "fp8_linear")
     bm, bn, bk, ks = cfg.bm, cfg.bn, cfg.bk, cfg.k_split
     static = isinstance(n_offset, int) and isinstance(k_offset, int)

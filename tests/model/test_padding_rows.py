@@ -81,3 +81,26 @@ def test_trace_records_no_expert_for_padding_rows(params):
     name = f"layers.{layers[0]}.moe.experts"
     rows, first = diff_traces({name: taps[name]}, {name: taps[name]})
     assert first is None and rows[0].jaccard == 1.0
+
+
+@pytest.mark.parametrize("options", [StepOptions(), StepOptions(batch_invariant=True)],
+                         ids=["default", "batch_invariant"])
+def test_padding_rows_attend_to_no_cache_row(params, monkeypatch, options):
+    """A padding row reaches sparse MLA with no valid slot (every index -1: the indexer sees no visible key, as its
+    length is position + 1 = 0), so a kernel may skip its work; the real rows select real slots."""
+    from kernels import sparse_mla
+    seen = []
+    attend = sparse_mla.sparse_mla
+
+    def spy(q, cache, indices, **kw):
+        jax.debug.callback(lambda i: seen.append(np.asarray(i)), indices)
+        return attend(q, cache, indices, **kw)
+
+    monkeypatch.setattr(sparse_mla, "sparse_mla", spy)
+    caches, batch, par = _batch(params, mark=True)
+    jax.block_until_ready(jax.jit(lambda p, c, b: glm_dsa.step(p, c, b, config=CFG, parallel=par, options=options))(
+        params, caches, batch))
+    assert len(seen) == CFG.num_hidden_layers
+    for idx in seen:
+        assert np.all(idx[REAL:] == -1)
+        assert np.all((idx[:REAL] >= 0).sum(axis=1) == np.minimum(np.arange(1, REAL + 1), idx.shape[1]))

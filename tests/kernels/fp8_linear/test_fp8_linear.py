@@ -58,6 +58,7 @@ CASES = [  # t, n, k, n_offset, k_offset
     (5, 200, 300, 0, 0),       # ragged edge blocks on both axes
     (16, 256, 256, 0, 0),      # whole blocks: the unmasked block loads
     (3, 100, 150, 70, 90),     # a TP shard starting mid-block on both axes
+    (200, 256, 1024, 0, 0),    # the decode-step tiles (64 < t <= 256): ragged 128-row blocks, K split 8 ways
 ]
 
 
@@ -184,6 +185,32 @@ def test_lowers_at_glm52_shapes():
                 assert [(c.name, c.grid) for c in calls] == [(name, (-(-t // cfg.bm), n // cfg.bn, cfg.k_split))]
 
 
+def _l2_reads(calls, t: int, k: int, n: int, itemsize: int = 2) -> float:
+    """Bytes the launch's programs read (weight tiles and x tiles, from L2 or HBM) over the weight's K x N bytes,
+    counted from its grid (row blocks, column blocks, K splits) alone: each row block reads the whole weight, each
+    column block all T rows of x."""
+    [(name, (row_blocks, col_blocks, _))] = [(c.name, c.grid) for c in calls]
+    return (row_blocks * k * n + col_blocks * t * k * itemsize) / (k * n)
+
+
+@pytest.mark.parametrize("n,k", [(2048, 6144), (576, 6144), (16384, 2048), (6144, 16384)])  # q_a, kv_a, q_b, o_proj
+def test_invariant_decode_step_reads_the_weight_through_wide_row_tiles(n, k):
+    """A batch-invariant decode step (`registry.INVARIANT_STEP_ROWS` rows, mostly padding at small batches) runs the
+    FP8 linears at 256 rows; its launch covers them in at most two row blocks of 128-column tiles, so the tiles read
+    at most 6x the weight's bytes (64-row tiles, the decode-sized configs' shape: 12x), and no split is finer than
+    one program per SM (the float32 partials are 8 k_split T N bytes)."""
+    from kernels import registry
+    t = registry.INVARIANT_STEP_ROWS
+    s = jax.ShapeDtypeStruct
+    args = (s((t, k), jnp.bfloat16), s((k, n), jnp.float8_e4m3fn), s((k // 128, -(-n // 128)), jnp.float32))
+    with registry.deciding_for("gpu"), registry.batch_invariant(rows=t):
+        calls = triton_calls(lower_for_gpu(functools.partial(fp8_linear_triton.fp8_matmul, w_layout="kn"), *args))
+    ragged = -(-n // 128) * 128 / n  # kv_a's 576 outputs take 5 column blocks of 128
+    assert _l2_reads(calls, t, k, n) <= 6.0 * ragged + 1e-9, [(c.name, c.grid) for c in calls]
+    row_blocks, col_blocks, splits = calls[0].grid
+    assert row_blocks <= 2 and (splits == 1 or row_blocks * col_blocks * splits // 2 < 132)
+
+
 # ------------------------------------------------------------------------------ GPU (native Triton)
 
 def _random_fp8(key, shape):
@@ -197,7 +224,7 @@ def _random_fp8(key, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(2048, 2048), (6144, 2048)])  # q_b and o_proj at TP = 8
-@pytest.mark.parametrize("t", [1, 32, 8192])
+@pytest.mark.parametrize("t", [1, 32, 256, 8192])  # 256: a batch-invariant decode step's rows
 @pytest.mark.parametrize("form", fp8_linear.FORMS)
 @pytest.mark.parametrize("w_layout", ["nk", "kn"])
 def test_gpu_glm52_shapes(kernel_impl, form, t, n, k, w_layout):
