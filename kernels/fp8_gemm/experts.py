@@ -1,12 +1,24 @@
 """Routed SwiGLU experts through the W8A8 grouped GEMM (SPEC §11): the MoE impls "mosaic" / "mosaic_interpret" and
 the FP8 form "w8a8_mosaic" of `kernels.moe` (which registers them; this module knows nothing of the registry).
 
-y[t] = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, j], with x quantised per row per 128
-channels once (before the gather, so T rows are quantised, not T x k), the (token, expert) pairs placed in
-tile-aligned groups (`reference.group_layout`), gate and up by one GEMM with the SwiGLU epilogue (the config's
-swiglu: gate and up read as stored, two operands), h stored in x's dtype and quantised per row per 128 channels,
-the down GEMM (stored in x's dtype) and the weighted combine in float32 in XLA. A pair whose expert id is outside
-[0, E) (a padding row's sentinel) is placed in no group (`pair_layout`), so neither GEMM computes it; it adds 0.
+y[t] = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, j]. A pair whose expert id is outside
+[0, E) (a padding row's sentinel) is placed in no group (`pair_rows`), so neither GEMM computes it; it adds 0.
+
+Steps, and why each is as it is (bytes at 8192 rows of GLM-5.2, TP = 1: P = 65536 pairs, R = 98176 grouped rows of
+767 tiles, the static bound ceil(P / 128) + E - 1; about 640 tiles are used):
+  `pair_rows`: one stable sort of the P pair ids (unrouted last), the tile layout (`reference.group_layout`: a
+    broadcast compare, no search loop), dest [P] by one scatter of int32, src [R] (the pair at each row) by gathers;
+    a few MB.
+  x quantised per row per 128 channels at its T rows, before any gather (T rows, not T k): 0.1 GB bf16 read.
+  `group_rows`: one gather each of the e4m3 rows (R x 6144 bytes written, 0.6 GB) and their scales into the grouped
+    layout; a row holding no pair gets zeros with scale 1, the values the layout has always had there. It was a
+    zero-filled buffer scattered into: 2.2 GB moved in two passes, the scatter 1 byte an element.
+  gate and up by one GEMM with the SwiGLU epilogue (the config's swiglu: gate and up read as stored); h [R, I] in x's
+    dtype, quantised per row per 128 channels (R rows: the static layout's; 0.4 GB bf16 read); the down GEMM, y
+    [R, D] in x's dtype.
+  `combine`: per token the k pair rows of y gathered, weighted and added in j order in float32, one fused pass
+    (0.8 GB read, 0.2 GB written); it was a reduce over a [P, D] float32 product, which a compiler may materialise
+    (the CPU's did: 1.6 GB) and whose order is the backend's.
 
 Layouts (`layout`): "grouped" (prefill: 128-row tiles of one expert, the rows on wgmma's M side) and "swap_ab"
 (decode: 8-64-row tiles, the weights on wgmma's M side); `kernels.moe` picks one per shape (its rule
