@@ -79,13 +79,17 @@ def group_layout(group_sizes, tile_m: int, n_tiles: int):
     """Tile-aligned placement of G groups of rows: (starts int32 [G], tile_group int32 [n_tiles]). Group g's rows
     go to rows starts[g] .. starts[g] + group_sizes[g] - 1 of a buffer of n_tiles * tile_m rows, each group
     starting on a tile boundary; tile_group[t] is the group of tile t, -1 past the last used tile. `n_tiles` is a
-    static bound: ceil(M / tile_m) + G - 1 always suffices for M rows in all. Traceable."""
+    static bound: ceil(M / tile_m) + G - 1 always suffices for M rows in all. Traceable.
+
+    The tiles' owners are one broadcast compare of [n_tiles, G] int32 (`method="compare_all"`: 0.8 MB at 767 tiles of
+    256 experts), not jnp's default binary search, a while loop of log2(G) steps (on a GPU ~9 launches of a few
+    microseconds each, the same count at decode, where they are most of this layout's time); the same integers."""
     sizes = jnp.asarray(group_sizes, jnp.int32)
     tiles = (sizes + tile_m - 1) // tile_m
     first_tile = jnp.cumsum(tiles) - tiles
     t = jnp.arange(n_tiles, dtype=jnp.int32)
     # the group of tile t: the number of groups whose first tile is <= t, minus one, among non-empty groups
-    owner = jnp.searchsorted(jnp.cumsum(tiles), t, side="right").astype(jnp.int32)
+    owner = jnp.searchsorted(jnp.cumsum(tiles), t, side="right", method="compare_all").astype(jnp.int32)
     tile_group = jnp.where(t < jnp.sum(tiles), owner, -1).astype(jnp.int32)
     return (first_tile * tile_m).astype(jnp.int32), tile_group
 

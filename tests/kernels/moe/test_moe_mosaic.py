@@ -235,3 +235,82 @@ def test_padding_rows_reach_no_group(name):
     kept = dest[real].ravel()  # every real pair on its own row, in a tile of its expert
     assert len(set(kept.tolist())) == kept.size and np.all(kept < rows)
     np.testing.assert_array_equal(np.asarray(tile_group)[kept // 8], np.asarray(experts)[real].ravel())
+
+
+@pytest.mark.parametrize("t,k,n_exp,tm", [(40, 4, 8, 16), (5, 2, 64, 8), (1, 1, 4, 8)])
+def test_pair_rows_map_pairs_and_rows_both_ways(t, k, n_exp, tm):
+    """`pair_rows`: every routed pair on its own row, in a tile of its expert, each expert's pairs from its tile-aligned
+    start in pair order; src names the pair at each row (src[dest[p]] = p) and -1 at every row holding none; unrouted
+    pairs (ids n_exp or -1) have dest one past the last row and no row."""
+    from kernels.fp8_gemm.experts import pair_rows
+    rng = np.random.default_rng(t * 100 + n_exp)
+    experts = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(t)]).astype(np.int32)
+    experts[rng.random((t, k)) < 0.2] = n_exp
+    experts[0, -1] = -1
+    dest, src, tile_group = (np.asarray(a) for a in jax.jit(pair_rows, static_argnums=(1, 2))(experts, n_exp, tm))
+    rows = tile_group.size * tm
+    assert tile_group.size == -(-t * k // tm) + n_exp - 1 and src.shape == (rows,)
+    flat = experts.ravel()
+    routed = (flat >= 0) & (flat < n_exp)
+    assert np.all(dest[~routed] == rows)
+    p = np.nonzero(routed)[0]
+    assert np.array_equal(src[dest[p]], p) and np.sum(src >= 0) == p.size
+    assert np.array_equal(tile_group[dest[p] // tm], flat[p])
+    for e in range(n_exp):  # each expert's pairs from a tile boundary, consecutive, in pair order
+        pe = p[flat[p] == e]
+        if pe.size:
+            assert dest[pe[0]] % tm == 0 and np.array_equal(dest[pe], dest[pe[0]] + np.arange(pe.size))
+
+
+def test_glue_is_the_scatter_layout_bit_for_bit():
+    """`group_rows` (one gather per operand, bytes or uint32 words) gives the bits of the zero-filled buffer scattered
+    into at `dest` (the layout's definition: rows holding no pair zeros with scale 1); `combine` the weighted sum of
+    each token's pair rows (float32, a NaN at an unrouted pair's row adds nothing). The glue's jaxpr has no loop and
+    one scatter (dest's P int32), none over rows of x."""
+    from kernels.fp8_gemm import experts as fe
+    from kernels.fp8_gemm.reference import quantize_rows
+    t, k, n_exp, d, tm = 24, 4, 8, 256, 16
+    rng = np.random.default_rng(3)
+    experts = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(t)]).astype(np.int32)
+    experts[[2, 7]] = n_exp
+    x = jnp.asarray(rng.normal(size=(t, d)) * 3, jnp.bfloat16)
+    dest, src, tile_group = fe.pair_rows(jnp.asarray(experts), n_exp, tm)
+    rows = tile_group.size * tm
+    a_q, s_a = quantize_rows(x)
+    token = jnp.arange(t * k) // k
+    want_a = jnp.zeros((rows, d), a_q.dtype).at[dest].set(a_q[token], mode="drop")
+    want_s = jnp.ones((rows, d // 128), jnp.float32).at[dest].set(s_a[token], mode="drop")
+    for words in (False, True):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fe, "GATHER_WORDS", words)
+            a_rows, s_rows = jax.jit(fe.group_rows, static_argnums=3)(a_q, s_a, src, k)
+        assert np.array_equal(np.asarray(a_rows).view(np.uint8), np.asarray(want_a).view(np.uint8))
+        assert np.array_equal(np.asarray(s_rows), np.asarray(want_s))
+    y = jnp.asarray(rng.normal(size=(rows, d)), jnp.bfloat16).at[jnp.asarray(src) < 0].set(jnp.nan)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
+    got = np.asarray(jax.jit(fe.combine)(y, dest.reshape(t, k), w))
+    yf = np.asarray(y.astype(jnp.float32), np.float64)
+    d2 = np.asarray(dest).reshape(t, k)
+    want = sum(np.where((d2[:, j] < rows)[:, None], yf[np.minimum(d2[:, j], rows - 1)] * np.asarray(w)[:, j:j + 1],
+                        0.0) for j in range(k))
+    assert np.all(got[[2, 7]] == 0) and np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    rows_map = fe.pair_rows(jnp.asarray(experts), n_exp, tm)
+    prims = _primitives(jax.make_jaxpr(lambda e, a, s, yy, ww: (
+        fe.group_rows(a, s, fe.pair_rows(e, n_exp, tm).src, k),
+        fe.combine(yy, fe.pair_rows(e, n_exp, tm).dest.reshape(t, k), ww)))(experts, a_q, s_a, y, w).jaxpr)
+    assert "while" not in prims and prims.count("scatter") == 2  # dest's, once per pair_rows call here
+    assert rows_map.dest.shape == (t * k,)
+
+
+def _primitives(jaxpr) -> list:
+    """The primitive names of a jaxpr's equations, nested jaxprs (jit, loops) included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        out.append(eqn.primitive.name)
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _primitives(inner)
+    return out
