@@ -34,7 +34,8 @@ def expert_configs(layout: str, t: int, k: int, n_exp: int) -> tuple[Fp8GemmConf
     grouped: 128-row tiles; gate+up 128 gate + 128 up rows a tile in 3 stages, down 128-column tiles in 4 stages
     (both fit float32 outputs; the configs the benchmark runs at prefill). swap_ab: tiles of about the mean rows per
     expert (a power of two in [8, 64]); gate+up 64 gate + 64 up rows per compute warpgroup in 4 stages, down 128
-    rows a tile in 6 (the pipeline takes no more stages than K blocks)."""
+    rows a tile in 6 (each CTA's ring runs across its tiles: the down GEMM's 2 K blocks a tile at the TP = 8 shard
+    keep all 6 stages busy, 3 tiles ahead)."""
     if layout == "grouped":
         return (Fp8GemmConfig(tile_m=128, tile_n=256, stages=3, swiglu=True),
                 Fp8GemmConfig(tile_m=128, tile_n=128, stages=4))
@@ -68,7 +69,14 @@ def routed_experts_w8a8(x, experts, weights, w_gate, w_up, s_gate, s_up, w_down,
     [E, I/128, D/128]; w_down e4m3 [E, D, I] with scales [E, D/128, I/128] (each expert in the release's [out, in]
     form). up_config must be a swiglu config; both configs share tile_m. h and each pair's down output are stored
     in x's dtype (as the Triton kernels store them: half the bytes of float32 for bf16 rows), the weighted sum over
-    a token's experts is float32. impl: "mosaic", "mosaic_interpret" or "xla" (`fp8_gemm.grouped_matmul`)."""
+    a token's experts is float32. impl: "mosaic", "mosaic_interpret" or "xla" (`fp8_gemm.grouped_matmul`).
+
+    The Mosaic kernels neither load nor store the layout's unused tiles (group -1: about half the worst-case tiles
+    at decode) and leave their rows of h and of the down output undefined; nothing here reads them into a token:
+    h is quantised row by row (an unused row gives that row of h_q and h_s alone), the down GEMM reads the rows of
+    used tiles only (a swap-AB tile's scale block also loads the next rows' scales, but uses its own tile_m), and
+    the combine gathers each routed pair's row, in a used tile; an unrouted pair's clamped gather may read an
+    unused row, which the final `where` replaces by 0 (a select: a NaN there does not propagate)."""
     from . import grouped_matmul
     if not up_config.swiglu or down_config.swiglu or up_config.tile_m != down_config.tile_m:
         raise ValueError(f"routed_experts_w8a8: up_config must be swiglu, down_config not, with one tile_m; got "
