@@ -200,7 +200,8 @@ def test_interpreted_kernel_matches_oracle(name):
 # (the accumulators must restart at each tile's first K block and be stored at its last, into that tile's window),
 # the TMA ring (stages) runs across tile boundaries (stages above the K blocks of a tile: the producer is a whole
 # tile ahead; K blocks not a multiple of stages: the ring's slots shift from tile to tile), CTAs walk unequal
-# counts (tiles not a multiple of max_ctas), and the used row tiles are a prefix of the layout's, the rest unused.
+# counts (tiles not a multiple of max_ctas), and the used row tiles are a prefix of the layout's, the rest unused;
+# one compute warpgroup (64 weight rows a tile: two column tiles share a 128-row scale block) as well as two.
 WALKS = {
     "swap8_3ctas": (Fp8GemmConfig(tile_m=8, tile_n=128, stages=3, swap_ab=True), [1, 0, 9, 0, 3, 1, 8, 0], 256,
                     256, 3, jnp.float32),
@@ -208,6 +209,10 @@ WALKS = {
                           jnp.float32),
     "swap_swiglu8_2ctas": (Fp8GemmConfig(tile_m=8, tile_n=256, stages=2, swap_ab=True, swiglu=True),
                            [2, 0, 1, 9, 0, 1], 256, 384, 2, jnp.bfloat16),
+    "swap8_1wg_2ctas": (Fp8GemmConfig(tile_m=8, tile_n=64, stages=3, swap_ab=True, compute_wgs=1), [1, 9, 0, 2],
+                        256, 256, 2, jnp.float32),
+    "swap_swiglu8_1wg_3ctas": (Fp8GemmConfig(tile_m=8, tile_n=128, stages=4, swap_ab=True, swiglu=True,
+                                             compute_wgs=1), [3, 0, 9, 1], 256, 256, 3, jnp.bfloat16),
     "prefill_1cta": (Fp8GemmConfig(tile_m=128, tile_n=128, stages=3), [130, 0, 1], 256, 384, 1, jnp.float32),
     "prefill_swiglu_2ctas": (Fp8GemmConfig(tile_m=128, tile_n=256, stages=2, swiglu=True), [1, 129, 0], 256, 256,
                              2, jnp.bfloat16),
@@ -255,6 +260,10 @@ GLM = {  # (rows, N, K, groups, config): GLM-5.2 gate+up / down, prefill at TP =
     "decode_gate_up_swiglu": (256, 256, 6144, 256, fp8_config.DECODE_SWIGLU),
     "decode_down": (256, 6144, 256, 256, fp8_config.DECODE),
     "decode_gate_tm8": (256, 512, 6144, 256, Fp8GemmConfig(tile_m=8, tile_n=128, stages=8, swap_ab=True)),
+    "decode_gate_up_swiglu_1wg": (256, 256, 6144, 256, Fp8GemmConfig(tile_m=8, tile_n=128, stages=6, swap_ab=True,
+                                                                     swiglu=True, compute_wgs=1)),
+    "decode_down_1wg": (256, 6144, 256, 256, Fp8GemmConfig(tile_m=8, tile_n=64, stages=8, swap_ab=True,
+                                                          compute_wgs=1)),
 }
 
 
