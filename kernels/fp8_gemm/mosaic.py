@@ -88,9 +88,9 @@ def _kernel(group_ref, used_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, n_
     # the row tiles up to the last one with a group, `used_tiles`: a runtime count), column tile fastest so the CTAs
     # in flight share a row tile; CTA `sm` takes lin = sm, sm + n_sm, sm + 2 n_sm, ... Its count is runtime data,
     # and the pipeline's grid takes it as such (a dynamic first grid dimension: the producer's and the consumers'
-    # loops run to tiles x K blocks). A static grid over the worst case would step, and with a clamped index map
-    # load, through ~half empty tiles at decode; compacting the tile list would cost an XLA sort per call, and the
-    # used tiles of `reference.group_layout` are a prefix already.
+    # loops run to tiles x K blocks). A static grid over the worst case would step through (and, its index maps
+    # clamped, load) the unused tiles, about half of them at decode; compacting the tile list would cost an XLA sort
+    # per call, and the used tiles of `reference.group_layout` are a prefix already.
     sm, n_sm = lax.axis_index("sm"), lax.axis_size("sm")
     my_tiles = (used_ref[0] * n_tiles - sm + n_sm - 1) // n_sm  # >= 0: sm < n_sm
 
