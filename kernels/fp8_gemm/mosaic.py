@@ -4,14 +4,25 @@ activation scales and 128 x 128 weight block scales applied per K block in regis
 out[r, n] = sum_kb (s_a[r, kb] * s_w[g, n // 128, kb]) * P_kb[r, n], P_kb the float32 wgmma partial of K block kb,
 g the group of row r's tile (rows grouped by group in tiles of `tile_m`, `reference.group_layout`).
 
-A persistent launch (one CTA per SM) walks the (row tile, column tile) pairs, column tile fastest, so the CTAs in
-flight share a row tile in L2 and stream the group's weights. Per tile, a warp-specialised pipeline
-(`plgpu.emit_pipeline_warp_specialized`): the producer warpgroup TMA-copies each K block's e4m3 row tile, weight
-tile(s) and their scales into a ring of `stages` buffers; each compute warpgroup, per K block, issues its wgmma
-into a fresh accumulator, waits for it, and adds partial x (s_a * s_w) to its running float32 accumulator (the
-promotion that keeps fp8 wgmma's short accumulator to one block). The two compute warpgroups interleave: one
-scales while the other's wgmma runs. The epilogue stores bf16 (or float32) through shared memory by TMA.
-Tiles whose group is -1 store zeros and read nothing.
+A persistent launch (one CTA per SM, at most `max_ctas`) walks the (row tile, column tile) pairs, column tile
+fastest, so the CTAs in flight share a row tile in L2 and stream the group's weights; CTA c takes pairs c, c + n,
+c + 2n, ... of the row tiles up to the last used one (`used_tiles`, a runtime count: the layouts' used tiles are a
+prefix, and at decode about half of the worst-case tiles are unused). Each CTA runs ONE warp-specialised pipeline
+(`plgpu.emit_pipeline_warp_specialized`) over all its tiles, grid (its tiles, K blocks), the first dimension a
+runtime count: the producer warpgroup TMA-copies each step's e4m3 row tile, weight tile(s) and their scales into a
+ring of `stages` buffers, its index maps reading the tile's group from tile_group, and runs ahead across tile
+boundaries, so the next tile's first K blocks arrive while the consumers finish the current one and store it (a
+pipeline per tile would fill and drain its ring every tile: with the down GEMM's 2 K blocks a tile at decode the
+ring was never full). Each compute warpgroup, per K block, issues its wgmma into a fresh accumulator, waits for it,
+and adds partial x (s_a * s_w) to its running float32 accumulators, the pipeline's carry (the promotion that keeps
+fp8 wgmma's short accumulator to one block); the carry restarts from zeros at a tile's first K block and is stored
+at its last. The two compute warpgroups interleave: one scales while the other's wgmma runs. The epilogue stores
+bf16 (or float32) through shared memory by TMA, overlapping the next tile's loads.
+
+Unused tiles (group -1) are neither loaded nor stored: their output rows are undefined (never written; NaN under
+the interpreter) and callers must not read them (the routed experts do not: `experts.routed_experts_w8a8`). A -1
+tile before the last used one (a tile_group that is not a prefix; none of this package's layouts) is walked as
+group 0 but not stored.
 
 swap_ab (decode): the weight rows go on wgmma's M side (64 per compute warpgroup) and the few activation rows of
 a group on its N side (8..256), so the tensor core is not 3/4 idle on a 16-row tile; the kernel writes out^T.
@@ -62,7 +73,7 @@ def _tile_transforms(cols: int, dtype):
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int, n_tiles: int, k_blocks: int):
+def _kernel(group_ref, used_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, n_tiles: int, k_blocks: int):
     cfg = config
     n_w = cfg.n_operands
     w_refs, sw_refs, o_ref = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w]
@@ -73,19 +84,56 @@ def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int
     e4m3 = _tile_transforms(BLOCK, FP8)
     sa_w, sw_w = scale_block_widths(cfg)
 
-    def make_pipeline(body, compute_context):
-        # a (rows) tile [tile_m, 128], each weight operand's tile [operand_rows, 128], s_a^T run [1, sa_w], each
-        # operand's s_w run [1, sw_w]
+    # The CTA's walk: the (row tile, column tile) pairs lin = m_idx * n_tiles + n_idx below used * n_tiles (`used`
+    # the row tiles up to the last one with a group, `used_tiles`: a runtime count), column tile fastest so the CTAs
+    # in flight share a row tile; CTA `sm` takes lin = sm, sm + n_sm, sm + 2 n_sm, ... Its count is runtime data,
+    # and the pipeline's grid takes it as such (a dynamic first grid dimension: the producer's and the consumers'
+    # loops run to tiles x K blocks). A static grid over the worst case would step through (and, its index maps
+    # clamped, load) the unused tiles, about half of them at decode; compacting the tile list would cost an XLA sort
+    # per call, and the used tiles of `reference.group_layout` are a prefix already.
+    sm, n_sm = lax.axis_index("sm"), lax.axis_size("sm")
+    my_tiles = (used_ref[0] * n_tiles - sm + n_sm - 1) // n_sm  # >= 0: sm < n_sm
+
+    def tile_of(t):
+        """(row tile, column tile) of this CTA's t-th tile."""
+        lin = sm + t * n_sm
+        return lin // n_tiles, lin % n_tiles
+
+    def group_of(t):
+        """The weights' group of this CTA's t-th tile, 0 for a tile of group -1 (one before the last used row tile
+        of a tile_group that is not a prefix: loaded and multiplied, never stored)."""
+        return jnp.maximum(group_ref[tile_of(t)[0]], 0)
+
+    def sw_block(n_idx):
+        # the operand's first 128-row scale block of the tile, in units of sw_w (operand_blocks blocks of 32)
+        return (n_idx * w_rows // BLOCK) // cfg.operand_blocks
+
+    def make_pipeline(body, compute_context, grid):
+        # a (rows) tile [tile_m, 128], each weight operand's tile [operand_rows, 128] of group g, s_a^T run
+        # [1, sa_w] from the tile's first row (an element offset: sa_w may pass tile_m), each operand's s_w run
+        # [1, sw_w]; each index map reads the tile's group from tile_group
+        def a_map(t, k):
+            return tile_of(t)[0], k
+
+        def w_map(t, k):
+            return group_of(t), tile_of(t)[1], k
+
+        def sa_map(t, k):
+            return k, tile_of(t)[0] * cfg.tile_m
+
+        def sw_map(t, k):
+            return group_of(t), k, sw_block(tile_of(t)[1])
+
         return plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(k_blocks,),
+            grid=grid,
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((cfg.tile_m, BLOCK), lambda k: (0, k), transforms=e4m3, memory_space=plgpu.SMEM),
-                *[plgpu.BlockSpec((w_rows, BLOCK), lambda k: (0, k), transforms=e4m3, memory_space=plgpu.SMEM)
+                plgpu.BlockSpec((cfg.tile_m, BLOCK), a_map, transforms=e4m3, memory_space=plgpu.SMEM),
+                *[plgpu.BlockSpec((None, w_rows, BLOCK), w_map, transforms=e4m3, memory_space=plgpu.SMEM)
                   for _ in range(n_w)],
-                plgpu.BlockSpec((1, sa_w), lambda k: (k, 0), memory_space=plgpu.SMEM),
-                *[plgpu.BlockSpec((1, sw_w), lambda k: (k, 0), memory_space=plgpu.SMEM) for _ in range(n_w)],
+                plgpu.BlockSpec((1, pl.Element(sa_w)), sa_map, memory_space=plgpu.SMEM),
+                *[plgpu.BlockSpec((None, 1, sw_w), sw_map, memory_space=plgpu.SMEM) for _ in range(n_w)],
             ],
             wg_axis="wg",
             num_compute_wgs=wgs,
@@ -93,18 +141,12 @@ def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int
             compute_context=compute_context,
         )
 
-    def operands(m_idx, n_idx, g):
-        sw_col = (n_idx * w_rows // BLOCK) * SCALE_REPEAT
-        return (a_ref.at[pl.ds(m_idx * cfg.tile_m, cfg.tile_m)],
-                *[w.at[g, pl.ds(n_idx * w_rows, w_rows)] for w in w_refs],
-                sa_ref.at[:, pl.ds(m_idx * cfg.tile_m, sa_w)],
-                *[s.at[g, :, pl.ds(sw_col, sw_w)] for s in sw_refs])
-
-    ignore = lambda *_, **__: None  # noqa: E731  (the allocations do not depend on the body)
+    ignore = lambda *_, **__: None  # noqa: E731  (the allocations depend on neither the body nor the grid's size)
+    gmem = (a_ref, *w_refs, sa_ref, *sw_refs)
 
     @functools.partial(
         pl.run_scoped,
-        allocs=make_pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0)),
+        allocs=make_pipeline(ignore, ignore, (my_tiles, k_blocks)).get_allocations(*gmem),
         out_smem=plgpu.SMEM((wgs, out_r, out_c), o_ref.dtype, transforms=_tile_transforms(out_c, o_ref.dtype)),
         collective_axes="wg",
     )
@@ -124,7 +166,7 @@ def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int
             return o_ref.at[pl.ds(m_idx * cfg.tile_m + wg * wg_rows + i * WGMMA_M, WGMMA_M), pl.ds(cols, BLOCK)]
 
         def store(acc, window):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read out_smem
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store (of this tile or the last) has read it
             out_smem[wg] = acc.astype(out_smem.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_smem.at[wg], window)
@@ -139,65 +181,78 @@ def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int
                         store(accs[i * n_sub + s], out_window(m_idx, n_idx, i, s))
 
         def zeros():
-            return plgpu.layout_cast(jnp.zeros((out_r, out_c), f32), plgpu.Layout.WGMMA)
+            return tuple(plgpu.layout_cast(jnp.zeros((out_r, out_c), f32), plgpu.Layout.WGMMA)
+                         for _ in range(cfg.m_sub * n_sub))
 
-        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
-        def _tiles(info: plgpu.NDLoopInfo):
-            (lin,) = info.index
-            m_idx, n_idx = lin // n_tiles, lin % n_tiles
-            g = group_ref[m_idx]
+        def compute_context(run):
+            run(zeros())  # the carry is reset at each tile's first K block and stored at its last, in the body
 
-            def compute_context(run):
-                store_all(run(tuple(zeros() for _ in range(cfg.m_sub * n_sub))), m_idx, n_idx)
+        def body(idx, a_smem, *rest):
+            t, k = idx
+            w_smems, sa_smem, sw_smems, carry = rest[:n_w], rest[n_w], rest[n_w + 1:2 * n_w + 1], rest[-1]
+            # a tile's first K block starts from zeros (as the per-tile pipeline's fresh carry did: 0 + partial x
+            # scale, the same float32 bits); a uniform branch, the K block being the same for the whole CTA
+            accs = lax.cond(k == 0, zeros, lambda: carry)
 
-            def body(_, a_smem, *rest):
-                w_smems, sa_smem, sw_smems, accs = rest[:n_w], rest[n_w], rest[n_w + 1:2 * n_w + 1], rest[-1]
+            def weight(s):
+                """(the smem rows of wgmma s of m sub-tile i, as a function of i; its weight scale)"""
+                j, b = (s, 0) if cfg.swiglu else (0, s)  # operand, 128-row block inside the operand's tile
+                scale = sw_smems[j][0, b * SCALE_REPEAT]
+                if swap:
+                    return (lambda i: w_smems[j].at[my_rows(i)]), scale
+                return (lambda i: w_smems[j].at[pl.ds(b * BLOCK, BLOCK)]), scale
 
-                def weight(s):
-                    """(the smem rows of wgmma s of m sub-tile i, as a function of i; its weight scale)"""
-                    j, b = (s, 0) if cfg.swiglu else (0, s)  # operand, 128-row block inside the operand's tile
-                    scale = sw_smems[j][0, b * SCALE_REPEAT]
-                    if swap:
-                        return (lambda i: w_smems[j].at[my_rows(i)]), scale
-                    return (lambda i: w_smems[j].at[pl.ds(b * BLOCK, BLOCK)]), scale
+            ws = [weight(s) for s in range(n_sub)]
+            new = []
+            for i in range(cfg.m_sub):
+                if swap:
+                    sa = plgpu.load(sa_smem.at[0, pl.ds(0, cfg.tile_m)], layout=plgpu.Layout.WGMMA.reduce(0),
+                                    optimized=False)
+                else:
+                    sa = plgpu.load(sa_smem.at[0, my_rows(i)], layout=plgpu.Layout.WGMMA.reduce(1),
+                                    optimized=False)
+                for s in range(n_sub):
+                    w_tile, sw = ws[s]
 
-                ws = [weight(s) for s in range(n_sub)]
-                new = []
-                for i in range(cfg.m_sub):
-                    if swap:
-                        sa = plgpu.load(sa_smem.at[0, pl.ds(0, cfg.tile_m)], layout=plgpu.Layout.WGMMA.reduce(0),
-                                        optimized=False)
-                    else:
-                        sa = plgpu.load(sa_smem.at[0, my_rows(i)], layout=plgpu.Layout.WGMMA.reduce(1),
-                                        optimized=False)
-                    for s in range(n_sub):
-                        w_tile, sw = ws[s]
+                    def mma(acc_ref):
+                        if swap:
+                            plgpu.wgmma(acc_ref, w_tile(i), a_smem.transpose((1, 0)))
+                        else:
+                            plgpu.wgmma(acc_ref, a_smem.at[my_rows(i)], w_tile(i).transpose((1, 0)))
+                        return acc_ref[...]
 
-                        def mma(acc_ref):
-                            if swap:
-                                plgpu.wgmma(acc_ref, w_tile(i), a_smem.transpose((1, 0)))
-                            else:
-                                plgpu.wgmma(acc_ref, a_smem.at[my_rows(i)], w_tile(i).transpose((1, 0)))
-                            return acc_ref[...]
+                    part = pl.run_scoped(mma, plgpu.ACC((out_r, out_c), f32))
+                    scale = lax.broadcast_in_dim(sa * sw, (out_r, out_c), [1] if swap else [0])
+                    new.append(accs[i * n_sub + s] + part * scale)
+            new = tuple(new)
 
-                        part = pl.run_scoped(mma, plgpu.ACC((out_r, out_c), f32))
-                        scale = lax.broadcast_in_dim(sa * sw, (out_r, out_c), [1] if swap else [0])
-                        new.append(accs[i * n_sub + s] + part * scale)
-                return tuple(new)
+            # the tile's last K block: store it (the stores of tile t overlap the producer's loads of tile t + 1,
+            # already in the ring); a tile of group -1 is not stored (its rows are the caller's to ignore)
+            @pl.when(k == k_blocks - 1)
+            def _last():
+                m_idx, n_idx = tile_of(t)
 
-            @pl.when(g >= 0)
-            def _busy():
-                make_pipeline(body, compute_context)(*operands(m_idx, n_idx, g), allocations=allocs)
+                @pl.when(group_ref[m_idx] >= 0)
+                def _store():
+                    store_all(new, m_idx, n_idx)
 
-            @pl.when((g < 0) & (wg < wgs))
-            def _empty():
-                store_all(tuple(zeros() for _ in range(cfg.m_sub * n_sub)), m_idx, n_idx)
+            return new
 
+        make_pipeline(body, compute_context, (my_tiles, k_blocks))(*gmem, allocations=allocs)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "interpret"))
-def _run(a_q, a_scale, w_qs, w_scales, tile_group, *, config, out_dtype, interpret):
+def used_tiles(tile_group):
+    """int32 [1]: the number of row tiles up to the last one with a group (0 when none has): the bound of the
+    kernel's walk. With `reference.group_layout`'s tiles (the routed experts', `experts.pair_layout`), where the used
+    tiles are a prefix, it is the count of used tiles; a tile of group -1 before the last used one is computed (as
+    group 0) but not stored."""
+    idx = jnp.arange(1, tile_group.shape[0] + 1, dtype=jnp.int32)
+    return jnp.max(jnp.where(tile_group >= 0, idx, 0), initial=0, keepdims=True).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "interpret", "max_ctas"))
+def _run(a_q, a_scale, w_qs, w_scales, tile_group, *, config, out_dtype, interpret, max_ctas):
     m, k = a_q.shape
     g, n, _ = w_qs[0].shape
     kb = k // BLOCK
@@ -209,15 +264,17 @@ def _run(a_q, a_scale, w_qs, w_scales, tile_group, *, config, out_dtype, interpr
            for s in w_scales]
     out_shape = (n, m) if config.swap_ab else (m, n)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, config=config, m_tiles=m_tiles, n_tiles=n_tiles, k_blocks=kb),
+        functools.partial(_kernel, config=config, n_tiles=n_tiles, k_blocks=kb),
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        grid=(min(SM_COUNT, m_tiles * n_tiles),),
+        grid=(max(1, min(max_ctas, m_tiles * n_tiles)),),
         grid_names=("sm",),
         num_threads=config.compute_wgs + 1,
         thread_name="wg",
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        # unwritten memory reads NaN under the interpreter: rows the kernel does not store show as such in tests
+        interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,
     )
-    out = kernel(tile_group.astype(jnp.int32), a_q, sa_t, *w_qs, *sws)
+    tile_group = tile_group.astype(jnp.int32)
+    out = kernel(tile_group, used_tiles(tile_group), a_q, sa_t, *w_qs, *sws)
     return out.T if config.swap_ab else out
 
 
@@ -259,16 +316,22 @@ def check_operands(a_q, a_scale, w_q, w_scale, tile_group, config: Fp8GemmConfig
 
 
 def grouped_matmul_mosaic(a_q, a_scale, w_q, w_scale, tile_group, *, config: Fp8GemmConfig,
-                          out_dtype=jnp.bfloat16, interpret: bool = False):
+                          out_dtype=jnp.bfloat16, interpret: bool = False, max_ctas: int = SM_COUNT):
     """out_dtype [M, N]: the W8A8 grouped product of e4m3 rows `a_q` [M, K] (float32 scales `a_scale` [M, K/128])
     with e4m3 weights `w_q` [G, N, K] (float32 block scales `w_scale` [G, N/128, K/128]); swiglu configs take
     `w_q` = (gate, up) and `w_scale` = (gate scales, up scales), each as above, and give silu(gate) * up. Row tile
-    t (of config.tile_m rows) uses group tile_group[t]'s weights, and its rows are zeros where that is -1.
-    interpret: run under the Pallas Mosaic GPU interpreter (CPU tests)."""
+    t (of config.tile_m rows) uses group tile_group[t]'s weights; where that is -1 the kernel stores nothing and
+    the tile's rows are undefined (never written: NaN under the interpreter), unlike the xla form's zeros: the
+    caller must not read them. A used tile's padding rows (zero rows of a_q) are stored, as zeros.
+    interpret: run under the Pallas Mosaic GPU interpreter (CPU tests). max_ctas: the most CTAs launched (one per
+    SM by default); each walks its share of the tiles in one pipeline (tests take a few, so that every CTA walks
+    many tiles)."""
     w_qs, w_ss = check_operands(a_q, a_scale, w_q, w_scale, tile_group, config)
     need = config.smem_bytes(jnp.dtype(out_dtype).itemsize)
     if need > SMEM_LIMIT:
         raise ValueError(f"fp8 grouped matmul: {config} with {jnp.dtype(out_dtype).name} output needs {need} bytes "
                          f"of shared memory, over {SMEM_LIMIT}")
+    if not isinstance(max_ctas, int) or max_ctas < 1:
+        raise ValueError(f"fp8 grouped matmul: max_ctas must be an int >= 1, got {max_ctas!r}")
     return _run(a_q, a_scale, w_qs, w_ss, tile_group, config=config, out_dtype=jnp.dtype(out_dtype),
-                interpret=bool(interpret))
+                interpret=bool(interpret), max_ctas=max_ctas)

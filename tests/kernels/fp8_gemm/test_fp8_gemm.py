@@ -2,9 +2,10 @@
 
 On CPU the kernel runs under the Pallas Mosaic GPU interpreter at tiny shapes (one case per layout: prefill row
 tiles of 128 and 256 columns, two m sub-tiles, the SwiGLU epilogue, swap-AB decode tiles of 16 and 8 rows, swap-AB
-with SwiGLU; ragged groups with empty and 1-row groups, zero blocks, unused tiles) and lowers for CUDA at GLM-5.2
-widths; the gpu-marked tests run it on the device at ragged group sizes against a bound derived from the tensor
-core's accumulation (`accumulation_bound`)."""
+with SwiGLU; ragged groups with empty and 1-row groups, zero blocks, unused tiles, which the kernel neither loads
+nor stores; launches of a few CTAs, each walking many tiles of changing groups through one pipeline) and lowers for
+CUDA at GLM-5.2 widths; the gpu-marked tests run it on the device at ragged group sizes against a bound derived
+from the tensor core's accumulation (`accumulation_bound`)."""
 
 import functools
 
@@ -162,9 +163,28 @@ INTERPRETED = {
 }
 
 
+def check_used_tiles(out, ref, tg, tile_m, dtype):
+    """Rows of used tiles against the oracle (float32: sums of exact e4m3 products in float32, so a wrong group,
+    scale or K block shows; bf16: one rounding of 8 bits), each used tile on its own (a tile reset late or stored
+    early is off in that tile alone), their padding rows zeros; every row of a tile of group -1 NaN: the
+    interpreter fills unwritten memory with NaN, so the kernel stored nothing there."""
+    o = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    tol = 1e-6 if dtype == jnp.float32 else 4e-3
+    tgn = np.asarray(tg)
+    used = np.repeat(tgn >= 0, tile_m)
+    assert np.isfinite(o[used]).all()
+    for t in np.nonzero(tgn >= 0)[0]:
+        rows = slice(t * tile_m, (t + 1) * tile_m)
+        if np.abs(ref[rows]).max() > 0:
+            assert rel_err(o[rows], ref[rows]) < tol, t
+    padding = used & ~np.asarray(ref != 0).any(1)  # zero rows in (padding rows of used tiles), zeros out
+    assert not o[padding].any()
+    assert np.isnan(o[~used]).all()
+
+
 @pytest.mark.parametrize("name", sorted(INTERPRETED))
 def test_interpreted_kernel_matches_oracle(name):
-    """Ragged groups (empty, 1-row, spanning tiles), zero blocks, unused tiles written as zeros."""
+    """Ragged groups (empty, 1-row, spanning tiles), zero blocks; unused tiles neither loaded nor stored."""
     cfg, sizes, n, dtype = INTERPRETED[name]
     a_q, s_a, w_q, s_w, tg, rg = make_problem(3, sizes, n, K_CPU, cfg.tile_m, zero_blocks=True,
                                               operands=cfg.n_operands)
@@ -172,9 +192,64 @@ def test_interpreted_kernel_matches_oracle(name):
     out = fp8_gemm.grouped_matmul(a_q, s_a, *weights_of(cfg, w_q, s_w), tg, impl="mosaic_interpret", config=cfg,
                                   out_dtype=dtype)
     assert out.shape == ref.shape and out.dtype == dtype
-    # float32: sums of exact e4m3 products in float32; bf16: one rounding of 8 bits
-    assert rel_err(out, ref) < (1e-6 if dtype == jnp.float32 else 4e-3)
-    assert not np.asarray(out.astype(jnp.float32))[rg < 0].any()
+    check_used_tiles(out, ref, tg, cfg.tile_m, dtype)
+
+
+# name: (config, group sizes, N, K, max_ctas, output dtype). Launches of a few CTAs, so that each CTA's one pipeline
+# walks many (row tile, column tile) pairs: consecutive tiles of one CTA differ in group, row tile and column tile
+# (the accumulators must restart at each tile's first K block and be stored at its last, into that tile's window),
+# the TMA ring (stages) runs across tile boundaries (stages above the K blocks of a tile: the producer is a whole
+# tile ahead; K blocks not a multiple of stages: the ring's slots shift from tile to tile), CTAs walk unequal
+# counts (tiles not a multiple of max_ctas), and the used row tiles are a prefix of the layout's, the rest unused;
+# one compute warpgroup (64 weight rows a tile: two column tiles share a 128-row scale block) as well as two.
+WALKS = {
+    "swap8_3ctas": (Fp8GemmConfig(tile_m=8, tile_n=128, stages=3, swap_ab=True), [1, 0, 9, 0, 3, 1, 8, 0], 256,
+                    256, 3, jnp.float32),
+    "swap16_ring_ahead": (Fp8GemmConfig(tile_m=16, tile_n=128, stages=5, swap_ab=True), [17, 1, 0, 2], 256, 256, 2,
+                          jnp.float32),
+    "swap_swiglu8_2ctas": (Fp8GemmConfig(tile_m=8, tile_n=256, stages=2, swap_ab=True, swiglu=True),
+                           [2, 0, 1, 9, 0, 1], 256, 384, 2, jnp.bfloat16),
+    "swap8_1wg_2ctas": (Fp8GemmConfig(tile_m=8, tile_n=64, stages=3, swap_ab=True, compute_wgs=1), [1, 9, 0, 2],
+                        256, 256, 2, jnp.float32),
+    "swap_swiglu8_1wg_3ctas": (Fp8GemmConfig(tile_m=8, tile_n=128, stages=4, swap_ab=True, swiglu=True,
+                                             compute_wgs=1), [3, 0, 9, 1], 256, 256, 3, jnp.bfloat16),
+    "prefill_1cta": (Fp8GemmConfig(tile_m=128, tile_n=128, stages=3), [130, 0, 1], 256, 384, 1, jnp.float32),
+    "prefill_swiglu_2ctas": (Fp8GemmConfig(tile_m=128, tile_n=256, stages=2, swiglu=True), [1, 129, 0], 256, 256,
+                             2, jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WALKS))
+def test_interpreted_kernel_walks_many_tiles_per_cta(name):
+    from kernels.fp8_gemm import mosaic
+    cfg, sizes, n, k, ctas, dtype = WALKS[name]
+    a_q, s_a, w_q, s_w, tg, rg = make_problem(11, sizes, n, k, cfg.tile_m, zero_blocks=True,
+                                              operands=cfg.n_operands)
+    used = int(np.asarray(mosaic.used_tiles(tg))[0])
+    assert used * (n // cfg.operand_rows) >= 2 * ctas and used < len(tg)  # several tiles per CTA, unused ones
+    out = mosaic.grouped_matmul_mosaic(a_q, s_a, *weights_of(cfg, w_q, s_w), tg, config=cfg, out_dtype=dtype,
+                                       interpret=True, max_ctas=ctas)
+    check_used_tiles(out, oracle_out(cfg, a_q, s_a, w_q, s_w, rg), tg, cfg.tile_m, dtype)
+
+
+def test_interpreted_kernel_takes_any_tile_group():
+    """`grouped_matmul` takes any tile_group, not only `group_layout`'s (used tiles first): a -1 tile between used
+    ones is walked (as group 0) but not stored, the tiles past the last used one are not walked
+    (`mosaic.used_tiles`), and an all -1 tile_group walks no tile at all (no hang, nothing written); two CTAs, so
+    each walks used and -1 tiles alike."""
+    from kernels.fp8_gemm import mosaic
+    cfg = Fp8GemmConfig(tile_m=8, tile_n=128, stages=2, swap_ab=True)
+    a_q, s_a, w_q, s_w, _, _ = make_problem(5, [8] * 7, 128, K_CPU, 8)  # 7 groups of one full tile each
+    a_q, s_a = a_q[:56], s_a[:56]  # 7 tiles of random rows, regrouped below
+    tg = jnp.array([2, -1, 1, -1, 2, -1, -1], jnp.int32)  # holes at 1 and 3, unused from 5
+    rg = np.asarray(reference.row_groups(tg, 8))
+    assert np.asarray(mosaic.used_tiles(tg)).tolist() == [5]
+    run = functools.partial(mosaic.grouped_matmul_mosaic, a_q, s_a, w_q[0], s_w[0], config=cfg,
+                            out_dtype=jnp.float32, interpret=True, max_ctas=2)
+    check_used_tiles(run(tg), reference.oracle(a_q, s_a, w_q[0], s_w[0], rg), tg, 8, jnp.float32)
+    none = jnp.full_like(tg, -1)
+    assert np.asarray(mosaic.used_tiles(none)).tolist() == [0]
+    assert np.isnan(np.asarray(run(none))).all()
 
 
 GLM = {  # (rows, N, K, groups, config): GLM-5.2 gate+up / down, prefill at TP = 1 and decode at TP = 8
@@ -185,6 +260,10 @@ GLM = {  # (rows, N, K, groups, config): GLM-5.2 gate+up / down, prefill at TP =
     "decode_gate_up_swiglu": (256, 256, 6144, 256, fp8_config.DECODE_SWIGLU),
     "decode_down": (256, 6144, 256, 256, fp8_config.DECODE),
     "decode_gate_tm8": (256, 512, 6144, 256, Fp8GemmConfig(tile_m=8, tile_n=128, stages=8, swap_ab=True)),
+    "decode_gate_up_swiglu_1wg": (256, 256, 6144, 256, Fp8GemmConfig(tile_m=8, tile_n=128, stages=6, swap_ab=True,
+                                                                     swiglu=True, compute_wgs=1)),
+    "decode_down_1wg": (256, 6144, 256, 256, Fp8GemmConfig(tile_m=8, tile_n=64, stages=8, swap_ab=True,
+                                                          compute_wgs=1)),
 }
 
 
@@ -373,22 +452,37 @@ GPU_CASES = {
 }
 
 
+# name: (config, group sizes, N, K, max_ctas): the kernel's walk with a few CTAs (each through many tiles of one
+# pipeline: the across-tile reset, store and TMA ring on the device)
+GPU_WALKS = {
+    "walk_swap8_5ctas": (Fp8GemmConfig(tile_m=8, tile_n=128, stages=6, swap_ab=True), [1, 0, 2, 9, 1, 0, 30, 3],
+                         1024, 256, 5),
+    "walk_swap_swiglu8_3ctas": (Fp8GemmConfig(tile_m=8, tile_n=256, stages=4, swap_ab=True, swiglu=True),
+                                [1, 0, 2, 9, 1, 0, 30, 3], 512, 2048, 3),
+    "walk_prefill_2ctas": (Fp8GemmConfig(tile_n=128, stages=4), [300, 0, 1, 129], 512, 512, 2),
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(GPU_CASES))
+@pytest.mark.parametrize("name", sorted(GPU_CASES) + sorted(GPU_WALKS))
 def test_gpu_kernel_matches_oracle(name):
-    """The native kernel within the accumulation bound of the float64 oracle (float32 output), zeros in unused
-    tiles, the same bits twice (no race); bf16 output within one more bf16 rounding."""
-    cfg, sizes, n, k = GPU_CASES[name]
+    """The native kernel within the accumulation bound of the float64 oracle (float32 output) in every row of a
+    used tile (unused tiles are neither loaded nor stored: their rows are undefined), zeros in the used tiles'
+    padding rows, the same bits twice (no race); bf16 output within one more bf16 rounding."""
+    from kernels.fp8_gemm import mosaic
+    cfg, sizes, n, k, *ctas = GPU_CASES[name] if name in GPU_CASES else GPU_WALKS[name]
     a_q, s_a, w_q, s_w, tg, rg = make_problem(7, sizes, n, k, cfg.tile_m, zero_blocks=True, operands=cfg.n_operands)
-    run = functools.partial(fp8_gemm.grouped_matmul, a_q, s_a, *weights_of(cfg, w_q, s_w), tg, impl="mosaic",
-                            config=cfg)
-    out = run(out_dtype=jnp.float32)
+    run = functools.partial(mosaic.grouped_matmul_mosaic, a_q, s_a, *weights_of(cfg, w_q, s_w), tg, config=cfg,
+                            max_ctas=ctas[0] if ctas else mosaic.SM_COUNT)
+    used = np.repeat(np.asarray(tg) >= 0, cfg.tile_m)
+    out = np.asarray(run(out_dtype=jnp.float32))[used]
+    a_q, s_a, rg = a_q[used], s_a[used], rg[used]
     worst = check_within_bound(cfg, out, a_q, s_a, w_q, s_w, rg)
     rel = rel_err(out, oracle_out(cfg, a_q, s_a, w_q, s_w, rg))
     print(f"{name}: largest error / bound {worst:.3g}, relative error {rel:.3g}")
-    assert not np.asarray(out)[rg < 0].any()
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(run(out_dtype=jnp.float32)))
-    bf = np.asarray(run(out_dtype=jnp.bfloat16).astype(jnp.float32), np.float64)
+    assert not out[rg < 0].any()
+    np.testing.assert_array_equal(out, np.asarray(run(out_dtype=jnp.float32))[used])
+    bf = np.asarray(run(out_dtype=jnp.bfloat16).astype(jnp.float32), np.float64)[used]
     assert np.all(np.abs(bf - np.asarray(out, np.float64)) <= 2.0 ** -8 * np.abs(np.asarray(out, np.float64)))
 
 
