@@ -7,7 +7,7 @@ BENCHMARKS.md, sparse MLA).
 Grid (T, H / block_h, R / block_r): program (t, j, c) reads the N lse of its block_h heads (one [block_h] load per
 split), forms the weights as merge_partials does (NaN and +inf lse count as empty, an all-empty set gives (0,
 -inf)), then sums its [block_h, block_r] columns of the N partials in float32, every split's load issued before
-the sums (the split loop is unrolled). The c == 0 programs write the merged lse. Registered as impls "triton" /
+the sums (the split loop is unrolled) and masked off where the weight is 0 (an empty split's o is never read). The c == 0 programs write the merged lse. Registered as impls "triton" /
 "triton_interpret" of op "lse_merge" (`kernels.lse_merge.merge_splits`), whose "xla" impl is merge_partials.
 """
 
@@ -57,10 +57,15 @@ def _merge_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, n):
     total = functools.reduce(jnp.add, w)
     has = total > 0
     inv = jnp.where(has, 1.0 / jnp.where(has, total, 1.0), 0.0)
-    parts = [o_ref[s, t, heads, cols] for s in range(n)]  # every split's load before the sums
+    scales = [ws * inv for ws in w]
+    # every split's load before the sums; a head whose weight is 0 (lse -inf: an empty split, e.g. every split of a
+    # padding row) is not read at all: its o may be unwritten (the sparse MLA kernels skip empty splits), and the
+    # masked-off values are never used below, so the sums are bit for bit those of reading it
+    # (the split as an int32: the interpreter's discharge of a masked load takes array indices only)
+    parts = [plgpu.load(o_ref.at[jnp.int32(s), t, heads, cols], mask=jnp.broadcast_to((sc > 0)[:, None], (bh, br)),
+                        other=0) for s, sc in enumerate(scales)]
     acc = jnp.zeros((bh, br), jnp.float32)
-    for ws, part in zip(w, parts):
-        scale = ws * inv
+    for scale, part in zip(scales, parts):
         acc += jnp.where(scale[:, None] > 0, scale[:, None] * part.astype(jnp.float32), 0.0)
     out_ref[...] = acc
 

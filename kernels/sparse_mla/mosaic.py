@@ -11,7 +11,10 @@ One CTA per (query row t, split s), three warpgroups:
   without an exchange).
 Query heads are padded to 64 (wgmma's M). Slot -1 reads as a zero row and is masked out of the softmax; a row
 with no valid slot gives (0, -inf). Splits write normalised partials merged by one Pallas Triton launch
-(`kernels.lse_merge.triton`, config `merge`) or `lse_merge.merge_partials`.
+(`kernels.lse_merge.triton`, config `merge`) or `lse_merge.merge_partials`. A CTA whose split holds no valid slot
+(every split of a padding row, which a batch-invariant decode step has 224 of at B = 32; the tail splits of a
+short context) skips its gathers, MMAs and softmax and writes only lse -inf, plus o = 0 where its partial is
+returned as it is (`_write_empty`): the same bits as the full schedule gives it.
 
 Gathering: sm_90 has no TMA row gather, so the producer issues one TMA per (row, 64-column chunk) into a
 swizzle-only view of the K buffer ("tma_rows"). The GPU interpreter (CPU tests) does not alias `RefUnion`
@@ -152,12 +155,16 @@ def _scores_softmax(q_smem, k_tile, slots, m_i, scale):
     return p, alpha, m_new
 
 
-def _kernel(q_ref, cache_ref, idx_ref, o_ref, lse_ref, q_smem, k_view, q_bar, k_ready, k_free, idx_smem, idx_bar,
-            share, p_smem=None, *, scale,
-            r, width, tiles_per_split, config, interpret, hooks):
+def _kernel(q_ref, cache_ref, idx_ref, live_ref, o_ref, lse_ref, q_smem, k_view, q_bar, k_ready, k_free, idx_smem,
+            idx_bar, share, p_smem=None, *, scale,
+            r, width, tiles_per_split, config, interpret, hooks, zero_empty):
     t = lax.axis_index("t")
     split = lax.axis_index("s")
     wg = lax.axis_index("wg")
+    # every warpgroup reads the CTA's flag itself (one scalar load each): a split with no valid slot (a padding row,
+    # or the tail split of a short row) skips the gathers, the MMAs and the softmax, with no barrier touched, and
+    # writes what the full schedule gives it: lse -inf and (with `zero_empty`) o = 0
+    live = live_ref[t, split] != 0
     n_cols = width // COL_TILE
     half = r // 2
     tile0 = split * tiles_per_split
@@ -165,79 +172,113 @@ def _kernel(q_ref, cache_ref, idx_ref, o_ref, lse_ref, q_smem, k_view, q_bar, k_
 
     if config.share_p:
         _share_p_consumers(q_ref, idx_ref, o_ref, lse_ref, q_smem, k_tiled, q_bar, k_ready, k_free, share, t, split,
-                           wg, tile0, tiles_per_split, half, scale, config, interpret)
+                           wg, tile0, tiles_per_split, half, scale, config, interpret, live, zero_empty)
 
     if not config.share_p:
         @pl.when(wg < 2)
         def _consumer():
             plgpu.set_max_registers(config.consumer_registers, action="increase")
+            _write_empty(o_ref, lse_ref, split, t, wg, half, live, zero_empty, write_lse=wg == 0)
 
-            @pl.when(wg == 0)
+            @pl.when(live)
             def _():
-                plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, q_bar)
-            plgpu.barrier_wait(q_bar)
-            m_i = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            l_i = plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.zeros((HEADS, half), jnp.float32), plgpu.Layout.WGMMA)
-
-            load_slots = functools.partial(_load_slots, idx_ref, t, tile0, tiles_per_split)
-
-            def step(i, carry):
-                acc, m_i, l_i, slots = carry
-                b = lax.rem(i, 2)
-                plgpu.barrier_wait(k_ready.at[b])
-                if hooks.consumers == "idle":
-                    plgpu.barrier_arrive(k_free.at[b])
-                    return carry
-                slots_next = load_slots(i + 1) if hooks.consumers != "no_mask" else slots
-
-                p, alpha, m_new = _scores_softmax(q_smem, k_tiled.at[b], slots, m_i, scale)
-                l_i = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                v = k_tiled.at[b, :, pl.ds(wg * half, half)]
-                p16 = p.astype(jnp.bfloat16)
-                if interpret:  # the interpreter runs neither wgmma with A in registers nor run_state on an ACC
-                    p_smem[wg] = p16
-                    plgpu.commit_smem()
-
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p_smem.at[wg], v)
-                        return acc_ref[...]
-                    acc = acc + pl.run_scoped(pv, plgpu.ACC((HEADS, half), jnp.float32))
-                else:
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v)
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(k_free.at[b])
-                return acc, m_new, l_i, slots_next
-
-            if hooks.consumers != "no_mask":
-                slots0 = load_slots(0)
-            else:
-                slots0 = plgpu.layout_cast(jnp.zeros((BLOCK_K,), jnp.int32), plgpu.Layout.WGMMA.reduce(0))
-            acc, m_i, l_i, _ = lax.fori_loop(0, tiles_per_split, step, (acc, m_i, l_i, slots0))
-            has = l_i > 0.0
-            inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
-            o_ref[split, t, :, pl.ds(wg * half, half)] = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-            m_fin = jnp.where(m_i == -jnp.inf, 0.0, m_i)
-            lse = jnp.where(has, (m_fin + jnp.log2(jnp.where(has, l_i, 1.0))) * (1.0 / LOG2E), -jnp.inf)
-
-            @pl.when(wg == 0)
-            def _():
-                lse_ref[split, t, :] = lse
+                _plain_consumer(q_ref, idx_ref, o_ref, lse_ref, q_smem, k_tiled, q_bar, k_ready, k_free, p_smem, t,
+                                split, wg, tile0, tiles_per_split, half, scale, interpret, hooks)
 
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(config.producer_registers, action="decrease")
-        if cache_ref.dtype == jnp.uint8:
-            _fp8_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, idx_smem, idx_bar, t, tile0, tiles_per_split,
-                          r, width, config, hooks.fp8_producer)
-        elif config.producer == "cp_async" and not interpret:
-            _cp_async_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, tiles_per_split, width,
-                               config)
+
+        @pl.when(live)
+        def _():
+            if cache_ref.dtype == jnp.uint8:
+                _fp8_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, idx_smem, idx_bar, t, tile0,
+                              tiles_per_split, r, width, config, hooks.fp8_producer)
+            elif config.producer == "cp_async" and not interpret:
+                _cp_async_producer(cache_ref, idx_ref, k_tiled, k_ready, k_free, t, tile0, tiles_per_split, width,
+                                   config)
+            else:
+                _tma_producer(cache_ref, idx_ref, k_tiled, k_rows, k_ready, k_free, idx_smem, idx_bar, t, tile0,
+                              tiles_per_split, n_cols, config, interpret)
+
+
+def _plain_consumer(q_ref, idx_ref, o_ref, lse_ref, q_smem, k_tiled, q_bar, k_ready, k_free, p_smem, t, split, wg,
+                    tile0, tiles_per_split, half, scale, interpret, hooks):
+    """A consumer of the plain schedule (share_p=False): S = q K^T, the online softmax and its P V half."""
+    @pl.when(wg == 0)
+    def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, q_bar)
+    plgpu.barrier_wait(q_bar)
+    m_i = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc = plgpu.layout_cast(jnp.zeros((HEADS, half), jnp.float32), plgpu.Layout.WGMMA)
+
+    load_slots = functools.partial(_load_slots, idx_ref, t, tile0, tiles_per_split)
+
+    def step(i, carry):
+        acc, m_i, l_i, slots = carry
+        b = lax.rem(i, 2)
+        plgpu.barrier_wait(k_ready.at[b])
+        if hooks.consumers == "idle":
+            plgpu.barrier_arrive(k_free.at[b])
+            return carry
+        slots_next = load_slots(i + 1) if hooks.consumers != "no_mask" else slots
+
+        p, alpha, m_new = _scores_softmax(q_smem, k_tiled.at[b], slots, m_i, scale)
+        l_i = l_i * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        v = k_tiled.at[b, :, pl.ds(wg * half, half)]
+        p16 = p.astype(jnp.bfloat16)
+        if interpret:  # the interpreter runs neither wgmma with A in registers nor run_state on an ACC
+            p_smem[wg] = p16
+            plgpu.commit_smem()
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem.at[wg], v)
+                return acc_ref[...]
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((HEADS, half), jnp.float32))
         else:
-            _tma_producer(cache_ref, idx_ref, k_tiled, k_rows, k_ready, k_free, idx_smem, idx_bar, t, tile0,
-                          tiles_per_split, n_cols, config, interpret)
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v)
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(k_free.at[b])
+        return acc, m_new, l_i, slots_next
+
+    if hooks.consumers != "no_mask":
+        slots0 = load_slots(0)
+    else:
+        slots0 = plgpu.layout_cast(jnp.zeros((BLOCK_K,), jnp.int32), plgpu.Layout.WGMMA.reduce(0))
+    acc, m_i, l_i, _ = lax.fori_loop(0, tiles_per_split, step, (acc, m_i, l_i, slots0))
+    has = l_i > 0.0
+    inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
+    o_ref[split, t, :, pl.ds(wg * half, half)] = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+    m_fin = jnp.where(m_i == -jnp.inf, 0.0, m_i)
+    lse = jnp.where(has, (m_fin + jnp.log2(jnp.where(has, l_i, 1.0))) * (1.0 / LOG2E), -jnp.inf)
+
+    @pl.when(wg == 0)
+    def _():
+        lse_ref[split, t, :] = lse
+
+
+def _write_empty(o_ref, lse_ref, split, t, w, half, live, zero_empty, write_lse):
+    """What a split with no valid slot writes, with none of its work done: lse -inf (exp(-inf) = 0: its weight in
+    the merge) and, where `zero_empty`, o = 0 in this consumer's half of the columns (what the full schedule gives
+    such a split: P = 0, so acc = 0 and 1 / l is taken as 0). Without `zero_empty` its o is left unwritten: the
+    merges never read the o of a split whose lse is -inf (`kernels.lse_merge`), and o there would be 2 x 64 heads
+    x 512 x 4 bytes a padding row of a decode step, written for nothing."""
+    @pl.when(jnp.logical_not(live))
+    def _():
+        if zero_empty:
+            o_ref[split, t, :, pl.ds(w * half, half)] = plgpu.layout_cast(jnp.zeros((HEADS, half), jnp.float32),
+                                                                         plgpu.Layout.WGMMA)
+        if write_lse is True:
+            lse_ref[split, t, :] = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32),
+                                                     plgpu.Layout.WGMMA.reduce(1))
+        elif write_lse is not False:
+            @pl.when(write_lse)
+            def _():
+                lse_ref[split, t, :] = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32),
+                                                         plgpu.Layout.WGMMA.reduce(1))
 
 
 def _drain(k_free, tiles_per_split):
@@ -250,10 +291,11 @@ def _drain(k_free, tiles_per_split):
 
 
 def _share_p_consumers(q_ref, idx_ref, o_ref, lse_ref, q_smem, k_tiled, q_bar, k_ready, k_free, share, t, split,
-                       wg, tile0, tiles_per_split, half, scale, config, interpret):
+                       wg, tile0, tiles_per_split, half, scale, config, interpret, live, zero_empty):
     """Consumer 0 computes S = q K^T and the online softmax, publishes P (bf16) and the rescale factors in
     shared memory (`p_ready`), and accumulates its P V half from registers; consumer 1 rescales and
-    accumulates the other half with P read from shared memory, then frees P (`p_free`)."""
+    accumulates the other half with P read from shared memory, then frees P (`p_free`). A split with no valid slot
+    (not `live`) does none of it (`_write_empty`)."""
     p_share, stats, p_ready, p_free = share  # stats[0]: alpha of the current tile, stats[1]: the final l
 
     load_slots = functools.partial(_load_slots, idx_ref, t, tile0, tiles_per_split)
@@ -281,61 +323,68 @@ def _share_p_consumers(q_ref, idx_ref, o_ref, lse_ref, q_smem, k_tiled, q_bar, k
     @pl.when(wg == 0)
     def _leader():
         plgpu.set_max_registers(config.consumer_registers, action="increase")
-        plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, q_bar)
-        plgpu.barrier_wait(q_bar)
-        m_i = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        _write_empty(o_ref, lse_ref, split, t, 0, half, live, zero_empty, write_lse=True)
 
-        def step(i, carry):
-            acc, m_i, l_i, slots = carry
-            b = lax.rem(i, 2)
-            plgpu.barrier_wait(k_ready.at[b])
-            slots_next = load_slots(i + 1)
+        @pl.when(live)
+        def _():
+            plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, q_bar)
+            plgpu.barrier_wait(q_bar)
+            m_i = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
 
-            p, alpha, m_new = _scores_softmax(q_smem, k_tiled.at[b], slots, m_i, scale)
-            p16 = p.astype(jnp.bfloat16)
-            l_i = l_i * alpha + p16.astype(jnp.float32).sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            def step(i, carry):
+                acc, m_i, l_i, slots = carry
+                b = lax.rem(i, 2)
+                plgpu.barrier_wait(k_ready.at[b])
+                slots_next = load_slots(i + 1)
 
-            @pl.when(i >= 1)
-            def _():
-                plgpu.barrier_wait(p_free)
-            p_share[...] = p16
-            stats[0] = alpha
+                p, alpha, m_new = _scores_softmax(q_smem, k_tiled.at[b], slots, m_i, scale)
+                p16 = p.astype(jnp.bfloat16)
+                l_i = l_i * alpha + p16.astype(jnp.float32).sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+                @pl.when(i >= 1)
+                def _():
+                    plgpu.barrier_wait(p_free)
+                p_share[...] = p16
+                stats[0] = alpha
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_ready)
+                acc = pv(acc, p16, b, 0)
+                plgpu.barrier_arrive(k_free.at[b])
+                return acc, m_new, l_i, slots_next
+
+            acc, m_i, l_i, _ = lax.fori_loop(0, tiles_per_split, step, (acc0, m_i, l_i, load_slots(0)))
+            plgpu.barrier_wait(p_free)  # consumer 1 is done with the last P before stats[1] is written
+            stats[1] = l_i
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_ready)
-            acc = pv(acc, p16, b, 0)
-            plgpu.barrier_arrive(k_free.at[b])
-            return acc, m_new, l_i, slots_next
-
-        acc, m_i, l_i, _ = lax.fori_loop(0, tiles_per_split, step, (acc0, m_i, l_i, load_slots(0)))
-        plgpu.barrier_wait(p_free)  # consumer 1 is done with the last P before stats[1] is written
-        stats[1] = l_i
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(p_ready)
-        has = finish(acc, l_i, 0)
-        m_fin = jnp.where(m_i == -jnp.inf, 0.0, m_i)
-        lse_ref[split, t, :] = jnp.where(has, (m_fin + jnp.log2(jnp.where(has, l_i, 1.0))) * (1.0 / LOG2E),
-                                         -jnp.inf)
+            has = finish(acc, l_i, 0)
+            m_fin = jnp.where(m_i == -jnp.inf, 0.0, m_i)
+            lse_ref[split, t, :] = jnp.where(has, (m_fin + jnp.log2(jnp.where(has, l_i, 1.0))) * (1.0 / LOG2E),
+                                             -jnp.inf)
 
     @pl.when(wg == 1)
     def _follower():
         plgpu.set_max_registers(config.second_consumer_registers, action="increase")
+        _write_empty(o_ref, lse_ref, split, t, 1, half, live, zero_empty, write_lse=False)
 
-        def step(i, acc):
-            b = lax.rem(i, 2)
-            plgpu.barrier_wait(k_ready.at[b])
+        @pl.when(live)
+        def _():
+            def step(i, acc):
+                b = lax.rem(i, 2)
+                plgpu.barrier_wait(k_ready.at[b])
+                plgpu.barrier_wait(p_ready)
+                alpha = plgpu.load(stats.at[0], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                acc = pv(acc, p_share, b, 1)
+                plgpu.barrier_arrive(p_free)
+                plgpu.barrier_arrive(k_free.at[b])
+                return acc
+
+            acc = lax.fori_loop(0, tiles_per_split, step, acc0)
             plgpu.barrier_wait(p_ready)
-            alpha = plgpu.load(stats.at[0], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = pv(acc, p_share, b, 1)
-            plgpu.barrier_arrive(p_free)
-            plgpu.barrier_arrive(k_free.at[b])
-            return acc
-
-        acc = lax.fori_loop(0, tiles_per_split, step, acc0)
-        plgpu.barrier_wait(p_ready)
-        finish(acc, plgpu.load(stats.at[1], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False), 1)
+            finish(acc, plgpu.load(stats.at[1], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False), 1)
 
 
 def _tma_producer(cache_ref, idx_ref, k_tiled, k_rows, k_ready, k_free, idx_smem, idx_bar, t, tile0,
@@ -674,8 +723,10 @@ def _issue_row_copies(ctx, cache, idx, k_smem, t_fa, base_fa, b_fa, *, width):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "kv_lora_rank", "config", "interpret", "return_partials",
-                                             "hooks"))
-def _run(q, cache, indices, *, scale, kv_lora_rank, config, interpret, return_partials, hooks):
+                                             "hooks", "skip_empty"))
+def _run(q, cache, indices, *, scale, kv_lora_rank, config, interpret, return_partials, hooks, skip_empty=True):
+    """The launch (and merge). skip_empty=False runs the full schedule for every split, empty or not (what the
+    kernel did before it skipped them: tests compare the two bit for bit)."""
     t_rows, h, width = q.shape
     k = indices.shape[1]
     n_split = config.n_split
@@ -683,6 +734,13 @@ def _run(q, cache, indices, *, scale, kv_lora_rank, config, interpret, return_pa
     tiles_per_split = -(-tiles // n_split)
     k_pad = tiles_per_split * n_split * BLOCK_K
     indices = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, k_pad - k)), constant_values=-1)
+    # 1 where a (row, split) holds a valid slot: one small XLA reduction over the [T, K] ids (2 MB at 256 rows of
+    # top-k 2048), read by each CTA as one scalar. In the kernel the same answer would need each warpgroup (the
+    # producer before its first gather, the consumers before their first wait) to read and reduce the split's
+    # 1024 ids across its 128 threads, or a barrier to hand one warpgroup's answer to the others.
+    live = jnp.any(indices.reshape(t_rows, n_split, tiles_per_split * BLOCK_K) >= 0, axis=-1).astype(jnp.int32)
+    if not skip_empty:
+        live = jnp.ones_like(live)
     q = jnp.pad(q.astype(jnp.bfloat16), ((0, 0), (0, HEADS - h), (0, 0)))
     r = kv_lora_rank
     n_cols = width // COL_TILE
@@ -692,10 +750,13 @@ def _run(q, cache, indices, *, scale, kv_lora_rank, config, interpret, return_pa
     k_rows = plgpu.SMEM((2, BLOCK_K // 8, n_cols, 8, COL_TILE), jnp.bfloat16, transforms=(swizzle,))
     k_view = (k_tiled, k_rows) if interpret else plgpu.RefUnion(k_tiled, k_rows)
     cp_async = config.producer == "cp_async" and not interpret
+    # an empty split's o = 0 is written only where the partials leave this function as they are (the caller's
+    # partials, or the one split's o); a merge never reads the o of a split whose lse is -inf
+    zero_empty = return_partials or n_split == 1 or not skip_empty
     lane_producer = cp_async or cache.dtype == jnp.uint8  # fp8_ds_mla always takes its own (Lane code) producer
     kernel = plgpu.kernel(
         functools.partial(_kernel, scale=scale, r=r, width=width, tiles_per_split=tiles_per_split, config=config,
-                          interpret=interpret, hooks=hooks),
+                          interpret=interpret, hooks=hooks, zero_empty=zero_empty),
         out_type=(jax.ShapeDtypeStruct((n_split, t_rows, HEADS, r), jnp.float32),
                   jax.ShapeDtypeStruct((n_split, t_rows, HEADS), jnp.float32)),
         scratch_types=(
@@ -719,7 +780,7 @@ def _run(q, cache, indices, *, scale, kv_lora_rank, config, interpret, return_pa
             approx_math=True, reduction_scratch_bytes=_reduction_scratch(config)),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    o, lse = kernel(q, cache, indices)
+    o, lse = kernel(q, cache, indices, live)
     if return_partials:
         return o[:, :, :h], lse[:, :, :h]
     if n_split == 1:

@@ -62,7 +62,8 @@ def test_forms_are_refused_where_they_do_not_apply():
 
 def test_scripts_are_there():
     assert set(SCRIPTS) == {"diag_indexer_parts", "diag_launch_gap", "multi_turn_schedule", "probe_indexer_mosaic",
-                            "probe_moe_fp8", "probe_sparse_mla_mosaic", "profile_kernels", "row_invariance"}
+                            "probe_moe_fp8", "probe_sparse_mla_mosaic", "profile_kernels", "row_invariance",
+                            "padding_rows_mla"}
 
 
 def test_row_invariance_names_the_first_op_a_changed_row_reaches(monkeypatch):

@@ -39,6 +39,31 @@ def test_matches_float64_numpy(kernel_impl, n, t, h, r):
     assert np.all(np.asarray(mo)[0, 0] == 0) and np.isneginf(np.asarray(ml)[0, 0])
 
 
+@pytest.mark.parametrize("merge_impl", ["xla", "kernel"])
+def test_the_o_of_an_empty_partial_is_never_used(kernel_impl, merge_impl):
+    """A partial whose lse is -inf (an empty split: the sparse MLA kernels skip those and may leave its o unwritten)
+    changes nothing whatever its o holds (NaN, inf, huge): bit for bit the merge of the same partials with that o
+    at 0, for padding rows (every split empty) and for real rows with some splits empty. (On the GPU the kernel
+    also does not read it: the load is masked.)"""
+    impl = kernel_impl if merge_impl == "kernel" else "xla"
+    o, lse = _partials(4, 6, 16, 64, seed=3)
+    lse = np.where(np.isfinite(lse), lse, 0.0).astype(np.float32)
+    lse[:, 4:] = -np.inf  # padding rows: every split empty
+    lse[1:3, 0] = -np.inf  # a real row whose middle splits are empty
+    lse[3, 2, ::2] = -np.inf
+    empty = np.isneginf(lse)
+    clean = np.where(empty[..., None], 0.0, o).astype(np.float32)
+    poison = clean.copy()
+    poison[empty] = np.array([np.nan, np.inf, -np.inf, 3e38], np.float32)[np.arange(64) % 4]
+    merge = jax.jit(functools.partial(lse_merge.merge_splits, impl=impl))
+    want = [np.asarray(a) for a in merge(jnp.asarray(clean), jnp.asarray(lse))]
+    got = [np.asarray(a) for a in merge(jnp.asarray(poison), jnp.asarray(lse))]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
+    assert np.all(got[0][4:] == 0) and not np.signbit(got[0][4:]).any() and np.all(np.isneginf(got[1][4:]))
+    np.testing.assert_allclose(got[0], _np_merge(clean, lse)[0], rtol=2e-5, atol=2e-6)
+
+
 def test_bf16_partials_are_read_as_float32(kernel_impl):
     o, lse = _partials(4, 3, 16, 64, seed=7)
     o16 = jnp.asarray(o, jnp.bfloat16)

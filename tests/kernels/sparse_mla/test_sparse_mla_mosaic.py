@@ -97,6 +97,91 @@ def test_interpreted_partials_merge_to_the_whole():
         np.testing.assert_allclose(np.asarray(o_s[i]), whole[i][0], atol=3e-2)
 
 
+def _padded_case(real, pad, h, k, *, seed, fp8=False, r=R_SMALL):
+    """`real` query rows (row 0 with slots in its first split only, row 1 in its last split only when k > 64, the
+    others random with -1 among them) followed by `pad` padding rows (every slot -1), as a decode step padded to
+    its fixed rows sees them."""
+    q, cache, idx = _inputs(real + pad, h, k, 300, seed=seed, r=r, fp8=fp8)
+    rng = np.random.default_rng(seed + 1)
+    idx[:real] = rng.integers(0, 300, size=(real, k))
+    idx[:real][rng.uniform(size=(real, k)) < 0.2] = -1
+    if k > 64:
+        idx[0, 64:] = -1  # a split with no valid slot in a real row (a short context's tail)
+        idx[1, :64] = -1
+    idx[real:] = -1
+    return q, cache, idx
+
+
+def _mosaic(q, cache, idx, *, skip_empty=True, return_partials=False, **cfg):
+    config = sparse_mla_mosaic.MosaicSparseMLAConfig(**cfg)
+    o, lse = sparse_mla_mosaic._run(jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(idx), scale=0.0625,
+                                    kv_lora_rank=R_SMALL, config=config, interpret=True,
+                                    return_partials=return_partials, hooks=sparse_mla_mosaic.Hooks(),
+                                    skip_empty=skip_empty)
+    return np.asarray(o), np.asarray(lse)
+
+
+def _bitwise(a, b):
+    np.testing.assert_array_equal(a[0].view(np.uint32), b[0].view(np.uint32))
+    np.testing.assert_array_equal(a[1].view(np.uint32), b[1].view(np.uint32))
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("n_split,merge", [(1, "launch"), (2, "launch"), (2, "xla")])
+def test_empty_splits_are_skipped_bit_for_bit(schedule, n_split, merge):
+    """A (row, split) with no valid slot skips its work and writes lse -inf (and o = 0 where the partials are the
+    result): every row bit for bit what the full schedule gives (skip_empty=False: every split run as before), the
+    real rows bit for bit the same rows without the padding rows, and all of it against float64 numpy (SPEC §5:
+    a row with no valid index is (0, -inf)). The interpreter fills memory a kernel does not write with NaN, so a
+    merge that read the o a skipped split leaves unwritten would show it."""
+    assert plgpu_interpret_params().uninitialized_memory == "nan"
+    real, pad, h, k = 3, 5, 8, 128
+    q, cache, idx = _padded_case(real, pad, h, k, seed=21)
+    cfg = dict(n_split=n_split, merge=merge, **SCHEDULES[schedule])
+    got = _mosaic(q, cache, idx, **cfg)
+    _bitwise(got, _mosaic(q, cache, idx, skip_empty=False, **cfg))
+    alone = _mosaic(q[:real], cache, idx[:real], **cfg)
+    _bitwise((got[0][:real], got[1][:real]), alone)
+    o, lse = got
+    assert np.all(o[real:] == 0) and not np.signbit(o[real:]).any() and np.all(np.isneginf(lse[real:]))
+    _check_against_numpy(o[:, :h], lse[:, :h], q, np.asarray(cache.astype(jnp.float32)), idx, R_SMALL)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_skipped_splits_partials_are_the_merge_identity(schedule):
+    """Asked for the partials, a skipped split writes exactly (+0, -inf) in both consumers' halves of o (nothing left
+    unwritten, which the interpreter would show as NaN), bit for bit the full schedule's partials."""
+    real, pad, h, k = 2, 2, 4, 128
+    q, cache, idx = _padded_case(real, pad, h, k, seed=8)
+    cfg = dict(n_split=2, **SCHEDULES[schedule])
+    o, lse = _mosaic(q, cache, idx, return_partials=True, **cfg)
+    _bitwise((o, lse), _mosaic(q, cache, idx, return_partials=True, skip_empty=False, **cfg))
+    empty = ~(np.asarray(idx).reshape(real + pad, 2, 64) >= 0).any(-1).T  # [split, row]
+    assert empty[1, 0] and empty[0, 1] and empty[:, real:].all() and not empty[0, 0]
+    assert np.all(o[empty] == 0) and not np.signbit(o[empty]).any() and np.all(np.isneginf(lse[empty]))
+    assert np.isfinite(lse[~empty][:, :h]).all()
+
+
+def plgpu_interpret_params():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu.InterpretGPUParams()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("share_p", [False, True])
+def test_skip_lowers_for_the_device(fp8, share_p):
+    """The skip (a scalar read of the CTA's flag in each warpgroup, the work under one branch, the empty split's
+    stores) lowers for CUDA on CPU for both caches and schedules at GLM-5 dims, with the merge and the partials."""
+    from kernels.common.triton_common import lower_for_gpu
+    sd = jax.ShapeDtypeStruct
+    cache = sd((4096, 656), jnp.uint8) if fp8 else sd((4096, 576), jnp.bfloat16)
+    for partials in (False, True):
+        text = lower_for_gpu(functools.partial(sparse_mla_mosaic.sparse_mla_mosaic, scale=0.0625, kv_lora_rank=512,
+                                               share_p=share_p, n_split=2, return_partials=partials),
+                             sd((8, 64, 576), jnp.bfloat16), cache, sd((8, 2048), jnp.int32))
+        assert "mosaic_gpu" in text
+
+
 def test_config_is_validated():
     with pytest.raises(ValueError, match="n_split must be >= 1"):
         sparse_mla_mosaic.MosaicSparseMLAConfig(n_split=0)
