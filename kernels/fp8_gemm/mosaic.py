@@ -19,6 +19,11 @@ fp8 wgmma's short accumulator to one block); the carry restarts from zeros at a 
 at its last. The two compute warpgroups interleave: one scales while the other's wgmma runs. The epilogue stores
 bf16 (or float32) through shared memory by TMA, overlapping the next tile's loads.
 
+Overlapped promotion (config.overlap, prefill layout): a step's wgmmas (k_step K blocks x m sub-tiles x column
+blocks x split_n pieces) are issued as a chain, partial n promoted after wgmma n + 1 is issued (`wgmma_wait(1)`), so
+the warpgroup's own wgmma covers each promotion but the step's last; the same partials in the same order, the same
+bits (see the body for why the chain stays inside a step).
+
 Unused tiles (group -1) are neither loaded nor stored: their output rows are undefined (never written; NaN under
 the interpreter) and callers must not read them (the routed experts do not: `experts.routed_experts_w8a8`). A -1
 tile before the last used one (a tile_group that is not a prefix; none of this package's layouts) is walked as
@@ -73,7 +78,7 @@ def _tile_transforms(cols: int, dtype):
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-def _kernel(group_ref, used_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, n_tiles: int, k_blocks: int):
+def _kernel(group_ref, used_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, n_tiles: int, k_steps: int):
     cfg = config
     n_w = cfg.n_operands
     w_refs, sw_refs, o_ref = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w]
@@ -83,6 +88,9 @@ def _kernel(group_ref, used_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, n_
     out_r, out_c = cfg.out_tile()
     e4m3 = _tile_transforms(BLOCK, FP8)
     sa_w, sw_w = scale_block_widths(cfg)
+    kps, split = cfg.k_step, cfg.split_n  # K blocks a pipeline step; wgmmas a 64 x 128 output block is issued as
+    k_cols = kps * BLOCK
+    part_c = out_c // split  # columns of one partial and of one running accumulator piece
 
     # The CTA's walk: the (row tile, column tile) pairs lin = m_idx * n_tiles + n_idx below used * n_tiles (`used`
     # the row tiles up to the last one with a group, `used_tiles`: a runtime count), column tile fastest so the CTAs
@@ -109,9 +117,10 @@ def _kernel(group_ref, used_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, n_
         return (n_idx * w_rows // BLOCK) // cfg.operand_blocks
 
     def make_pipeline(body, compute_context, grid):
-        # a (rows) tile [tile_m, 128], each weight operand's tile [operand_rows, 128] of group g, s_a^T run
-        # [1, sa_w] from the tile's first row (an element offset: sa_w may pass tile_m), each operand's s_w run
-        # [1, sw_w]; each index map reads the tile's group from tile_group
+        # a (rows) tile [tile_m, 128 k_step], each weight operand's tile [operand_rows, 128 k_step] of group g, s_a^T
+        # runs [k_step, sa_w] from the tile's first row (an element offset: sa_w may pass tile_m), each operand's
+        # s_w runs [k_step, sw_w]; each index map reads the tile's group from tile_group (k: the step, k_step
+        # K blocks)
         def a_map(t, k):
             return tile_of(t)[0], k
 
@@ -129,11 +138,11 @@ def _kernel(group_ref, used_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, n_
             grid=grid,
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((cfg.tile_m, BLOCK), a_map, transforms=e4m3, memory_space=plgpu.SMEM),
-                *[plgpu.BlockSpec((None, w_rows, BLOCK), w_map, transforms=e4m3, memory_space=plgpu.SMEM)
+                plgpu.BlockSpec((cfg.tile_m, k_cols), a_map, transforms=e4m3, memory_space=plgpu.SMEM),
+                *[plgpu.BlockSpec((None, w_rows, k_cols), w_map, transforms=e4m3, memory_space=plgpu.SMEM)
                   for _ in range(n_w)],
-                plgpu.BlockSpec((1, pl.Element(sa_w)), sa_map, memory_space=plgpu.SMEM),
-                *[plgpu.BlockSpec((None, 1, sw_w), sw_map, memory_space=plgpu.SMEM) for _ in range(n_w)],
+                plgpu.BlockSpec((kps, pl.Element(sa_w)), sa_map, memory_space=plgpu.SMEM),
+                *[plgpu.BlockSpec((None, kps, sw_w), sw_map, memory_space=plgpu.SMEM) for _ in range(n_w)],
             ],
             wg_axis="wg",
             num_compute_wgs=wgs,
@@ -146,7 +155,7 @@ def _kernel(group_ref, used_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, n_
 
     @functools.partial(
         pl.run_scoped,
-        allocs=make_pipeline(ignore, ignore, (my_tiles, k_blocks)).get_allocations(*gmem),
+        allocs=make_pipeline(ignore, ignore, (my_tiles, k_steps)).get_allocations(*gmem),
         out_smem=plgpu.SMEM((wgs, out_r, out_c), o_ref.dtype, transforms=_tile_transforms(out_c, o_ref.dtype)),
         collective_axes="wg",
     )
@@ -165,24 +174,33 @@ def _kernel(group_ref, used_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, n_
             cols = n_idx * BLOCK if cfg.swiglu else n_idx * cfg.tile_n + s * BLOCK
             return o_ref.at[pl.ds(m_idx * cfg.tile_m + wg * wg_rows + i * WGMMA_M, WGMMA_M), pl.ds(cols, BLOCK)]
 
-        def store(acc, window):
+        def store(pieces, window):
+            """One store tile from its `split` column pieces (each 64 x part_c)."""
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store (of this tile or the last) has read it
-            out_smem[wg] = acc.astype(out_smem.dtype)
+            if split == 1:
+                out_smem[wg] = pieces[0].astype(out_smem.dtype)
+            else:
+                for h, piece in enumerate(pieces):
+                    out_smem[wg, :, pl.ds(h * part_c, part_c)] = piece.astype(out_smem.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_smem.at[wg], window)
 
         def store_all(accs, m_idx, n_idx):
+            # accs[(i n_sub + s) split + h]: m sub-tile i, wgmma s (column block, or the gate / up operand), piece h
+            def pieces(i, s):
+                return accs[(i * n_sub + s) * split:(i * n_sub + s + 1) * split]
+
             for i in range(cfg.m_sub):
                 if cfg.swiglu:  # the gate accumulator, then the up one: silu(gate) * up
-                    gate, up = accs[i * n_sub], accs[i * n_sub + 1]
-                    store(gate / (1.0 + jnp.exp(-gate)) * up, out_window(m_idx, n_idx, i, 0))
+                    store([gate / (1.0 + jnp.exp(-gate)) * up for gate, up in zip(pieces(i, 0), pieces(i, 1))],
+                          out_window(m_idx, n_idx, i, 0))
                 else:
                     for s in range(n_sub):
-                        store(accs[i * n_sub + s], out_window(m_idx, n_idx, i, s))
+                        store(pieces(i, s), out_window(m_idx, n_idx, i, s))
 
         def zeros():
-            return tuple(plgpu.layout_cast(jnp.zeros((out_r, out_c), f32), plgpu.Layout.WGMMA)
-                         for _ in range(cfg.m_sub * n_sub))
+            return tuple(plgpu.layout_cast(jnp.zeros((out_r, part_c), f32), plgpu.Layout.WGMMA)
+                         for _ in range(cfg.m_sub * n_sub * split))
 
         def compute_context(run):
             run(zeros())  # the carry is reset at each tile's first K block and stored at its last, in the body
@@ -194,41 +212,103 @@ def _kernel(group_ref, used_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, n_
             # scale, the same float32 bits); a uniform branch, the K block being the same for the whole CTA
             accs = lax.cond(k == 0, zeros, lambda: carry)
 
-            def weight(s):
-                """(the smem rows of wgmma s of m sub-tile i, as a function of i; its weight scale)"""
-                j, b = (s, 0) if cfg.swiglu else (0, s)  # operand, 128-row block inside the operand's tile
-                scale = sw_smems[j][0, b * SCALE_REPEAT]
-                if swap:
-                    return (lambda i: w_smems[j].at[my_rows(i)]), scale
-                return (lambda i: w_smems[j].at[pl.ds(b * BLOCK, BLOCK)]), scale
-
-            ws = [weight(s) for s in range(n_sub)]
-            new = []
-            for i in range(cfg.m_sub):
-                if swap:
-                    sa = plgpu.load(sa_smem.at[0, pl.ds(0, cfg.tile_m)], layout=plgpu.Layout.WGMMA.reduce(0),
-                                    optimized=False)
-                else:
-                    sa = plgpu.load(sa_smem.at[0, my_rows(i)], layout=plgpu.Layout.WGMMA.reduce(1),
-                                    optimized=False)
-                for s in range(n_sub):
-                    w_tile, sw = ws[s]
-
-                    def mma(acc_ref):
-                        if swap:
-                            plgpu.wgmma(acc_ref, w_tile(i), a_smem.transpose((1, 0)))
-                        else:
-                            plgpu.wgmma(acc_ref, a_smem.at[my_rows(i)], w_tile(i).transpose((1, 0)))
+            if swap:
+                new = list(accs)
+                sa = plgpu.load(sa_smem.at[0, pl.ds(0, cfg.tile_m)], layout=plgpu.Layout.WGMMA.reduce(0),
+                                optimized=False)
+                for s in range(n_sub):  # one wgmma per weight operand: 64 weight rows x tile_m
+                    def mma(acc_ref, s=s):
+                        plgpu.wgmma(acc_ref, w_smems[s].at[my_rows(0)], a_smem.transpose((1, 0)))
                         return acc_ref[...]
 
                     part = pl.run_scoped(mma, plgpu.ACC((out_r, out_c), f32))
-                    scale = lax.broadcast_in_dim(sa * sw, (out_r, out_c), [1] if swap else [0])
-                    new.append(accs[i * n_sub + s] + part * scale)
-            new = tuple(new)
+                    scale = lax.broadcast_in_dim(sa * sw_smems[s][0, 0], (out_r, out_c), [1])
+                    new[s] = accs[s] + part * scale
+                return finish(t, k, tuple(new))
 
+            # The step's wgmmas, in promotion order: K block kk of the step, m sub-tile i, wgmma s (a 128-row weight
+            # block of the tile, or the gate / up operand), column piece h; each a 64 x part_c partial promoted
+            # into running piece (i n_sub + s) split + h. Each running piece takes its K blocks in order, so the
+            # float32 sums are those of one K block a step.
+            jobs = [(kk, i, s, h) for kk in range(kps) for i in range(cfg.m_sub) for s in range(n_sub)
+                    for h in range(split)]
+            sas = {(kk, i): plgpu.load(sa_smem.at[kk, my_rows(i)], layout=plgpu.Layout.WGMMA.reduce(1),
+                                       optimized=False)
+                   for kk in range(kps) for i in range(cfg.m_sub)}
+
+            def operand(s):
+                """(weight operand, 128-row block inside the operand's tile) of wgmma s."""
+                return (s, 0) if cfg.swiglu else (0, s)
+
+            sws = {(kk, s): sw_smems[operand(s)[0]][kk, operand(s)[1] * SCALE_REPEAT]
+                   for kk in range(kps) for s in range(n_sub)}
+
+            def issue(job, acc_ref):
+                kk, i, s, h = job
+                j, b = operand(s)
+                rows = pl.ds(b * BLOCK + h * part_c, part_c)
+                if kps == 1:
+                    a_tile, w_tile = a_smem.at[my_rows(i)], w_smems[j].at[rows]
+                else:
+                    cols = pl.ds(kk * BLOCK, BLOCK)
+                    a_tile, w_tile = a_smem.at[my_rows(i), cols], w_smems[j].at[rows, cols]
+                plgpu.wgmma(acc_ref, a_tile, w_tile.transpose((1, 0)))
+
+            def promote(vals, job, part):
+                """vals (a list of the running pieces) with `part`, the partial of `job`, promoted into its piece."""
+                kk, i, s, h = job
+                scale = lax.broadcast_in_dim(sas[kk, i] * sws[kk, s], (out_r, part_c), [0])
+                r = (i * n_sub + s) * split + h
+                vals[r] = vals[r] + part * scale
+
+            new = list(accs)
+            if not cfg.overlap:
+                # each wgmma into a fresh accumulator, waited for (the scope's end) and promoted before the next:
+                # the tensor core idles during the promotion unless the other warpgroup's wgmma covers it
+                for job in jobs:
+                    def mma(acc_ref, job=job):
+                        issue(job, acc_ref)
+                        return acc_ref[...]
+
+                    promote(new, job, pl.run_scoped(mma, plgpu.ACC((out_r, part_c), f32)))
+            else:
+                # The chain: wgmma n into a fresh partial; once wgmma n + 1 is issued, wait until it alone is in
+                # flight (wgmma_wait 1: wgmma n done) and promote partial n while the tensor core runs n + 1; the
+                # last one waits for the tensor core (wait 0), so the step's shared memory is released at its end as
+                # without overlap. Partial n is the accumulator of a scope opened just before wgmma n and nested in
+                # partial n - 1's (a scope's end waits for every wgmma: all of them end together, after the last
+                # promotion), so its zeroed registers live from its wgmma to its promotion: two partials at a time.
+                # (Two accumulators zeroed and reused in turn would be the same registers, but the interpreter does
+                # not take a store into an accumulator; one scope of all the chain's partials would zero them all
+                # at its start, every one live from there.)
+                # Why a chain inside a step rather than carrying a wgmma in flight into the next step (the pipeline's
+                # delay_release, which would overlap every promotion): an in-flight accumulator would cross the
+                # loop's back edge and the tile boundary's branches (the reset at a tile's first K block, the store
+                # at its last: its partial promoted there, a step late), where ptxas serialises wgmmas whose
+                # accumulator registers it cannot prove untouched, and delay_release holds every slot a step longer
+                # (one stage fewer in flight at the same shared memory). The chain keeps the release, the reset and
+                # the store as they are; the promotion left uncovered per step (1 of 2 with k_step 2 or split_n 2,
+                # 1 of 4 with both or with SwiGLU's split_n 2) is what the other warpgroup's wgmmas cover.
+                def chain(n, prev, vals):
+                    def scope(part_ref):
+                        issue(jobs[n], part_ref)
+                        out = list(vals)
+                        if prev is not None:
+                            promote(out, jobs[n - 1], plgpu.wgmma_accumulator_load(prev, wait_n=1))
+                        if n + 1 < len(jobs):
+                            return chain(n + 1, part_ref, out)
+                        promote(out, jobs[n], plgpu.wgmma_accumulator_load(part_ref, wait_n=0))
+                        return tuple(out)  # the values promoted in the scope leave it as its result
+
+                    return pl.run_scoped(scope, plgpu.ACC((out_r, part_c), f32))
+
+                new = list(chain(0, None, tuple(new)))
+            return finish(t, k, tuple(new))
+
+        def finish(t, k, new):
             # the tile's last K block: store it (the stores of tile t overlap the producer's loads of tile t + 1,
             # already in the ring); a tile of group -1 is not stored (its rows are the caller's to ignore)
-            @pl.when(k == k_blocks - 1)
+            @pl.when(k == k_steps - 1)
             def _last():
                 m_idx, n_idx = tile_of(t)
 
@@ -238,7 +318,7 @@ def _kernel(group_ref, used_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, n_
 
             return new
 
-        make_pipeline(body, compute_context, (my_tiles, k_blocks))(*gmem, allocations=allocs)
+        make_pipeline(body, compute_context, (my_tiles, k_steps))(*gmem, allocations=allocs)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -256,6 +336,13 @@ def _run(a_q, a_scale, w_qs, w_scales, tile_group, *, config, out_dtype, interpr
     m, k = a_q.shape
     g, n, _ = w_qs[0].shape
     kb = k // BLOCK
+    if kb % config.k_step:  # k_step 2 and odd K blocks: one zero block more (a zero partial, scaled by 1: + 0.0)
+        pad = config.k_step - kb % config.k_step
+        a_q, a_scale = jnp.pad(a_q, ((0, 0), (0, pad * BLOCK))), jnp.pad(a_scale, ((0, 0), (0, pad)),
+                                                                          constant_values=1.0)
+        w_qs = tuple(jnp.pad(w, ((0, 0), (0, 0), (0, pad * BLOCK))) for w in w_qs)
+        w_scales = tuple(jnp.pad(s, ((0, 0), (0, 0), (0, pad)), constant_values=1.0) for s in w_scales)
+        kb += pad
     m_tiles, n_tiles = m // config.tile_m, n // config.operand_rows
     sa_w, _ = scale_block_widths(config)
     # [KB, M + pad]: the last tile's block of sa_w scales stays inside the array
@@ -264,7 +351,7 @@ def _run(a_q, a_scale, w_qs, w_scales, tile_group, *, config, out_dtype, interpr
            for s in w_scales]
     out_shape = (n, m) if config.swap_ab else (m, n)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, config=config, n_tiles=n_tiles, k_blocks=kb),
+        functools.partial(_kernel, config=config, n_tiles=n_tiles, k_steps=kb // config.k_step),
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         grid=(max(1, min(max_ctas, m_tiles * n_tiles)),),
         grid_names=("sm",),

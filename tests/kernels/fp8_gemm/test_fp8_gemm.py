@@ -7,6 +7,7 @@ nor stores; launches of a few CTAs, each walking many tiles of changing groups t
 CUDA at GLM-5.2 widths; the gpu-marked tests run it on the device at ragged group sizes against a bound derived
 from the tensor core's accumulation (`accumulation_bound`)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -232,6 +233,60 @@ def test_interpreted_kernel_walks_many_tiles_per_cta(name):
     check_used_tiles(out, oracle_out(cfg, a_q, s_a, w_q, s_w, rg), tg, cfg.tile_m, dtype)
 
 
+# name: (plain config, overlapped config, group sizes, N, K, max_ctas, output dtype). The overlapped promotion
+# (`Fp8GemmConfig.overlap`: a step's wgmmas as a chain, partial n promoted while wgmma n + 1 runs) against the same
+# config without it: the same partials promoted in the same order, so the same bits; K blocks even and odd (k_step 2
+# pads an odd count with a zero block), chains of 2 (k_step 2; split_n 2) and 4 (SwiGLU and two m sub-tiles with
+# split_n 2; k_step 2 with split_n 2), a few CTAs each walking many tiles (the chain restarts at each step and tile).
+OVERLAP = {
+    "k2_even_2ctas": (Fp8GemmConfig(stages=2), Fp8GemmConfig(stages=2, overlap=True, k_step=2), [130, 0, 1], 256, 512,
+                      2, jnp.float32),
+    "k2_odd_3ctas": (Fp8GemmConfig(stages=3), Fp8GemmConfig(stages=2, overlap=True, k_step=2), [1, 129, 0, 3], 256,
+                     384, 3, jnp.float32),
+    "split_odd_1cta": (Fp8GemmConfig(stages=3, split_n=2), Fp8GemmConfig(stages=3, overlap=True, split_n=2),
+                       [130, 0, 1], 256, 384, 1, jnp.float32),
+    "k2_split_odd_2ctas": (Fp8GemmConfig(stages=2, split_n=2), Fp8GemmConfig(stages=2, overlap=True, k_step=2,
+                                                                               split_n=2), [3, 200], 256, 384, 2,
+                           jnp.float32),
+    "swiglu_split_2ctas": (Fp8GemmConfig(tile_n=256, stages=2, swiglu=True, split_n=2),
+                           Fp8GemmConfig(tile_n=256, stages=2, swiglu=True, overlap=True, split_n=2), [1, 129, 0],
+                           256, 384, 2, jnp.float32),
+    "swiglu_split_bf16": (Fp8GemmConfig(tile_n=256, stages=3, swiglu=True, split_n=2),
+                          Fp8GemmConfig(tile_n=256, stages=3, swiglu=True, overlap=True, split_n=2), [129, 0, 2], 256,
+                          256, 2, jnp.bfloat16),
+    "m_sub2_split_2ctas": (Fp8GemmConfig(tile_m=256, stages=2, m_sub=2, split_n=2),
+                           Fp8GemmConfig(tile_m=256, stages=2, m_sub=2, overlap=True, split_n=2), [257, 1], 256, 384,
+                           2, jnp.float32),
+    "n256_split_2ctas": (Fp8GemmConfig(tile_n=256, stages=2, split_n=2),
+                         Fp8GemmConfig(tile_n=256, stages=2, overlap=True, split_n=2), [3, 60, 130], 512, 256, 2,
+                         jnp.float32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAP))
+def test_interpreted_overlap_is_bit_identical(name):
+    """The overlapped config's output is the plain config's, bit for bit, in every used row, and within the
+    oracle's float32 (bf16) rounding (the plain configs take one K block a step: k_step 2 is checked against it).
+    (split_n 2 is compared with split_n 2: under the interpreter a 64-column
+    partial is XLA's CPU dot of another shape, whose float32 sums may round differently; `test_gpu_overlap_*`
+    compares the tensor core's.)"""
+    from kernels.fp8_gemm import mosaic
+    plain, over, sizes, n, k, ctas, dtype = OVERLAP[name]
+    assert over.overlap and not plain.overlap and over.register_accs() <= fp8_config.REGISTER_ACCS
+    a_q, s_a, w_q, s_w, tg, rg = make_problem(13, sizes, n, k, plain.tile_m, zero_blocks=True,
+                                              operands=plain.n_operands)
+    used = np.repeat(np.asarray(tg) >= 0, plain.tile_m)
+    assert int(np.asarray(mosaic.used_tiles(tg))[0]) * (n // plain.operand_rows) >= 2 * ctas
+    outs = []
+    for cfg in (plain, over):
+        out = mosaic.grouped_matmul_mosaic(a_q, s_a, *weights_of(cfg, w_q, s_w), tg, config=cfg, out_dtype=dtype,
+                                           interpret=True, max_ctas=ctas)
+        check_used_tiles(out, oracle_out(cfg, a_q, s_a, w_q, s_w, rg), tg, cfg.tile_m, dtype)
+        outs.append(np.asarray(jnp.asarray(out, jnp.float32))[used].view(np.uint32))
+    for other in outs[1:]:
+        np.testing.assert_array_equal(outs[0], other)
+
+
 def test_interpreted_kernel_takes_any_tile_group():
     """`grouped_matmul` takes any tile_group, not only `group_layout`'s (used tiles first): a -1 tile between used
     ones is walked (as group 0) but not stored, the tiles past the last used one are not walked
@@ -257,6 +312,11 @@ GLM = {  # (rows, N, K, groups, config): GLM-5.2 gate+up / down, prefill at TP =
     "prefill_down": (1024, 6144, 2048, 256, Fp8GemmConfig(tile_n=256, stages=3)),
     "prefill_gate_up_swiglu": (1024, 2048, 6144, 256, fp8_config.PREFILL_SWIGLU),
     "prefill_down_m_sub2": (1024, 6144, 2048, 256, Fp8GemmConfig(tile_m=256, tile_n=128, stages=3, m_sub=2)),
+    "prefill_down_overlap_k2": (1024, 6144, 2048, 256, fp8_config.PREFILL_OVERLAP),
+    "prefill_down_overlap_split": (1024, 6144, 2048, 256, Fp8GemmConfig(stages=4, overlap=True, split_n=2)),
+    "prefill_gate_up_swiglu_overlap": (1024, 2048, 6144, 256, fp8_config.PREFILL_SWIGLU_OVERLAP),
+    "prefill_down_m_sub2_overlap": (1024, 6144, 2048, 256, Fp8GemmConfig(tile_m=256, tile_n=128, stages=3, m_sub=2,
+                                                                         overlap=True, split_n=2)),
     "decode_gate_up_swiglu": (256, 256, 6144, 256, fp8_config.DECODE_SWIGLU),
     "decode_down": (256, 6144, 256, 256, fp8_config.DECODE),
     "decode_gate_tm8": (256, 512, 6144, 256, Fp8GemmConfig(tile_m=8, tile_n=128, stages=8, swap_ab=True)),
@@ -314,6 +374,16 @@ def test_configs_and_operands_are_checked():
         Fp8GemmConfig(tile_n=256, stages=8)
     with pytest.raises(ValueError, match="at most 2 fit"):
         Fp8GemmConfig(tile_m=256, tile_n=256, m_sub=2, stages=2)
+    with pytest.raises(ValueError, match="at most 3 x 64 fit the registers"):
+        Fp8GemmConfig(tile_n=256, stages=3, swiglu=True, overlap=True)  # 2 running + 2 partials of 64 x 128
+    with pytest.raises(ValueError, match="at most 3 x 64 fit the registers"):
+        Fp8GemmConfig(tile_n=256, stages=2, overlap=True, k_step=2)
+    with pytest.raises(ValueError, match="k_step and split_n must be 1 or 2"):
+        Fp8GemmConfig(stages=2, split_n=4)
+    with pytest.raises(ValueError, match="swap_ab takes overlap False"):
+        Fp8GemmConfig(tile_m=16, tile_n=128, swap_ab=True, overlap=True)
+    with pytest.raises(ValueError, match="shared memory"):
+        Fp8GemmConfig(stages=3, overlap=True, k_step=2)
     with pytest.raises(ValueError, match="swiglu needs tile_n 256"):
         Fp8GemmConfig(swiglu=True)
     with pytest.raises(ValueError, match="swap_ab needs tile_n = 64 x compute_wgs x weight operands = 256"):
@@ -460,6 +530,8 @@ GPU_WALKS = {
     "walk_swap_swiglu8_3ctas": (Fp8GemmConfig(tile_m=8, tile_n=256, stages=4, swap_ab=True, swiglu=True),
                                 [1, 0, 2, 9, 1, 0, 30, 3], 512, 2048, 3),
     "walk_prefill_2ctas": (Fp8GemmConfig(tile_n=128, stages=4), [300, 0, 1, 129], 512, 512, 2),
+    "walk_prefill_overlap_k2_2ctas": (fp8_config.PREFILL_OVERLAP, [300, 0, 1, 129], 512, 640, 2),
+    "walk_prefill_swiglu_overlap_3ctas": (fp8_config.PREFILL_SWIGLU_OVERLAP, [300, 0, 1, 129], 256, 1152, 3),
 }
 
 
@@ -484,6 +556,40 @@ def test_gpu_kernel_matches_oracle(name):
     np.testing.assert_array_equal(out, np.asarray(run(out_dtype=jnp.float32))[used])
     bf = np.asarray(run(out_dtype=jnp.bfloat16).astype(jnp.float32), np.float64)[used]
     assert np.all(np.abs(bf - np.asarray(out, np.float64)) <= 2.0 ** -8 * np.abs(np.asarray(out, np.float64)))
+
+
+# name: (plain config, overlapped config, group sizes, N, K): the overlapped promotion on the device against the
+# plain form; "bits" cases have the same wgmma shapes (the same partials by construction: bit for bit), the
+# split_n 2 ones 64-column wgmmas for 128-column ones (the tensor core's sum per output element does not depend on
+# the wgmma's N, so the same bits are expected: the test says which)
+GPU_OVERLAP = {
+    "bits_down_k2": (fp8_config.PREFILL, fp8_config.PREFILL_OVERLAP, [300, 0, 1, 129, 64], 768, 2048),
+    "bits_swiglu_split": (dataclasses.replace(fp8_config.PREFILL_SWIGLU, split_n=2), fp8_config.PREFILL_SWIGLU_OVERLAP,
+                          [200, 0, 1, 128], 512, 6144),
+    "split_swiglu": (fp8_config.PREFILL_SWIGLU, fp8_config.PREFILL_SWIGLU_OVERLAP, [200, 0, 1, 128], 512, 6144),
+    "split_down": (fp8_config.PREFILL, Fp8GemmConfig(stages=4, overlap=True, split_n=2), [300, 0, 1, 129], 768,
+                   2048),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GPU_OVERLAP))
+def test_gpu_overlap_matches_plain(name):
+    """Float32 outputs of the used rows: the overlapped config within the accumulation bound of the oracle and,
+    for "bits" cases, equal bit for bit to the plain config (the others print whether they are)."""
+    from kernels.fp8_gemm import mosaic
+    plain, over, sizes, n, k = GPU_OVERLAP[name]
+    a_q, s_a, w_q, s_w, tg, rg = make_problem(7, sizes, n, k, plain.tile_m, zero_blocks=True,
+                                              operands=plain.n_operands)
+    used = np.repeat(np.asarray(tg) >= 0, plain.tile_m)
+    outs = [np.asarray(mosaic.grouped_matmul_mosaic(a_q, s_a, *weights_of(cfg, w_q, s_w), tg, config=cfg,
+                                                    out_dtype=jnp.float32))[used] for cfg in (plain, over)]
+    worst = check_within_bound(over, outs[1], a_q[used], s_a[used], w_q, s_w, rg[used])
+    same = np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+    print(f"{name}: overlap largest error / bound {worst:.3g}; bit-identical to plain: {same} "
+          f"({int((outs[0] != outs[1]).sum())} of {outs[0].size} differ)")
+    if name.startswith("bits"):
+        assert same
 
 
 @pytest.mark.gpu
