@@ -279,25 +279,13 @@ def gemms(run: Run, stage: str, t: int, tp: int, dims: Dims, key):
     (wg, wu, wd), fp8 = experts_fp8(key, dims, width)
     experts, _, used = routing(key, t, dims)
     if stage == "prefill":
-        # the default form and the overlapped promotion (Fp8GemmConfig.overlap) first, then the same wgmma shapes
-        # without overlap (split_n 2, k_step 2 alone: the overlap told from the shape), then other tiles
-        ups = [fp8_gemm.PREFILL_SWIGLU, fp8_gemm.PREFILL_SWIGLU_OVERLAP,
-               Fp8GemmConfig(tile_n=256, stages=3, swiglu=True, split_n=2),
-               Fp8GemmConfig(tile_n=256, stages=2, swiglu=True)]
-        downs = [Fp8GemmConfig(tile_n=128, stages=4), fp8_gemm.PREFILL_OVERLAP, Fp8GemmConfig(stages=2, k_step=2),
-                 Fp8GemmConfig(stages=4, overlap=True, split_n=2), Fp8GemmConfig(stages=4, split_n=2),
-                 Fp8GemmConfig(tile_n=256, stages=3), Fp8GemmConfig(tile_n=256, stages=3, overlap=True, split_n=2),
-                 Fp8GemmConfig(tile_m=256, tile_n=128, stages=3, m_sub=2),
-                 Fp8GemmConfig(tile_m=256, tile_n=128, stages=3, m_sub=2, overlap=True, split_n=2)]
+        ups = [fp8_gemm.PREFILL_SWIGLU, Fp8GemmConfig(tile_n=256, stages=2, swiglu=True)]
+        downs = [Fp8GemmConfig(tile_n=128, stages=4), Fp8GemmConfig(tile_n=256, stages=3),
+                 Fp8GemmConfig(tile_m=256, tile_n=128, stages=3, m_sub=2)]
     else:
-        # one compute warpgroup: half the weight rows a tile, twice the tiles (gate+up at T = 32: 326 tiles over 132
-        # CTAs leave the last wave half full; 652 tiles, 1% idle)
         ups = [Fp8GemmConfig(tile_m=tm, tile_n=256, stages=s, swap_ab=True, swiglu=True) for tm in (8, 16)
-               for s in (4, 6)] + [Fp8GemmConfig(tile_m=8, tile_n=128, stages=6, swap_ab=True, swiglu=True,
-                                                 compute_wgs=1)]
-        downs = [Fp8GemmConfig(tile_m=tm, tile_n=128, stages=6, swap_ab=True) for tm in (8, 16)] + \
-            [Fp8GemmConfig(tile_m=8, tile_n=128, stages=8, swap_ab=True),
-             Fp8GemmConfig(tile_m=8, tile_n=64, stages=8, swap_ab=True, compute_wgs=1)]
+               for s in (4, 6)]
+        downs = [Fp8GemmConfig(tile_m=tm, tile_n=128, stages=6, swap_ab=True) for tm in (8, 16)]
     pairs = t * dims.topk
 
     def one(which: str, cfg: Fp8GemmConfig, w, s, k: int, n: int):
@@ -458,8 +446,7 @@ def main(argv: list[str] | None = None):
     p.add_argument("--iters", type=int, default=10, help="profiled calls per measurement (median)")
     p.add_argument("--only", default="quantize,prefill,decode,linear",
                    help="parts: quantize, prefill, decode (the routed experts), linear (the dense FP8 linears), and "
-                        "gemms (the grouped GEMMs alone at prefill and decode; on without --quick), prefill_gemms "
-                        "(at prefill only: the plain and overlapped configs) or decode_gemms (at decode only)")
+                        "gemms (the grouped GEMMs alone; on without --quick)")
     p.add_argument("--quick", action="store_true",
                    help="~4 min on one H100/H200: the whole op at prefill 8192 and decode 32/128 beside the current "
                         "Triton forms and XLA bf16, the quantisation, the dense linears q_b and o_proj at prefill "
@@ -498,9 +485,8 @@ def main(argv: list[str] | None = None):
         if not args.quick:
             dense_mlp(run, "prefill", args.prefill_rows, dims, jax.random.fold_in(key, 8))
             dense_mlp(run, "decode", decode_rows[0], dims, jax.random.fold_in(key, 9))
-    if parts & {"gemms", "prefill_gemms"}:
+    if "gemms" in parts:
         gemms(run, "prefill", args.prefill_rows, 1, dims, jax.random.fold_in(key, 4))
-    if parts & {"gemms", "decode_gemms"}:
         for t in (int(r) for r in args.decode_rows.split(",")):
             gemms(run, "decode", t, dims.decode_tp, dims, jax.random.fold_in(key, 5 + t))
     run.write()

@@ -7,7 +7,6 @@ import dataclasses
 WGMMA_M = 64  # rows of one warpgroup's wgmma
 BLOCK = 128  # the FP8 scale block; every K step is one block
 SMEM_LIMIT = 232448  # shared memory one CTA may take on Hopper (Mosaic GPU's max_smem_bytes)
-REGISTER_ACCS = 3  # 64 x 128 float32 arrays (64 registers a thread each) a compute warpgroup may hold
 SWAP_SWIGLU_MAX_M = 128  # swap_ab + swiglu: two running 64 x tile_m accumulators and a partial per warpgroup
 
 
@@ -18,7 +17,7 @@ class Fp8GemmConfig:
     swap_ab False (prefill: many rows per group): a CTA tile is `tile_m` activation rows x `tile_n` weight rows;
     each compute warpgroup owns 64 x m_sub rows (tile_m = 64 x m_sub x compute_wgs) and all the tile's weight rows,
     issued as m_sub x tile_n / 128 wgmmas of 64 x 128 per K block (one weight scale each), each waited for and
-    promoted before the next (unless overlap), so only one 64 x 128 partial is live beside the running accumulators
+    promoted before the next, so only one 64 x 128 partial is live beside the running accumulators
     (m_sub x tile_n / 128 <= 2 of them: 128 float32 registers a thread).
     swap_ab True (decode: few rows per group): the weights sit on wgmma's M side. A CTA tile is `tile_n` weight
     rows (64 per compute warpgroup and weight operand, at most one 128-row scale block) x `tile_m` activation rows
@@ -27,22 +26,7 @@ class Fp8GemmConfig:
     epilogue stores silu(gate) * up, [M, N]. A tile's `tile_n` weight rows are half gate rows, half the matching up
     rows: 128 + 128 (swap_ab False, tile_n 256), or 64 + 64 per compute warpgroup (swap_ab, tile_n 128 x
     compute_wgs, tile_m <= 128: two running accumulators of 64 x tile_m).
-    stages: pipeline steps in flight in shared memory (the producer warpgroup's TMA ring; a step is k_step K
-    blocks).
-    overlap (swap_ab False): each compute warpgroup issues a step's wgmmas as a chain into two float32 partials
-    used alternately, and promotes partial j (running += partial x s_a x s_w) after issuing wgmma j + 1 and
-    waiting until only that one is in flight (`wgmma_wait(1)`), so the tensor core runs wgmma j + 1 while the
-    warpgroup promotes j; only the chain's last promotion waits for the tensor core (wait 0). The same partials,
-    promoted in the same order with the same float32 arithmetic: the output is bit-identical to overlap off.
-    k_step (swap_ab False): K blocks per pipeline step, 1 or 2 (2: the step's tiles are 256 K columns wide and
-    its chain twice as long, half of the promotions left to wait for the tensor core; K blocks odd: the wrapper
-    pads K with one zero block).
-    split_n (swap_ab False): each 64 x 128 wgmma of a K block issued as split_n wgmmas of 64 x 128 / split_n (1 or
-    2), the running accumulators kept as as many 64 x 128 / split_n pieces: smaller partials, so two of them fit
-    the registers beside the SwiGLU tile's two running accumulators, and a longer chain.
-    Registers a thread per compute warpgroup (float32, 64 rows): running accumulators m_sub x n_sub x 64 plus the
-    live partials (overlap: 2, else 1) x 64 / split_n, at most REGISTER_ACCS x 64 = 192 (the pipeline gives a
-    compute warpgroup 232; the rest is addresses, scales and the epilogue)."""
+    stages: K blocks in flight in shared memory (the producer warpgroup's TMA ring)."""
     tile_m: int = 128
     tile_n: int = 128
     stages: int = 4
@@ -50,12 +34,9 @@ class Fp8GemmConfig:
     swap_ab: bool = False
     m_sub: int = 1
     swiglu: bool = False
-    overlap: bool = False
-    k_step: int = 1
-    split_n: int = 1
 
     def __post_init__(self):
-        for name in ("tile_m", "tile_n", "stages", "compute_wgs", "m_sub", "k_step", "split_n"):
+        for name in ("tile_m", "tile_n", "stages", "compute_wgs", "m_sub"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"Fp8GemmConfig.{name} must be an int >= 1, got {v!r}")
@@ -70,8 +51,6 @@ class Fp8GemmConfig:
                                  f"got {self.tile_m}")
             if self.m_sub != 1:
                 raise ValueError("Fp8GemmConfig: swap_ab takes m_sub 1")
-            if self.overlap or self.k_step != 1 or self.split_n != 1:
-                raise ValueError("Fp8GemmConfig: swap_ab takes overlap False, k_step 1, split_n 1")
             if self.swiglu and self.tile_m > SWAP_SWIGLU_MAX_M:
                 raise ValueError(f"Fp8GemmConfig: swap_ab with swiglu takes tile_m up to {SWAP_SWIGLU_MAX_M} (two "
                                  f"64 x tile_m accumulators a warpgroup), got {self.tile_m}")
@@ -84,14 +63,6 @@ class Fp8GemmConfig:
             if self.m_sub * self.n_sub > 2:
                 raise ValueError(f"Fp8GemmConfig: m_sub x tile_n / 128 = {self.m_sub * self.n_sub} accumulators of "
                                  "64 x 128 per warpgroup: at most 2 fit the registers")
-            if self.k_step not in (1, 2) or self.split_n not in (1, 2):
-                raise ValueError(f"Fp8GemmConfig: k_step and split_n must be 1 or 2, got {self.k_step}, "
-                                 f"{self.split_n}")
-            if self.register_accs() > REGISTER_ACCS:
-                raise ValueError(f"Fp8GemmConfig: {self.m_sub * self.n_sub} running accumulators of 64 x 128 and "
-                                 f"{2 if self.overlap else 1} partials of 64 x {BLOCK // self.split_n} per warpgroup "
-                                 f"({self.register_accs():g} x 64 float32 registers a thread): at most "
-                                 f"{REGISTER_ACCS} x 64 fit the registers (overlap: split_n 2 halves the partials)")
             if self.swiglu and self.tile_n != 2 * BLOCK:
                 raise ValueError(f"Fp8GemmConfig: swiglu needs tile_n 256 (a gate block and its up block), got "
                                  f"{self.tile_n}")
@@ -119,11 +90,6 @@ class Fp8GemmConfig:
         tile_n 256)."""
         return self.n_sub // self.n_operands
 
-    def register_accs(self) -> float:
-        """64 x 128 float32 arrays live per compute warpgroup (swap_ab False): the running accumulators and the
-        partials in flight (two under overlap), each partial 1 / split_n of one."""
-        return self.m_sub * self.n_sub + (2 if self.overlap else 1) / self.split_n
-
     def out_tile(self) -> tuple[int, int]:
         """One warpgroup's store tile: 64 x 128 output (swap_ab: 64 weight rows x tile_m rows of out^T)."""
         return (WGMMA_M, self.tile_m if self.swap_ab else BLOCK)
@@ -132,7 +98,7 @@ class Fp8GemmConfig:
         """Shared memory: the stages' e4m3 tiles and scales, one store tile per warpgroup (`out_itemsize` bytes an
         element: 2 for bf16), barriers (an allowance)."""
         sa_bytes = -(-self.tile_m // 32) * 128  # the scale blocks, whole 128 bytes (mosaic.scale_block_widths)
-        per_stage = ((self.tile_m + self.tile_n) * BLOCK + sa_bytes + 128 * self.n_sub) * self.k_step
+        per_stage = (self.tile_m + self.tile_n) * BLOCK + sa_bytes + 128 * self.n_sub
         r, c = self.out_tile()
         return self.stages * per_stage + self.compute_wgs * r * c * out_itemsize + 1024
 
@@ -141,8 +107,3 @@ PREFILL = Fp8GemmConfig()
 DECODE = Fp8GemmConfig(tile_m=16, tile_n=128, stages=6, swap_ab=True)
 PREFILL_SWIGLU = Fp8GemmConfig(tile_n=256, stages=3, swiglu=True)
 DECODE_SWIGLU = Fp8GemmConfig(tile_m=16, tile_n=256, stages=4, swap_ab=True, swiglu=True)
-# the overlapped promotion (A/B against PREFILL and PREFILL_SWIGLU in benchmarks/bench_fp8_gemm_mosaic.py; the
-# defaults stay the plain forms until measured): down, two K blocks a step (a chain of 2 wgmmas of 64 x 128, 64 +
-# 2 x 64 registers); gate+up, each 64 x 128 wgmma split in two (a chain of 4 wgmmas of 64 x 64, 2 x 64 + 2 x 32)
-PREFILL_OVERLAP = Fp8GemmConfig(stages=2, overlap=True, k_step=2)
-PREFILL_SWIGLU_OVERLAP = Fp8GemmConfig(tile_n=256, stages=3, swiglu=True, overlap=True, split_n=2)

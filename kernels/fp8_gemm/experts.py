@@ -49,8 +49,7 @@ def expert_configs(layout: str, t: int, k: int, n_exp: int) -> tuple[Fp8GemmConf
     grouped: 128-row tiles; gate+up 128 gate + 128 up rows a tile in 3 stages, down 128-column tiles in 4 stages
     (both fit float32 outputs; the configs the benchmark runs at prefill). swap_ab: tiles of about the mean rows per
     expert (a power of two in [8, 64]); gate+up 64 gate + 64 up rows per compute warpgroup in 4 stages, down 128
-    rows a tile in 6 (each CTA's ring runs across its tiles: the down GEMM's 2 K blocks a tile at the TP = 8 shard
-    keep all 6 stages busy, 3 tiles ahead)."""
+    rows a tile in 6 (the pipeline takes no more stages than K blocks)."""
     if layout == "grouped":
         return (Fp8GemmConfig(tile_m=128, tile_n=256, stages=3, swiglu=True),
                 Fp8GemmConfig(tile_m=128, tile_n=128, stages=4))
@@ -170,14 +169,7 @@ def routed_experts_w8a8(x, experts, weights, w_gate, w_up, s_gate, s_up, w_down,
 
     Steps (module docstring): `pair_rows` (one sort of the pairs), x quantised at its T rows, `group_rows` (one
     gather each of the quantised rows and their scales into the grouped layout), the gate+up GEMM, h quantised, the
-    down GEMM, `combine`.
-
-    The Mosaic kernels neither load nor store the layout's unused tiles (group -1: about half the worst-case tiles
-    at decode) and leave their rows of h and of the down output undefined; nothing here reads them into a token:
-    h is quantised row by row (an unused row gives that row of h_q and h_s alone), the down GEMM reads the rows of
-    used tiles only (a swap-AB tile's scale block also loads the next rows' scales, but uses its own tile_m), and
-    the combine gathers each routed pair's row, in a used tile; an unrouted pair's clamped gather may read an
-    unused row, which `combine` selects away (a select: a NaN there does not propagate)."""
+    down GEMM, `combine`."""
     from . import grouped_matmul
     if not up_config.swiglu or down_config.swiglu or up_config.tile_m != down_config.tile_m:
         raise ValueError(f"routed_experts_w8a8: up_config must be swiglu, down_config not, with one tile_m; got "
