@@ -92,11 +92,8 @@ def _softmax_finish(m, l):
     return 1.0 / jnp.where(has, l, 1.0), jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
 
 
-def _attend(idx_ref, q_ref, cache_ref, live_ref, *, scale, r, dr, block_k, split_len, fp8, tile, n_parts,
-            interpret):
-    """This program's split: (o parts n_parts x [bh, R / n_parts] normalised, lse [bh]), (0, -inf) if empty. A split
-    with no valid index (`live_ref`[t, s] = 0: every split of a padding row) runs no key block: the loop's start
-    values are already (0, -inf), the result of a split whose every key is masked."""
+def _attend(idx_ref, q_ref, cache_ref, *, scale, r, dr, block_k, split_len, fp8, tile, n_parts, interpret):
+    """This program's split: (o parts n_parts x [bh, R / n_parts] normalised, lse [bh]), (0, -inf) if empty."""
     block_h = q_ref.shape[0]
     w = r // n_parts
     q_nope = [q_ref[:, pl.ds(g * w, w)] for g in range(n_parts)]
@@ -115,27 +112,23 @@ def _attend(idx_ref, q_ref, cache_ref, live_ref, *, scale, r, dr, block_k, split
         return o, m_new, l
 
     o0 = tuple(jnp.zeros((block_h, w), jnp.float32) for _ in range(n_parts))
-    init = (o0, *_softmax_init(block_h))
-    # the key loop under one branch (a loop with a traced trip count lowers to an scf.for that fails verification
-    # in jax 0.11's Pallas Triton)
-    o, m, l = jax.lax.cond(live_ref[pl.program_id(0), pl.program_id(2)] != 0,
-                           lambda: jax.lax.fori_loop(0, split_len // block_k, body, init), lambda: init)
+    o, m, l = jax.lax.fori_loop(0, split_len // block_k, body, (o0, *_softmax_init(block_h)))
     inv, lse = _softmax_finish(m, l)
     return [og * inv[:, None] for og in o], lse
 
 
-def _kernel(idx_ref, q_ref, cache_ref, live_ref, o_ref, lse_ref, **kw):
-    o, lse = _attend(idx_ref, q_ref, cache_ref, live_ref, **kw)
+def _kernel(idx_ref, q_ref, cache_ref, o_ref, lse_ref, **kw):
+    o, lse = _attend(idx_ref, q_ref, cache_ref, **kw)
     w = o_ref.shape[-1] // len(o)
     lse_ref[...] = lse
     for g, og in enumerate(o):
         o_ref[:, pl.ds(g * w, w)] = og
 
 
-def _merged_kernel(idx_ref, q_ref, cache_ref, live_ref, _count_in_ref, o_ref, lse_ref, part_o_ref, part_lse_ref,
-                   count_ref, *, n_split, merge_cols, **kw):
+def _merged_kernel(idx_ref, q_ref, cache_ref, _count_in_ref, o_ref, lse_ref, part_o_ref, part_lse_ref, count_ref,
+                   *, n_split, merge_cols, **kw):
     """One split of one (row, head block), then the merge by its last program (see `_merged_call`)."""
-    o, lse = _attend(idx_ref, q_ref, cache_ref, live_ref, **kw)
+    o, lse = _attend(idx_ref, q_ref, cache_ref, **kw)
     interpret = kw["interpret"]
     bh, r = o_ref.shape
     w = r // len(o)
@@ -247,19 +240,14 @@ def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, con
     part_dtype = jnp.dtype(cfg.partial_dtype) if ns > 1 else jnp.float32
     name = "sparse_mla_fp8" if fp8 else "sparse_mla_bf16"
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    # 1 where a (row, split) holds a valid index, one scalar read by each program: a padding row's programs skip
-    # their key blocks (the XLA reduction reads the [T, K] ids once; reading them in each program would take
-    # loads of split_len ids, not a power of two in general, before any work)
-    live = jnp.any(indices.reshape(t, ns, split_len) >= 0, axis=-1).astype(jnp.int32)
     in_specs = [
         pl.BlockSpec((None, split_len), lambda i, j, s: (i, s)),
         pl.BlockSpec((None, bh, d), lambda i, j, s: (i, j, 0)),
         pl.BlockSpec(memory_space=pl.ANY),
-        pl.BlockSpec(memory_space=pl.ANY),
     ]
     if cfg.merge == "kernel" and ns > 1 and not return_partials:
-        o, lse = _merged_call(indices, q, cache, live, common, in_specs, params, name + "_merged", t, n_hb, ns,
-                              bh, h_pad, r, part_dtype)
+        o, lse = _merged_call(indices, q, cache, common, in_specs, params, name + "_merged", t, n_hb, ns, bh,
+                              h_pad, r, part_dtype)
         return o[:, :h], lse[:, :h]
     o, lse = pl.pallas_call(
         functools.partial(_kernel, **common),
@@ -274,7 +262,7 @@ def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, con
         compiler_params=params,
         interpret=interpret,
         name=name,
-    )(indices, q, cache, live)
+    )(indices, q, cache)
     if return_partials:
         return o[:, :, :h], lse[:, :, :h]
     if ns == 1:
@@ -286,7 +274,7 @@ def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, con
     return o[:, :h], lse[:, :h]
 
 
-def _merged_call(indices, q, cache, live, common, in_specs, params, name, t, n_hb, ns, bh, h_pad, r, part_dtype):
+def _merged_call(indices, q, cache, common, in_specs, params, name, t, n_hb, ns, bh, h_pad, r, part_dtype):
     """The one-launch split-K: grid (T, head blocks, n_split) as in the two-launch form, plus a workspace of
     partials [n_split, T, H, R] / [n_split, T, H] and an int32 arrival counter per (row, head block).
 
@@ -312,9 +300,9 @@ def _merged_call(indices, q, cache, live, common, in_specs, params, name, t, n_h
                    jax.ShapeDtypeStruct((ns, t, h_pad, r), part_dtype),
                    jax.ShapeDtypeStruct((ns, t, h_pad), jnp.float32),
                    jax.ShapeDtypeStruct((t, n_hb), jnp.int32)],
-        input_output_aliases={4: 4},
+        input_output_aliases={3: 4},
         compiler_params=params,
         interpret=common["interpret"],
         name=name,
-    )(indices, q, cache, live, counts)
+    )(indices, q, cache, counts)
     return o, lse
