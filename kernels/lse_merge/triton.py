@@ -59,8 +59,8 @@ def _merge_kernel(o_ref, lse_ref, out_ref, out_lse_ref, *, n):
     inv = jnp.where(has, 1.0 / jnp.where(has, total, 1.0), 0.0)
     scales = [ws * inv for ws in w]
     # every split's load before the sums; a head whose weight is 0 (lse -inf: an empty split, e.g. every split of a
-    # padding row) is not read at all: its o may be unwritten (the sparse MLA kernels skip empty splits), and the
-    # masked-off values are never used below, so the sums are bit for bit those of reading it
+    # padding row) is not read at all: its o may be unwritten (the Mosaic sparse MLA kernel skips empty splits),
+    # and the masked-off values are never used below, so the sums are bit for bit those of reading it
     # (the split as an int32: the interpreter's discharge of a masked load takes array indices only)
     parts = [plgpu.load(o_ref.at[jnp.int32(s), t, heads, cols], mask=jnp.broadcast_to((sc > 0)[:, None], (bh, br)),
                         other=0) for s, sc in enumerate(scales)]
