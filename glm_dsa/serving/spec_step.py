@@ -161,8 +161,9 @@ def spec_serve_step(params, mtp_params, caches, mtp_caches, tables, draft_probs,
     g = vrows.shape[0]
     options = StepOptions(impl=impl)
 
-    # the target over every row; logits of the verify rows, hidden states of all
-    batch = StepBatch(token, p, slot, req, block_tables, vr.reshape(-1))
+    # the target over every row; logits of the verify rows, hidden states of all. Padding rows keep position -1,
+    # as in the plain serving step: they write no KV and route to no expert (a clamped position 0 would route them)
+    batch = StepBatch(token, pos, slot, req, block_tables, vr.reshape(-1))
     ctx = StepContext(config, block_size=block_size, parallel=parallel, options=options)
     graphdef = model_graphdef(config, fp8_paths(params))
 
@@ -195,7 +196,7 @@ def spec_serve_step(params, mtp_params, caches, mtp_caches, tables, draft_probs,
     mtp_slot = slot.at[jnp.where(dead, vrows, t)].set(-1, mode="drop")
     mtp_slot = jnp.where(nxt < 0, -1, mtp_slot)
     last = jnp.take_along_axis(vr, accepted[:, None], axis=1)[:, 0]  # each group's row of its last accepted token
-    mbatch = StepBatch(jnp.maximum(nxt, 0), p, mtp_slot, req, block_tables, last)
+    mbatch = StepBatch(jnp.maximum(nxt, 0), pos, mtp_slot, req, block_tables, last)
     h, mlogits, mtp_caches = run_mtp(params, mtp_params, mtp_caches, hidden, mbatch, config=config,
                                      parallel=parallel, options=options)
     base = first + accepted  # the token index of the last emitted token; draft i is for base + i

@@ -93,6 +93,36 @@ def test_greedy_with_mtp_equals_greedy_without(mtp_ckpt, reference, tp, dcp, k):
     assert m["spec_drafts"] == t["spec_drafts"] and m["spec_requests_recent"] == len(reference)
 
 
+def test_verify_step_padding_rows_keep_position_minus_one(mtp_ckpt, reference, monkeypatch):
+    """The verify step pads its rows to a bucket; the padding rows reach the target and the nextn layer at position
+    -1, as in the plain serving step, so they write no KV and route to no expert (tests/model/test_padding_rows.py)
+    rather than computing as tokens at position 0. The tokens stay those of the engine without MTP."""
+    from glm_dsa.serving import spec_step
+    seen = []  # (layer, positions, slots) of every target and nextn batch a verify step runs
+    run_sharded, run_mtp = spec_step.run_sharded, spec_step.run_mtp
+
+    def record(kind, batch):
+        jax.debug.callback(lambda p, s: seen.append((kind, np.asarray(p), np.asarray(s))), batch.positions,
+                           batch.slot_mapping)
+
+    def target_spy(fn, params, caches, batch, *a, **kw):
+        record("target", batch)
+        return run_sharded(fn, params, caches, batch, *a, **kw)
+
+    def nextn_spy(params, mtp_params, mtp_caches, hidden, batch, **kw):
+        record("nextn", batch)
+        return run_mtp(params, mtp_params, mtp_caches, hidden, batch, **kw)
+
+    monkeypatch.setattr(spec_step, "run_sharded", target_spy)
+    monkeypatch.setattr(spec_step, "run_mtp", nextn_spy)
+    assert _load(mtp_ckpt, k=2).generate(_prompts(), max_new_tokens=NEW, stop_token_ids=[]) == reference
+    targets = [(p, s) for kind, p, s in seen if kind == "target"]
+    assert any((s < 0).any() for _, s in targets), "no verify step had padding rows"
+    for p, s in targets:  # a target row writes no KV exactly when it is a padding row: those sit at position -1
+        assert ((s < 0) == (p < 0)).all(), (p, s)
+    assert any((p < 0).any() for kind, p, _ in seen if kind == "nextn"), "the nextn layer saw no padding row"
+
+
 @pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 2)])
 def test_oracle_drafts_accept_all_some_or_none(mtp_ckpt, reference, tp, dcp):
     """Drafts right up to draft position m and wrong after it: exactly m accepted per verify row, the tokens
