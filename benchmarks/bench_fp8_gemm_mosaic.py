@@ -289,7 +289,7 @@ def gemms(run: Run, stage: str, t: int, tp: int, dims: Dims, key):
     pairs = t * dims.topk
 
     def one(which: str, cfg: Fp8GemmConfig, w, s, k: int, n: int):
-        dest, tg = fp8_experts.pair_layout(experts, dims.experts, cfg.tile_m)
+        tg = fp8_experts.pair_rows(experts, dims.experts, cfg.tile_m).tile_group
         m = tg.shape[0] * cfg.tile_m
         a_q, s_a = fp8_gemm.quantize_rows(jax.random.normal(key, (m, k), jnp.bfloat16))
         f = jax.jit(functools.partial(fp8_gemm.grouped_matmul, impl=run.kernel, config=cfg))

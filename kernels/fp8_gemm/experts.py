@@ -84,9 +84,10 @@ def pair_rows(experts, n_experts: int, tile_m: int) -> PairRows:
     order = order.astype(jnp.int32)
     starts, tile_group = group_layout(sizes, tile_m, n_tiles)
     first = jnp.cumsum(sizes) - sizes  # each group's first position in sorted order
-    group = jnp.minimum(key[order], n_experts - 1)  # clamped for the gathers; unrouted pairs replaced below
+    sorted_key = key[order]
+    group = jnp.minimum(sorted_key, n_experts - 1)  # clamped for the gathers; unrouted pairs replaced below
     rank = jnp.arange(pairs, dtype=jnp.int32) - first[group]
-    row = jnp.where(key[order] < n_experts, starts[group] + rank, n_tiles * tile_m)
+    row = jnp.where(sorted_key < n_experts, starts[group] + rank, n_tiles * tile_m)
     dest = jnp.zeros((pairs,), jnp.int32).at[order].set(row)
     r = jnp.arange(n_tiles * tile_m, dtype=jnp.int32)
     g = jnp.repeat(tile_group, tile_m)
@@ -97,32 +98,6 @@ def pair_rows(experts, n_experts: int, tile_m: int) -> PairRows:
     return PairRows(dest, src, tile_group)
 
 
-def pair_layout(experts, n_experts: int, tile_m: int):
-    """(dest int32 [T k], tile_group int32 [n_tiles]) of `pair_rows`: the row of each (token, j) pair (flattened
-    row-major) in the tile-aligned grouped layout, and each tile's group. n_tiles = ceil(T k / tile_m) + n_experts - 1
-    (static). A pair whose expert id is outside [0, n_experts) (a padding row's sentinel) is in no group: its dest is
-    n_tiles * tile_m, one past the last row (select its result away)."""
-    dest, _, tile_group = pair_rows(experts, n_experts, tile_m)
-    return dest, tile_group
-
-
-#: Gather the e4m3 rows as uint32 words (4 bytes an element of the gather) instead of bytes: the same bits. Off until a
-#: GPU profile says XLA keeps the words (the CPU's compiler unpacked them in a separate pass: 1.2 GB more at 8192 rows).
-GATHER_WORDS = False
-
-
-def _as_words(a):
-    """e4m3 [R, K] (K a multiple of 4) -> uint32 [R, K / 4], the same bytes: rows move as 4-byte words."""
-    r, kk = a.shape
-    return jax.lax.bitcast_convert_type(a.reshape(r, kk // 4, 4), jnp.uint32)
-
-
-def _from_words(w):
-    """uint32 [R, K / 4] -> e4m3 [R, K], the same bytes (`_as_words` undone)."""
-    r, kw = w.shape
-    return jax.lax.bitcast_convert_type(w, FP8).reshape(r, kw * 4)
-
-
 def group_rows(a_q, s_a, src, k: int):
     """(e4m3 [R, K], float32 [R, K / 128]): the quantised rows of x and their scales at the grouped layout's rows
     (`PairRows.src`, R of them): row r holds token src[r] // k's row, or zeros with scales 1 where src[r] is -1.
@@ -130,13 +105,10 @@ def group_rows(a_q, s_a, src, k: int):
     One gather per operand, each row written once: no zero-filled buffer scattered into (which wrote every row twice
     and read the gathered pairs once more: 2.2 GB against 1.0 GB at 8192 rows of GLM-5.2). Rows holding no pair are
     the values the layout always had there (zeros, scale 1), so the GEMMs compute the same bits everywhere: a padding
-    row's h is 0 and its quantised h 0 with the smallest scale. `GATHER_WORDS`: the e4m3 rows as uint32 words."""
+    row's h is 0 and its quantised h 0 with the smallest scale."""
     held = (src >= 0)[:, None]
     token = jnp.where(src >= 0, src // k, 0)
-    if GATHER_WORDS:
-        a_rows = _from_words(jnp.where(held, _as_words(a_q)[token], jnp.uint32(0)))
-    else:
-        a_rows = jnp.where(held, a_q[token], jnp.zeros((), FP8))
+    a_rows = jnp.where(held, a_q[token], jnp.zeros((), FP8))
     s_rows = jnp.where(held, s_a[token], jnp.float32(1.0))
     return a_rows, s_rows
 

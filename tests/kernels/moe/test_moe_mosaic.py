@@ -213,10 +213,10 @@ def test_gpu_mosaic_experts(t, layout):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_padding_rows_reach_no_group(name):
     """Rows marked padding (expert ids E, the model's sentinel, or -1; weights 0; x NaN): their pairs are in no
-    group of either layout (`pair_layout` gives them the row past the end), so their NaN rows reach no real row and
+    group of either layout (`pair_rows` gives them the row past the end), so their NaN rows reach no real row and
     their outputs are 0; the real rows are the W8A8 rule's over the real rows alone and bit for bit those of the
     call without padding."""
-    from kernels.fp8_gemm.experts import pair_layout
+    from kernels.fp8_gemm.experts import pair_rows
     t, k, n_exp, d, i, dtype, layout = CASES[name]
     args, fp8 = _inputs(t, k, n_exp, d, i, seed=7, dtype=dtype)
     x, experts, w, *stacks = args
@@ -228,7 +228,7 @@ def test_padding_rows_reach_no_group(name):
     assert np.all(got[pad] == 0)
     assert _rel(got[real], _oracle_w8a8(*(a[real] for a in args[:3]), *stacks, **fp8)) < 2e-3
     np.testing.assert_array_equal(got[real], before[real])
-    dest, tile_group = pair_layout(padded[1], n_exp, 8)
+    dest, _, tile_group = pair_rows(padded[1], n_exp, 8)
     rows = tile_group.shape[0] * 8
     dest = np.asarray(dest).reshape(t, k)
     assert np.all(dest[pad] == rows)
@@ -263,7 +263,7 @@ def test_pair_rows_map_pairs_and_rows_both_ways(t, k, n_exp, tm):
 
 
 def test_glue_is_the_scatter_layout_bit_for_bit():
-    """`group_rows` (one gather per operand, bytes or uint32 words) gives the bits of the zero-filled buffer scattered
+    """`group_rows` (one gather per operand) gives the bits of the zero-filled buffer scattered
     into at `dest` (the layout's definition: rows holding no pair zeros with scale 1); `combine` the weighted sum of
     each token's pair rows (float32, a NaN at an unrouted pair's row adds nothing). The glue's jaxpr has no loop and
     one scatter (dest's P int32), none over rows of x."""
@@ -280,12 +280,9 @@ def test_glue_is_the_scatter_layout_bit_for_bit():
     token = jnp.arange(t * k) // k
     want_a = jnp.zeros((rows, d), a_q.dtype).at[dest].set(a_q[token], mode="drop")
     want_s = jnp.ones((rows, d // 128), jnp.float32).at[dest].set(s_a[token], mode="drop")
-    for words in (False, True):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(fe, "GATHER_WORDS", words)
-            a_rows, s_rows = jax.jit(fe.group_rows, static_argnums=3)(a_q, s_a, src, k)
-        assert np.array_equal(np.asarray(a_rows).view(np.uint8), np.asarray(want_a).view(np.uint8))
-        assert np.array_equal(np.asarray(s_rows), np.asarray(want_s))
+    a_rows, s_rows = jax.jit(fe.group_rows, static_argnums=3)(a_q, s_a, src, k)
+    assert np.array_equal(np.asarray(a_rows).view(np.uint8), np.asarray(want_a).view(np.uint8))
+    assert np.array_equal(np.asarray(s_rows), np.asarray(want_s))
     y = jnp.asarray(rng.normal(size=(rows, d)), jnp.bfloat16).at[jnp.asarray(src) < 0].set(jnp.nan)
     w = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
     got = np.asarray(jax.jit(fe.combine)(y, dest.reshape(t, k), w))
