@@ -110,8 +110,8 @@ DEFAULT = "default"
 #: The row count the kernels' launch configs are chosen for in the decode steps of batch-invariant mode (see
 #: `config_rows`): a decode-sized count, so the fixed tiles and split counts suit the few real rows of a decode
 #: batch (sparse MLA's splits a row, the indexer's keys a program). Not the FP8 linear kernel's: it chooses for the
-#: step's 256 rows, which 64-row tiles would cover by reading each weight tile four times. Prompt steps take the default
-#: mode's configs for their ops' rows instead (rule "launch_rows": `DEFAULT` there), as invariant, since each
+#: step's 256 rows, which 64-row tiles would cover by reading each weight tile four times. Prompt steps take the
+#: default mode's configs for their ops' rows instead (rule "launch_rows": `DEFAULT` there), as invariant, since each
 #: token is computed in one shape (checked on the GPU at both shapes by tests/serving/test_gpu_batch_invariance.py).
 INVARIANT_CONFIG_ROWS = 64
 

@@ -3,9 +3,10 @@ e4m3 bytes of w_q [N, K] (1 byte per weight from HBM), or y = x @ (w_q * s) for 
 the model's own layout; the same program with the tile and scale indices swapped).
 
 Grid (row block m, column block n, K split c), m fastest (Pallas Triton launches grid axis 0 as CUDA's x): the
-programs in flight share a weight tile, which HBM then serves about once for all row blocks. A program walks its K range in steps of
-`bk` columns (bk divides 128, and the steps start on the weight's block boundaries, so one step lies in one scale
-block even for a shard starting mid-block): loads the x tile and the e4m3 weight tile [bn, bk], and
+programs in flight share a weight tile, which HBM then serves about once for all row blocks. A program walks its K
+range in steps of `bk` columns (bk divides 128, and the steps start on the weight's block boundaries, so one step
+lies in one scale block even for a shard starting mid-block): loads the x tile and the e4m3 weight tile [bn, bk],
+and
   w8a16: acc += dot(x, w_q.astype(x.dtype)^T) * s_w[:, kb]          (float32 accumulation)
   w8a8:  acc += dot(a_q, w_q^T) (e4m3 x e4m3 -> float32) * s_a[:, kb] * s_w[:, kb]
 with s_w gathered per output column ((n_offset + n) // 128; one scalar when the offsets are 0 and bn <= 128).

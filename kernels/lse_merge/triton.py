@@ -7,8 +7,9 @@ BENCHMARKS.md, sparse MLA).
 Grid (T, H / block_h, R / block_r): program (t, j, c) reads the N lse of its block_h heads (one [block_h] load per
 split), forms the weights as merge_partials does (NaN and +inf lse count as empty, an all-empty set gives (0,
 -inf)), then sums its [block_h, block_r] columns of the N partials in float32, every split's load issued before
-the sums (the split loop is unrolled) and masked off where the weight is 0 (an empty split's o is never read). The c == 0 programs write the merged lse. Registered as impls "triton" /
-"triton_interpret" of op "lse_merge" (`kernels.lse_merge.merge_splits`), whose "xla" impl is merge_partials.
+the sums (the split loop is unrolled) and masked off where the weight is 0 (an empty split's o is never read). The
+c == 0 programs write the merged lse. Registered as impls "triton" / "triton_interpret" of op "lse_merge"
+(`kernels.lse_merge.merge_splits`), whose "xla" impl is merge_partials.
 """
 
 from __future__ import annotations

@@ -266,19 +266,19 @@ def _write_empty(o_ref, lse_ref, split, t, w, half, live, zero_empty, write_lse)
     such a split: P = 0, so acc = 0 and 1 / l is taken as 0). Without `zero_empty` its o is left unwritten: the
     merges never read the o of a split whose lse is -inf (`kernels.lse_merge`), and o there would be 2 x 64 heads
     x 512 x 4 bytes a padding row of a decode step, written for nothing."""
+    def store_lse():
+        lse_ref[split, t, :] = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32),
+                                                 plgpu.Layout.WGMMA.reduce(1))
+
     @pl.when(jnp.logical_not(live))
     def _():
         if zero_empty:
             o_ref[split, t, :, pl.ds(w * half, half)] = plgpu.layout_cast(jnp.zeros((HEADS, half), jnp.float32),
                                                                          plgpu.Layout.WGMMA)
-        if write_lse is True:
-            lse_ref[split, t, :] = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32),
-                                                     plgpu.Layout.WGMMA.reduce(1))
+        if write_lse is True:  # a bool: this warpgroup writes it (or, False, not); else a traced "is it this one"
+            store_lse()
         elif write_lse is not False:
-            @pl.when(write_lse)
-            def _():
-                lse_ref[split, t, :] = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32),
-                                                         plgpu.Layout.WGMMA.reduce(1))
+            pl.when(write_lse)(store_lse)
 
 
 def _drain(k_free, tiles_per_split):

@@ -41,10 +41,10 @@ def test_matches_float64_numpy(kernel_impl, n, t, h, r):
 
 @pytest.mark.parametrize("merge_impl", ["xla", "kernel"])
 def test_the_o_of_an_empty_partial_is_never_used(kernel_impl, merge_impl):
-    """A partial whose lse is -inf (an empty split: the sparse MLA kernels skip those and may leave its o unwritten)
-    changes nothing whatever its o holds (NaN, inf, huge): bit for bit the merge of the same partials with that o
-    at 0, for padding rows (every split empty) and for real rows with some splits empty. (On the GPU the kernel
-    also does not read it: the load is masked.)"""
+    """A partial whose lse is -inf (an empty split: the Mosaic sparse MLA kernel skips those and may leave its o
+    unwritten) changes nothing whatever its o holds (NaN, inf, huge): bit for bit the merge of the same partials
+    with that o at 0, for padding rows (every split empty) and for real rows with some splits empty. (On the GPU the
+    kernel also does not read it: the load is masked.)"""
     impl = kernel_impl if merge_impl == "kernel" else "xla"
     o, lse = _partials(4, 6, 16, 64, seed=3)
     lse = np.where(np.isfinite(lse), lse, 0.0).astype(np.float32)
