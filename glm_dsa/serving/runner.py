@@ -104,11 +104,12 @@ def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_re
     block_tables = tables[plan_rows, :width]
     src, pos, req = rows[3], rows[1], rows[2]
     token_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], rows[0])
-    p = jnp.maximum(pos, 0)
-    lp = local_position(p, parallel.dcp, parallel.interleave)  # the position on its owning DCP rank
+    lp = local_position(jnp.maximum(pos, 0), parallel.dcp, parallel.interleave)  # the position on its DCP rank
     slot = block_tables[req, lp // block_size] * block_size + lp % block_size
     slot = jnp.where(pos < 0, -1, slot).astype(jnp.int32)  # padding rows write nothing
-    batch = StepBatch(token_ids.astype(jnp.int32), p, slot, req, block_tables, samp_u32[0].astype(jnp.int32))
+    # padding rows keep position -1 in the model too: they route to no expert and attend to no key (clamped to 0
+    # they would be tokens at position 0, computed through every expert and attention split they pick)
+    batch = StepBatch(token_ids.astype(jnp.int32), pos, slot, req, block_tables, samp_u32[0].astype(jnp.int32))
     logits, caches = step(params, caches, batch, config=config, parallel=parallel, options=options)
 
     def key(words, token_index, prompt_index):
@@ -268,7 +269,7 @@ class ModelRunner:
             width = self.pages_per_seq
         tables = block_table_array(pages, width, _bucket(len(pages), 1))
         ids, p, slot, req = (np.zeros(t, np.int32) for _ in range(4))
-        slot[:] = -1  # padding rows write nothing
+        p[:], slot[:] = -1, -1  # padding rows: no position (no expert, no key), and they write nothing
         ids[: len(pos)], p[: len(pos)], req[: len(pos)] = tok, pos, seq_idx
         slot[: len(pos)] = owner_slots(tables, seq_idx, pos, bs, n, inter)
         li = np.zeros(_bucket(len(logits_rows), 8), np.int32)

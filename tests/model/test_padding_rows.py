@@ -104,3 +104,33 @@ def test_padding_rows_attend_to_no_cache_row(params, monkeypatch, options):
     for idx in seen:
         assert np.all(idx[REAL:] == -1)
         assert np.all((idx[:REAL] >= 0).sum(axis=1) == np.minimum(np.arange(1, REAL + 1), idx.shape[1]))
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch_invariant"])
+def test_serving_steps_keep_padding_rows_unrouted(ckpt, monkeypatch, invariant):
+    """The engine's steps pad their rows to a bucket; those rows reach the model at position -1, so none of their
+    pairs is routed (a position clamped to 0 made every padding row a token at position 0, routed and computed in
+    every serving step), while the real rows are routed. Prefill and decode steps, both modes."""
+    seen = []  # per MoE layer call: the experts [T, k]
+
+    routed = moe.routed_experts
+
+    def spy(x, experts, weights, *a, **kw):
+        jax.debug.callback(lambda e: seen.append(np.asarray(e)), experts)
+        return routed(x, experts, weights, *a, **kw)
+
+    monkeypatch.setattr(moe, "routed_experts", spy)
+    eng = glm_dsa.load(ckpt, dtype="float32", max_model_len=64, block_size=4, max_num_seqs=8, progress=False,
+                       batch_invariant=invariant, invariant_step_rows=(32, 16) if invariant else None)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (5, 9, 3)]
+    eng.generate(prompts, max_new_tokens=3, stop_token_ids=[])
+    assert seen
+    e = CFG.n_routed_experts
+    real_rows = {len(p) for p in prompts} | {len(prompts)}  # a prompt step's and a decode step's real rows (at most)
+    for experts in seen:
+        routed_rows = int(np.all(experts < e, axis=1).sum())
+        unrouted = np.all(experts == e, axis=1)
+        assert routed_rows + int(unrouted.sum()) == experts.shape[0]  # a row is all routed or all padding
+        assert unrouted.sum() > 0 and routed_rows <= sum(real_rows)  # every step here has padding rows
+        assert not unrouted[:routed_rows].any() and unrouted[routed_rows:].all()  # the real rows first
