@@ -275,6 +275,9 @@ class MultiTurnConfig:
     num_pages: int | None = None
     block_size: int = 64
     warm_passes: int = 2
+    # compile every step shape the workload can reach before the warm-up passes (`Engine.warmup_steps`): which
+    # shapes a pass meets follows the arrival timing, and a compile inside the timed pass stalls every turn
+    warm_steps: bool = True
     seed: int = 0
 
     @property
@@ -386,6 +389,11 @@ def run_multi_turn_bench(mc: MultiTurnConfig, log=print) -> dict:
                      block_size=mc.block_size, max_num_batched_tokens=mc.max_num_batched_tokens,
                      max_model_len=max_len, max_num_seqs=mc.max_num_seqs, num_pages=mc.num_pages,
                      enable_prefix_caching=caching)
+        if mc.warm_steps:  # every step shape the workload's steps can take, whatever the arrival timing
+            t = time.perf_counter()
+            shortest = min(mc.system_len + mc.user_len, max_len)  # a step's longest request: its pages up to a full one
+            n = eng.warmup_steps(pages=range(eng.scheduler.pages_for(shortest), eng.pages_per_seq + 1))
+            log(f"[{name}] warm-up: {n} step shapes compiled ahead in {time.perf_counter() - t:.1f} s")
         for p in range(mc.warm_passes):  # untimed passes of the same work until one compiles nothing
             t = time.perf_counter()
             compiles = serve_multi_turn(eng, system, users, mc.output_len, starts)["compiles"]
@@ -556,6 +564,9 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     ap.add_argument("--system-len", type=int, default=2048, help="multi-turn: tokens of the shared system prompt")
     ap.add_argument("--user-len", type=int, default=64, help="multi-turn: new user tokens per turn")
+    ap.add_argument("--warm-steps", action=argparse.BooleanOptionalAction, default=True,
+                    help="multi-turn: compile every step shape the workload can reach before the warm-up passes "
+                         "(Engine.warmup_steps; --no-warm-steps: the passes alone, whose shapes follow the timing)")
     args = ap.parse_args(argv)
     apply_platform_flags(args.cpu, args.xla_autotune)  # jax is imported, but no backend started yet
     if args.workload == "multi-turn":
@@ -565,7 +576,7 @@ def main(argv=None) -> int:
                              dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, impl=args.impl,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              num_pages=args.num_pages, block_size=args.block_size,
-                             warm_passes=max(args.warm_passes, 1), seed=args.seed)
+                             warm_passes=max(args.warm_passes, 1), warm_steps=args.warm_steps, seed=args.seed)
         res = run_multi_turn_bench(mc)
         if args.out:
             write_json(args.out, multi_turn_record(res, command_line(argv, script=__file__)))

@@ -240,6 +240,33 @@ class Engine:
             self._dry = None
             self.scheduler.prefix_caching = caching
 
+    def warmup_steps(self, pages=None, max_rows: int | None = None, greedy=(True,), logprobs=(False,)) -> int:
+        """Compile every serving-step shape the loop can reach (`ModelRunner.serving_shapes`: each rows bucket up
+        to `max_rows`, default max_num_batched_tokens, with each requests bucket, at the block-table widths of
+        `pages`, the page counts (per DCP rank) a step's longest request may hold, default any; in batch-invariant
+        mode its few fixed shapes), for each of `greedy` (True: steps that sample greedily, or nothing) and
+        `logprobs`; returns how many were compiled (the others already were).
+
+        Which of those shapes a serving loop meets depends on how requests arrive: how many are running and how
+        many rows their admissions bring to a step (with prefix caching, the uncached tails of varied lengths).
+        A shape met for the first time compiles inside the loop, which stalls every request for the compile (on a
+        GPU, seconds per shape at full model size), so warming by serving sample traffic leaves shapes that
+        arrive with other timings; this compiles them all ahead. Each compile runs one step of padding rows
+        only: the caches, block table and requests are untouched. Not with speculative decoding (its turn
+        compiles its own steps)."""
+        if self.spec is not None:
+            raise ValueError("warmup_steps: not with speculative decoding (num_speculative_tokens > 0)")
+        self._check_idle("warmup_steps")
+        if max_rows is None:
+            max_rows = self.max_num_batched_tokens
+        widths = None if pages is None else {self.runner.width_for(check_positive_int("pages", p)) for p in pages}
+        before = self.runner.serve_step._cache_size()
+        for t, width, nr in self.runner.serving_shapes(check_positive_int("max_rows", max_rows), widths):
+            for g in greedy:
+                for lp in logprobs:
+                    self.runner.compile_step(t, width, nr, greedy=bool(g), logprobs=bool(lp))
+        return self.runner.serve_step._cache_size() - before
+
     def _release(self, seqs: list[_Seq]) -> None:
         for s in seqs:
             self.allocator.release(s.pages)

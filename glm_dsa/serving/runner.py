@@ -292,13 +292,66 @@ class ModelRunner:
         taps = self._trace(self.params, jnp.asarray(ids, jnp.int32))
         return {k: np.asarray(v) for k, v in select_layers(taps, layers).items()}
 
+    def width_for(self, pages: int) -> int:
+        """The block-table columns a step reads when its longest request holds `pages` pages: a power-of-two bucket
+        from 8, capped at a full sequence's pages (a bucket past it would double the indexer's top-k width); a
+        bucket over half of it takes the cap at once (at most twice the pages, as any bucket): one shape less."""
+        width = _bucket(pages, 8)
+        return self.pages_per_seq if 2 * width > self.pages_per_seq else width
+
+    def serving_shapes(self, max_rows: int, widths=None) -> list[tuple[int, int, int]]:
+        """Every static shape (rows T, block-table columns, requests R) of `step_shapes` that a serving step of at
+        most `max_rows` rows can take (a scheduler's steps hold at most its max_num_batched_tokens), at the
+        block-table `widths` given (values of `width_for`; default: all of them). Default mode: each rows bucket
+        with each requests bucket up to the most requests its rows and max_num_seqs allow; batch-invariant mode:
+        the prompt rows and the decode row buckets, at the fixed width and requests."""
+        if self.batch_invariant:
+            prompt, decode = self.invariant_rows
+            rows = sorted({registry.decode_step_rows(n, decode) for n in range(1, min(max_rows, decode) + 1)}
+                          | {prompt})
+            return [(t, self.pages_per_seq, self.n_out) for t in rows]
+        if widths is None:
+            widths = {self.width_for(p) for p in range(1, self.pages_per_seq + 1)}
+        shapes = []
+        t = 16
+        while True:
+            nr, most = 8, min(_bucket(min(t, self.max_num_seqs), 8, 4), self.n_out)
+            while True:
+                shapes.extend((t, w, min(nr, self.n_out)) for w in sorted(set(widths)))
+                if nr >= most:
+                    break
+                nr *= 4
+            if t >= max_rows:
+                break
+            t *= 2
+        return shapes
+
+    def compile_step(self, t: int, width: int, nr: int, greedy: bool = True, logprobs: bool = False) -> None:
+        """Compile (and run) the serving step of static shape (rows `t`, block-table columns `width`, requests
+        `nr`: see `step_shapes`) with every row padding: position -1 writes nothing and routes nowhere, the table
+        changes are padding and the sampled ids are dropped, so the caches, the block table and `prev_ids` are
+        left as they were. Its host inputs are laid out as `execute`'s, so a later step of that shape runs this
+        executable."""
+        row_arr = np.zeros((4, t), np.int32)
+        row_arr[1:] = -1
+        row_arr[2] = 0
+        plan_rows = np.full(nr, self.max_num_seqs, np.int32)
+        upd = np.full((3, t), self.max_num_seqs + 1, np.int32)
+        resets = np.zeros(self.max_num_seqs + 1, np.int32)
+        su = np.zeros((5, nr), np.uint32)
+        sf = np.zeros((2, nr), np.float32)
+        sf[1] = 1.0
+        packed, layout = host_buffer.pack(row_arr, plan_rows, upd, resets, su, sf)
+        prev = self.prev_ids
+        if prev is None:
+            prev = jax.device_put(np.zeros(self.n_out, np.int32), self.replicated)
+        _, self.caches, self.tables = self.serve_step(self.params, self.caches, self.tables, packed, prev,
+                                                      width=width, greedy=greedy, layout=layout, logprobs=logprobs)
+
     def step_shapes(self, plan: StepPlan) -> tuple[int, int, int]:
         """The bucketed static shapes of a plan's step: (rows T, block-table columns read, requests R)."""
         t = _bucket(plan.num_rows, 16)
-        # capped at a full sequence's pages: a power-of-two bucket past it would double the indexer's top-k width;
-        # a bucket over half of it takes the cap at once (at most twice the pages, as any bucket): one shape less
-        width = _bucket(max(len(r.pages) for r in plan.requests), 8)
-        width = self.pages_per_seq if 2 * width > self.pages_per_seq else width
+        width = self.width_for(max(len(r.pages) for r in plan.requests))
         # requests (and logits rows, at most one each) in buckets growing 4x, capped at max_num_seqs' bucket
         nr = min(_bucket(len(plan.requests), 8, 4), self.n_out)
         if self.batch_invariant:

@@ -3,6 +3,7 @@ logits rows and the block-table entries that changed, never whole block tables (
 request holds). Measured by what is built, not by the clock: the bytes of the host arrays each step hands to the
 device, and the device-to-host reads (one per step: the previous step's ids)."""
 
+import jax
 import numpy as np
 
 import glm_dsa
@@ -84,3 +85,86 @@ def test_bench_host_overhead_replays_the_decode_steps_and_gives_the_engine_back(
     assert "execute" not in vars(eng.runner) and "process" not in vars(eng.scheduler)
     assert hasattr(eng.runner.serve_step, "_cache_size")
     assert eng.generate(prompts, 5, stop_token_ids=[]) == before
+
+
+def _chat(eng, arrivals, system, turns=2, max_tokens=3):
+    """Conversations on one system prompt through `eng`'s loop in this thread: conversation i's first turn is
+    submitted at loop step arrivals[i], each later turn (the prompt so far, the answer, 3 new tokens) as soon as
+    the previous answer is complete. Returns every answer and the step shapes met (`ModelRunner.step_shapes`)."""
+    from glm_dsa.serving.sampling import SamplingParams
+    params = SamplingParams(max_tokens=max_tokens, stop_token_ids=[])
+    shapes, execute = set(), eng.runner.execute
+
+    def recording(plan, dry=None):
+        shapes.add(eng.runner.step_shapes(plan))
+        return execute(plan, dry)
+    eng.runner.execute = recording
+    prompts = {i: system + [2 + i, 3 + i] for i in range(len(arrivals))}
+    done, live, answers, step = {i: 0 for i in prompts}, {}, [], 0
+    try:
+        while len(answers) < turns * len(prompts):
+            for i in prompts:
+                if i not in live and done[i] < turns and step >= arrivals[i]:
+                    live[i] = eng.submit(prompts[i], params, prompt_index=i)
+            eng.step()
+            step += 1
+            for i, s in list(live.items()):
+                if s.finished:
+                    del live[i]
+                    answers.append(s.output)
+                    done[i] += 1
+                    prompts[i] = prompts[i] + s.output + [4, 5, 6]
+    finally:
+        del eng.runner.execute
+    return answers, shapes
+
+
+def test_prefix_cached_chats_compile_no_step_in_the_loop_after_warmup_steps():
+    """With prefix caching the rows of a step follow the arrival timing (an admission computes only its uncached
+    tail, beside however many decode rows run then), so serving sample traffic does not meet every step shape the
+    loop can reach: a chat arriving with other timings met shapes the first did not, and each compiled inside
+    the loop, stalling every request (on the GPU, seconds per shape: the multi-turn benchmark's host time per
+    step and TTFT p99 with caching were those compiles). `Engine.warmup_steps` compiles every shape ahead: then
+    no timing compiles anything, and its padding steps leave the caches and the cached pages as they were."""
+    from glm_dsa.serving.engine import Engine
+    from glm_dsa.model.random_init import init_params
+    params = init_params(CFG, seed=0, dtype="float32")
+    system = np.random.default_rng(3).integers(2, CFG.vocab_size, 18).tolist()
+    timings = ([0] * 9, [0, 1, 2, 20, 21, 40, 41, 60, 61])  # all at once; in pairs, a few running at a time
+    kw = dict(dtype="float32", max_model_len=64, block_size=4, num_pages=160, max_num_seqs=9,
+              max_num_batched_tokens=64)
+
+    plain = Engine(CFG, params, **kw)
+    _, seen = _chat(plain, timings[0], system)
+    compiled = plain.runner.serve_step._cache_size()
+    plain_answers, seen_later = _chat(plain, timings[1], system)
+    assert seen_later - seen and plain.runner.serve_step._cache_size() > compiled  # the old way: compiles later
+
+    eng = Engine(CFG, params, **kw)
+    _chat(eng, timings[0], system)  # caches and cached pages to keep
+    caches = [np.asarray(c) for c in jax.tree.leaves(eng.caches)]
+    tables = np.asarray(eng.runner.tables)
+    cached = eng.scheduler.cached_pages
+    n = eng.warmup_steps(pages=range(1, 9))  # prompts and answers within 8 pages: one block-table width
+    assert n == len(eng.runner.serving_shapes(64, {8})) - len(seen) > 0  # every shape not compiled yet, once
+    for a, b in zip(caches, jax.tree.leaves(eng.caches)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    np.testing.assert_array_equal(tables, np.asarray(eng.runner.tables))
+    assert eng.scheduler.cached_pages == cached and eng.warmup_steps(pages=[8]) == 0
+    compiled = eng.runner.serve_step._cache_size()
+    answers, _ = _chat(eng, timings[1], system)  # reads the pages cached before the warm-up
+    assert eng.runner.serve_step._cache_size() == compiled  # nothing compiled in the loop
+    assert eng.metrics()["prefix_cache_hits"] > 0
+    assert answers == plain_answers
+
+
+def test_warmup_steps_covers_batch_invariant_steps():
+    from glm_dsa.serving.engine import Engine
+    from glm_dsa.model.random_init import init_params
+    eng = Engine(CFG, init_params(CFG, seed=0, dtype="float32"), dtype="float32", max_model_len=64, block_size=4,
+                 max_num_seqs=4, max_num_batched_tokens=64, batch_invariant=True, invariant_step_rows=(32, 8))
+    assert eng.runner.serving_shapes(64) == [(8, eng.pages_per_seq, 8), (32, eng.pages_per_seq, 8)]
+    assert eng.warmup_steps() == 2
+    rng = np.random.default_rng(2)
+    eng.generate([rng.integers(0, CFG.vocab_size, n).tolist() for n in (5, 40, 9)], 4, stop_token_ids=[])
+    assert eng.runner.serve_step._cache_size() == 2
