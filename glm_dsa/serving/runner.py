@@ -300,12 +300,9 @@ class ModelRunner:
         most `max_rows` rows can take (a scheduler's steps hold at most its max_num_batched_tokens), at the
         block-table `widths` given (values of `width_for`; default: all of them). Default mode: each rows bucket
         with each requests bucket up to the most requests its rows and max_num_seqs allow; batch-invariant mode:
-        the prompt rows and the decode row buckets, at the fixed width and requests."""
+        its two shapes, the prompt rows and the decode rows, at the fixed width and requests."""
         if self.batch_invariant:
-            prompt, decode = self.invariant_rows
-            rows = sorted({registry.decode_step_rows(n, decode) for n in range(1, min(max_rows, decode) + 1)}
-                          | {prompt})
-            return [(t, self.pages_per_seq, self.n_out) for t in rows]
+            return [(t, self.pages_per_seq, self.n_out) for t in sorted(self.invariant_rows)]
         if widths is None:
             widths = {self.width_for(p) for p in range(1, self.pages_per_seq + 1)}
         shapes = []
