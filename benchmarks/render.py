@@ -8,7 +8,8 @@ two markers is replaced. Each table starts with where its figures come from: dev
 the command of the results file, or of each of its `sources` where the file was put together from several runs
 (then every row names its source, `source`, an index into that list or a list of them for a row made of several
 runs, and the table has a "run" column). A record whose rows were recomputed later from its own measurements
-(`reprojected`: date, commit, command) says so on a second line.
+(`reprojected`: date, commit, command) says so on a second line, as does one whose rows were read back from the
+run's printed log (`rebuilt`).
 """
 
 from __future__ import annotations
@@ -144,6 +145,14 @@ TABLES = {
         ("dims", "dims"), ("experts used", "experts_used"), ("device µs", "device_us"), ("TFLOP/s", "tflops"),
         ("HBM", pct("hbm_fraction")), ("rel. diff. from mosaic", "rel_diff_mosaic")),
         keep=lambda r: r["op"] in ("moe_prefill", "moe_decode")),
+    "fp8_gemm_configs": Table("fp8_gemm_configs", (
+        ("case", "case"), ("tile", lambda r: f"{r['config']['tile_m']} x {r['config']['tile_n']}"),
+        ("stages", lambda r: r["config"]["stages"]), ("compute WGs", lambda r: r["config"]["compute_wgs"]),
+        ("m_sub", lambda r: r["config"]["m_sub"]), ("swap AB", lambda r: r["config"]["swap_ab"]),
+        ("status", "status"), ("wall ms", "wall_ms"), ("device ms", "dev_ms"), ("GEMM ms", "gemm_ms"),
+        ("TFLOP/s (GEMM)", "tflops_gemm"), ("rel. error", lambda r: r.get("check", {}).get("rel_fro")),
+        ("smem over limit, Mosaic (repo) bytes",
+         lambda r: f"{r['over_mosaic']} ({r['over_repo']})" if r["status"] == "invalid" else None))),
     "e2e": Table("e2e", (
         ("preset", "preset"), ("layers", "layers"), ("weights", "weights"), ("kv cache", "kv_cache"),
         ("impl", "impl"), ("prefill batch x input", lambda r: f"{r['batch']} x {r['input_len']}" if r.get("prefill_s") else None),
@@ -251,6 +260,10 @@ def render_table(name: str, results: str = RESULTS) -> str:
         lines += [f"- run {i}: {_provenance(sources[i])}" for i in used]
     else:
         lines.append(f"- {_provenance(rec)}")
+    rebuilt = rec.get("rebuilt")
+    if rebuilt:  # rows read back from the run's printed log (its record did not come back)
+        lines.append(f"- rows rebuilt from that run's printed log, {_date(rebuilt['date'])}, commit "
+                     f"`{rebuilt['commit']}`: `{' '.join(rebuilt['command'].split())}`")
     again = rec.get("reprojected")
     if again:  # rows recomputed from the record's own measurements, later and elsewhere
         lines.append(f"- rows reprojected from that run's measurements, {_date(again['date'])}, commit "

@@ -61,9 +61,35 @@ def test_forms_are_refused_where_they_do_not_apply():
 
 
 def test_scripts_are_there():
-    assert set(SCRIPTS) == {"diag_indexer_parts", "diag_launch_gap", "multi_turn_schedule", "probe_indexer_mosaic",
-                            "probe_moe_fp8", "probe_sparse_mla_mosaic", "profile_kernels", "row_invariance",
-                            "padding_rows_mla"}
+    assert set(SCRIPTS) == {"diag_indexer_parts", "diag_launch_gap", "fp8_gemm_configs", "multi_turn_schedule",
+                            "probe_indexer_mosaic", "probe_moe_fp8", "probe_sparse_mla_mosaic", "profile_kernels",
+                            "row_invariance", "padding_rows_mla"}
+
+
+def test_fp8_gemm_configs_reads_back_a_printed_log():
+    """The launch-config sweep's printed lines become the rows it writes (figures as printed); an invalid config's
+    error and estimate come from Fp8GemmConfig and must match the printed ones; --start writes beside --out."""
+    from benchmarks.diagnostics import fp8_gemm_configs as fc
+    dims = dict(experts=256, topk=8, hidden=6144, width=2048, tokens=8192)
+    log = (f"device NVIDIA H100 80GB HBM3 jax 0.11.2 dims {dims} configs 3\n"
+           "[ 1/3] up_fused    tm128 tn256 s3 wgs2 msub1        wall   7.853 ms  420.0 TF/s dev   7.631 gemm   "
+           "7.595 ms  434.3 TF/s err rel_fro 1.7e-03 rel_max 2.0e-03 (first call 1.35 s)\n"
+           "[ 2/3] up_fused    tm128 tn256 s4 wgs2 msub1        INVALID: repo smem 233472 (over by 1024), mosaic "
+           "233536 (over by 1088); Fp8GemmConfig Fp8GemmConfig(tile_m=128, tile_n=256, stages=4, compute_wgs=2, "
+           "swap_ab=False, m_sub=1, swiglu=True): 23347\n"
+           "[ 3/3] e2e_unfused tm128 tn128 s4 wgs2 msub1        wall   5.199 ms  634.5 TF/s dev   5.248 gemm   "
+           "4.485 ms  735.4 TF/s (first call 0.86 s)\n")
+    head, rows = fc.rows_from_log(log)
+    assert (head["device"], head["jax"], head["dims"]) == ("NVIDIA H100 80GB HBM3", "0.11.2", dims)
+    assert [r["status"] for r in rows] == ["ok", "invalid", "ok"]
+    assert rows[0]["config"]["swiglu"] and not rows[2]["config"]["swiglu"]
+    assert (rows[0]["gemm_ms"], rows[0]["tflops_gemm"], rows[0]["check"]["rel_fro"]) == (7.595, 434.3, 1.7e-3)
+    assert (rows[1]["over_repo"], rows[1]["over_mosaic"]) == (1024, 1088)
+    assert rows[1]["error"].endswith("233472 bytes of shared memory, over 232448")
+    assert "check" not in rows[2] and rows[2]["N"] == 4096
+    with pytest.raises(ValueError, match="not this commit's"):
+        fc.rows_from_log(log.replace("repo smem 233472", "repo smem 233000"))
+    assert fc.output_path("r/x.json", 1) == "r/x.json" and fc.output_path("r/x.json", 12) == "r/x_from12.json"
 
 
 def test_row_invariance_names_the_first_op_a_changed_row_reaches(monkeypatch):
