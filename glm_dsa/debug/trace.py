@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from kernels import registry
 from sharding import ParallelConfig
 
 from ..model.config import GlmDsaConfig
@@ -62,9 +63,12 @@ def traced_step(params, caches, batch: StepBatch, *, config: GlmDsaConfig, paral
         return logits, caches, records
 
     # every record is gathered to full width inside, so all of them leave replicated; compiled as one program (run
-    # eagerly, the step dispatches its ops one by one over the mesh)
-    return jax.jit(lambda p, c, b: run_sharded(body, p, c, b, par, lambda cspecs: (P(), cspecs, P()), config))(
-        params, caches, batch)
+    # eagerly, the step dispatches its ops one by one over the mesh). The kernels' rules decide as in `step` (in
+    # batch-invariant mode: for the step's kind, named by its padded rows)
+    with registry.batch_invariant(options.batch_invariant, rows=batch.token_ids.shape[0],
+                                  prompt_rows=options.invariant_prompt_rows):
+        return jax.jit(lambda p, c, b: run_sharded(body, p, c, b, par, lambda cspecs: (P(), cspecs, P()), config))(
+            params, caches, batch)
 
 
 def trace(params, token_ids, *, config: GlmDsaConfig, parallel: ParallelConfig | None = None, impl: str | None = None,

@@ -110,3 +110,27 @@ def test_diff_set_valued_and_infinities():
     b["layers.0.attn.topk"] = np.array([[1, 4, -1, -1]])
     rows, first = diff_traces(a, b)
     assert first == "layers.0.attn.topk" and abs(rows[0].jaccard - 1 / 3) < 1e-9
+
+
+def test_traced_step_decides_in_the_steps_batch_invariant_mode(ckpt):
+    """`traced_step` takes the kernels' choices `step` takes for the same options: in batch-invariant mode those of
+    the step's kind (it ran the default mode's rules, so a trace of an invariant step showed other kernels' bits).
+    Traced for the GPU on the CPU (abstract evaluation only); the default mode's choices, which differ here, are the
+    negative control."""
+    from glm_dsa.model.options import StepOptions
+    from kernels import registry
+    eng = glm_dsa.load(ckpt, dtype="float32", max_model_len=64, progress=False)
+    caches, batch = prefill_inputs(eng.params, np.asarray([PROMPT]), config=CFG, parallel=eng.parallel,
+                                   block_size=eng.block_size)
+
+    def decisions(fn, options):
+        with registry.deciding_for("gpu"), registry.record() as log:
+            jax.eval_shape(functools.partial(fn, config=CFG, parallel=eng.parallel, options=options),
+                           eng.params, caches, batch)
+        return [(d.rule, d.choice, d.step_kind) for d in log]
+
+    invariant = StepOptions(batch_invariant=True, invariant_prompt_rows=64)
+    expected = decisions(glm_dsa.step, invariant)
+    assert expected and all(kind == "decode" for _, _, kind in expected)  # 19 rows: a decode step of that kind
+    assert decisions(traced_step, invariant) == expected
+    assert decisions(traced_step, StepOptions()) != expected
