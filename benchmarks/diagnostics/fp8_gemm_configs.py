@@ -314,7 +314,7 @@ class Sweep:
                 f = jax.jit(gemm)
             t = time.perf_counter()
             out = jax.block_until_ready(f(a, s, w, ws, tg))
-            row["first_call_s"] = round(time.perf_counter() - t, 2)
+            row["compile_s"] = round(time.perf_counter() - t, 2)  # compile and first run
             wall = timeit(f, a, s, w, ws, tg, warmup=self.args.warmup, reps=self.args.iters)
             row.update(wall_ms=wall * 1e3, tflops_wall=flops / wall / 1e12)
             dev = self.cupti(f, a, s, w, ws, tg)
@@ -331,7 +331,7 @@ class Sweep:
             chk_s = (f" err rel_fro {chk['rel_fro']:.1e} rel_max {chk['rel_max']:.1e}"
                      f"{'' if chk['ok'] else ' WRONG'}" if chk else "")
             print(f"{name} wall {row['wall_ms']:7.3f} ms {row['tflops_wall']:6.1f} TF/s{dev_s}{chk_s} "
-                  f"(first call {row['first_call_s']} s)", flush=True)
+                  f"(compile and first run {row['compile_s']} s)", flush=True)
         except Exception as e:  # noqa: BLE001  one config that fails to compile or run is a row
             row.update(status="failed", error=f"{type(e).__name__}: {str(e)[:600]}")
             print(f"{name} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -385,7 +385,7 @@ _LINE = re.compile(r"^\[\s*(?P<idx>\d+)/\s*(?P<n>\d+)\] (?P<case>\w+)\s+tm(?P<tm
 _TIMED = re.compile(r"^wall\s+(?P<wall_ms>[\d.]+) ms\s+(?P<tflops_wall>[\d.]+) TF/s"
                     r"(?: dev\s+(?P<dev_ms>[\d.]+) gemm\s+(?P<gemm_ms>[\d.]+) ms\s+(?P<tflops_gemm>[\d.]+) TF/s)?"
                     r"(?: err rel_fro (?P<rel_fro>\S+) rel_max (?P<rel_max>[^\s]+?)(?P<wrong> WRONG)?)?"
-                    r" \(first call (?P<first_call_s>[\d.]+) s\)$")
+                    r" \(compile and first run (?P<compile_s>[\d.]+) s\)$")
 _INVALID = re.compile(r"^INVALID: repo smem (?P<smem_repo>\d+) \(over by -?\d+\), mosaic (?P<smem_mosaic>\d+|None) "
                       r"\(over by [^)]*\); (?P<error>.*)$")
 _FAILED = re.compile(r"^FAILED: (?P<error>.*)$")
@@ -432,7 +432,7 @@ def rows_from_log(text: str) -> tuple[dict, list[dict]]:
                         "e2e_unfused": (2 * i, d), "down": (d, i)}[case]
             flops = 2.0 * pairs * (2 * i * d if case != "down" else d * i)
             row.update(smem_repo=c.smem_bytes(), N=n_out, K=k, pairs=pairs, flops=flops,
-                       first_call_s=float(hit["first_call_s"]))
+                       compile_s=float(hit["compile_s"]))
             row.update({key: float(hit[key]) for key in ("wall_ms", "tflops_wall", "dev_ms", "gemm_ms", "tflops_gemm")
                         if hit[key] is not None})
             if hit["rel_fro"] is not None:
