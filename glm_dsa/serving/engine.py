@@ -257,12 +257,12 @@ class Engine:
         if max_rows is None:
             max_rows = self.max_num_batched_tokens
         widths = None if pages is None else {self.runner.width_for(check_positive_int("pages", p)) for p in pages}
-        before = self.runner.serve_step._cache_size()
+        before = self.runner.step_function()._cache_size()
         for t, width, nr in self.runner.serving_shapes(check_positive_int("max_rows", max_rows), widths):
             for g in greedy:
                 for lp in logprobs:
                     self.runner.compile_step(t, width, nr, greedy=bool(g), logprobs=bool(lp))
-        return self.runner.serve_step._cache_size() - before
+        return self.runner.step_function()._cache_size() - before
 
     def _release(self, seqs: list[_Seq]) -> None:
         for s in seqs:

@@ -306,17 +306,9 @@ class ModelRunner:
         if widths is None:
             widths = {self.width_for(p) for p in range(1, self.pages_per_seq + 1)}
         shapes = []
-        t = 16
-        while True:
-            nr, most = 8, min(_bucket(min(t, self.max_num_seqs), 8, 4), self.n_out)
-            while True:
-                shapes.extend((t, w, min(nr, self.n_out)) for w in sorted(set(widths)))
-                if nr >= most:
-                    break
-                nr *= 4
-            if t >= max_rows:
-                break
-            t *= 2
+        for t in sorted({_bucket(n, 16) for n in range(1, max_rows + 1)}):  # step_shapes' buckets, as it takes them
+            requests = {min(_bucket(r, 8, 4), self.n_out) for r in range(1, min(t, self.max_num_seqs) + 1)}
+            shapes.extend((t, w, nr) for nr in sorted(requests) for w in sorted(set(widths)))
         return shapes
 
     def compile_step(self, t: int, width: int, nr: int, greedy: bool = True, logprobs: bool = False) -> None:
@@ -325,21 +317,41 @@ class ModelRunner:
         changes are padding and the sampled ids are dropped, so the caches, the block table and `prev_ids` are
         left as they were. Its host inputs are laid out as `execute`'s, so a later step of that shape runs this
         executable."""
-        row_arr = np.zeros((4, t), np.int32)
-        row_arr[1:] = -1
-        row_arr[2] = 0
+        packed, layout = host_buffer.pack(*self._padding_inputs(t, nr))
+        self._launch(packed, layout, width=width, greedy=greedy, logprobs=logprobs)
+
+    def _padding_inputs(self, t: int, nr: int) -> tuple[np.ndarray, ...]:
+        """`_serve_step`'s host arrays (rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32) of a
+        step of `t` rows and `nr` requests, all padding: rows at position -1 (write nothing, route nowhere) with
+        src -1 and request 0, requests reading the all-zero last table row, table updates outside the table, no
+        resets, greedy sampling rows. `execute` fills a plan's part in."""
+        rows = np.zeros((4, t), np.int32)
+        rows[1], rows[3] = -1, -1
         plan_rows = np.full(nr, self.max_num_seqs, np.int32)
         upd = np.full((3, t), self.max_num_seqs + 1, np.int32)
         resets = np.zeros(self.max_num_seqs + 1, np.int32)
-        su = np.zeros((5, nr), np.uint32)
-        sf = np.zeros((2, nr), np.float32)
+        su = np.zeros((5, nr), np.uint32)  # logits row, seed words, token index, prompt index
+        sf = np.zeros((2, nr), np.float32)  # temperature, top_p
         sf[1] = 1.0
-        packed, layout = host_buffer.pack(row_arr, plan_rows, upd, resets, su, sf)
+        return rows, plan_rows, upd, resets, su, sf
+
+    def step_function(self):
+        """The jitted serving step `execute` runs: the one that also returns logits while keep_logits is set."""
+        return self._logits_step() if self.keep_logits else self.serve_step
+
+    def _launch(self, packed, layout, *, width: int, greedy: bool, logprobs: bool):
+        """Run `step_function` on packed host inputs after the previous step's ids; returns its ids output (the
+        caches, the table and, with keep_logits, last_logits updated)."""
         prev = self.prev_ids
         if prev is None:
             prev = jax.device_put(np.zeros(self.n_out, np.int32), self.replicated)
-        _, self.caches, self.tables = self.serve_step(self.params, self.caches, self.tables, packed, prev,
-                                                      width=width, greedy=greedy, layout=layout, logprobs=logprobs)
+        out = self.step_function()(self.params, self.caches, self.tables, packed, prev, width=width, greedy=greedy,
+                                   layout=layout, logprobs=logprobs)
+        if self.keep_logits:
+            out, self.caches, self.tables, self.last_logits = out
+        else:
+            out, self.caches, self.tables = out
+        return out
 
     def step_shapes(self, plan: StepPlan) -> tuple[int, int, int]:
         """The bucketed static shapes of a plan's step: (rows T, block-table columns read, requests R)."""
@@ -372,17 +384,15 @@ class ModelRunner:
         all but the last t entries are written to the device table here, before the step (`write_tables`), and
         the step gets the last t and no resets: the table it reads is the same (resets first, then the entries in
         order), and its input shapes do not depend on how many cached pages its admissions bring."""
-        plan_rows = np.full(nr, self.max_num_seqs, np.int32)  # padding requests read the all-zero last row
+        _, plan_rows, upd, resets, _, _ = self._padding_inputs(t, nr)  # padding requests read the all-zero last row
         plan_rows[: len(plan.requests)] = [r.table_row for r in plan.requests]
-        resets = np.zeros(self.max_num_seqs + 1, np.int32)
         resets[plan.table_resets] = 1
         updates = plan.table_updates
         if updates.shape[1] > t:
             self.write_tables(resets, updates[:, :-t])
             updates = updates[:, -t:]
             resets = np.zeros_like(resets)  # applied: a second reset would clear the entries just written
-        upd = np.full((3, t), self.max_num_seqs + 1, np.int32)  # padding updates: outside the table
-        upd[:, : updates.shape[1]] = updates
+        upd[:, : updates.shape[1]] = updates  # the rest: padding updates, outside the table
         return plan_rows, upd, resets
 
     def write_tables(self, resets: np.ndarray, updates: np.ndarray) -> None:
@@ -408,17 +418,12 @@ class ModelRunner:
         self.launch_s = 0.0
         rows = plan.num_rows
         t, width, nr = self.step_shapes(plan)
-        row_arr = np.zeros((4, t), np.int32)
-        row_arr[1:, rows:] = -1  # padding rows: position -1 (write nothing), src -1; request 0
-        row_arr[2, rows:] = 0
+        # logits rows bucketed with the requests (at most one each): one shape dimension less to compile
+        row_arr, _, _, _, su, sf = self._padding_inputs(t, nr)
         row_arr[0, :rows], row_arr[1, :rows], row_arr[2, :rows], row_arr[3, :rows] = (plan.token, plan.pos, plan.req,
                                                                                        plan.src)
         plan_rows, upd, resets = self.table_inputs(plan, t, nr)
         k = len(plan.sample_rows)
-        nl = nr  # logits rows bucketed with the requests (at most one each): one shape dimension less to compile
-        su = np.zeros((5, nl), np.uint32)  # logits row, seed words, token index, prompt index
-        sf = np.zeros((2, nl), np.float32)  # temperature, top_p: padding rows greedy
-        sf[1] = 1.0
         su[0, :k] = plan.sample_rows
         su[3, :k] = plan.sample_token_index
         for j, r in enumerate(plan.sample_reqs):
@@ -436,19 +441,9 @@ class ModelRunner:
                             np.zeros((self.n_out, MAX_LOGPROBS), np.float32))
                 return ids
             dry.add(shape)
-        prev = self.prev_ids
-        if prev is None:
-            prev = jax.device_put(np.zeros(self.n_out, np.int32), self.replicated)
         t_launch = time.perf_counter()
         greedy = bool(np.all(sf[0, :k] < GREEDY_BELOW))  # static: no device-side branch (see sampling.sample)
-        if self.keep_logits:
-            out, self.caches, self.tables, self.last_logits = self._logits_step()(
-                self.params, self.caches, self.tables, packed, prev, width=width, greedy=greedy, layout=layout,
-                logprobs=want_lp)
-        else:
-            out, self.caches, self.tables = self.serve_step(self.params, self.caches, self.tables, packed, prev,
-                                                            width=width, greedy=greedy, layout=layout,
-                                                            logprobs=want_lp)
+        out = self._launch(packed, layout, width=width, greedy=greedy, logprobs=want_lp)
         self.launch_s = time.perf_counter() - t_launch
         self.prev_ids = out[0] if want_lp else out
         return out
