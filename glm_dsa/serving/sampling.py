@@ -46,6 +46,9 @@ def check_token_ids(name: str, ids, vocab_size: int) -> list[int]:
     strings, bools are not token ids), ValueError for ids outside the vocabulary. `name` heads the messages."""
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise TypeError(f"{name} must be a list of integer token ids, got {ids!r}")
+    if isinstance(ids, list) and all(type(tok) is int for tok in ids):  # the usual case, without a per-id ABC check
+        if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
+            return list(ids)
     out = []
     for j, tok in enumerate(ids):
         if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, numbers.Integral):
