@@ -20,8 +20,9 @@ blocked until ready: wall ms) and, on a GPU, the median CUPTI device time of the
 profiler: dev ms, all the call's kernels; gemm ms, its longest kernel alone). TF/s = 2 M N K / t over the 65536
 real pairs (fused: both operands). Each GEMM's output is checked against the float64 oracle
 (`kernels/fp8_gemm/reference.oracle`) on 3 used tiles x 3 column blocks, plus one unused tile (must be zeros).
-Configs that `Fp8GemmConfig` rejects are rows too ("invalid"), never timed: the repo's shared-memory estimate
-beside Mosaic GPU's exact figure (the kernel lowered for CUDA, not run; no device needed).
+Configs that `Fp8GemmConfig` rejects are rows too ("invalid"), never timed: the repo's shared-memory count
+(`Fp8GemmConfig.smem_bytes`, bf16 output) beside Mosaic GPU's own (`mosaic.lowered_smem_bytes`: the kernel lowered
+for CUDA, not run; no device needed), which it is meant to equal.
 
     PYTHONPATH=. python benchmarks/diagnostics/fp8_gemm_configs.py --budget 480     # then --start N for the rest
     PYTHONPATH=. python benchmarks/diagnostics/fp8_gemm_configs.py --only up_unfused,down --iters 20
@@ -55,7 +56,7 @@ from benchmarks.bench_fp8_gemm_mosaic import Dims, experts_fp8, routing
 from benchmarks.harness import Budget, command_line, git_commit, record, timeit, write_json
 from kernels import fp8_gemm
 from kernels.fp8_gemm import Fp8GemmConfig, config as cfg_mod, experts as fp8_experts, mosaic
-from kernels.fp8_gemm.reference import FP8, oracle, silu_mul
+from kernels.fp8_gemm.reference import oracle, silu_mul
 
 CASES = ("up_fused", "up_unfused", "down", "e2e_fused", "e2e_unfused")
 
@@ -141,27 +142,12 @@ def short(c: Fp8GemmConfig) -> str:
 
 
 def mosaic_smem(c: Fp8GemmConfig) -> int | None:
-    """Mosaic GPU's exact shared memory of config c (bf16 out): the kernel lowered for CUDA at a small shape (no
-    device needed; the figure does not depend on M, N, K, G) under an artificial limit of 0 bytes, whose error
-    names it. None when lowering fails otherwise."""
-    from jax.experimental.mosaic.gpu import core as mgpu_core
-    g, k = 2, 1024
-    n = 2 * c.tile_n
-    m = 2 * c.tile_m
-    a = jax.ShapeDtypeStruct((m, k), FP8)
-    sa = jax.ShapeDtypeStruct((m, k // 128), jnp.float32)
-    w = jax.ShapeDtypeStruct((g, n, k), FP8)
-    ws = jax.ShapeDtypeStruct((g, n // 128, k // 128), jnp.float32)
-    tg = jax.ShapeDtypeStruct((m // c.tile_m,), jnp.int32)
-    ops = 2 if c.swiglu else 1
+    """Mosaic GPU's exact shared memory of config c (bf16 out; `mosaic.lowered_smem_bytes`: the kernel lowered for
+    CUDA at a small shape, no device needed). None when lowering fails otherwise."""
     try:
-        with mgpu_core.artificial_shared_memory_limit(0):
-            mosaic._run.trace(a, sa, (w,) * ops, (ws,) * ops, tg, config=c, out_dtype=jnp.dtype(jnp.bfloat16),
-                              interpret=False).lower(lowering_platforms=("cuda",))
-    except Exception as e:  # noqa: BLE001
-        hit = re.search(r"smem_bytes=(\d+)", str(e))
-        return int(hit.group(1)) if hit else None
-    return None
+        return mosaic.lowered_smem_bytes(c, jnp.bfloat16)
+    except ValueError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------------------------

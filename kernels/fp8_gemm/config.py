@@ -7,6 +7,10 @@ import dataclasses
 WGMMA_M = 64  # rows of one warpgroup's wgmma
 BLOCK = 128  # the FP8 scale block; every K step is one block
 SMEM_LIMIT = 232448  # shared memory one CTA may take on Hopper (Mosaic GPU's max_smem_bytes)
+SMEM_ALIGNMENT = 1024  # bytes: Mosaic GPU rounds each shared-memory allocation up to this (pallas mosaic_gpu core.py)
+MBARRIER_BYTES = 8  # one mbarrier (jax.experimental.mosaic.gpu.utils.MBARRIER_BYTES)
+TMA_SMEM_ALIGN = 128  # bytes: a TMA's shared-memory address must be a multiple of this
+SCALE_REPEAT = TMA_SMEM_ALIGN // 4  # float32 copies of each weight scale: one stage's block is whole 128 bytes
 SWAP_SWIGLU_MAX_M = 128  # swap_ab + swiglu: two running 64 x tile_m accumulators and a partial per warpgroup
 
 
@@ -94,13 +98,44 @@ class Fp8GemmConfig:
         """One warpgroup's store tile: 64 x 128 output (swap_ab: 64 weight rows x tile_m rows of out^T)."""
         return (WGMMA_M, self.tile_m if self.swap_ab else BLOCK)
 
-    def smem_bytes(self, out_itemsize: int = 2) -> int:
-        """Shared memory: the stages' e4m3 tiles and scales, one store tile per warpgroup (`out_itemsize` bytes an
-        element: 2 for bf16), barriers (an allowance)."""
-        sa_bytes = -(-self.tile_m // 32) * 128  # the scale blocks, whole 128 bytes (mosaic.scale_block_widths)
-        per_stage = (self.tile_m + self.tile_n) * BLOCK + sa_bytes + 128 * self.n_sub
+    def smem_bytes(self, out_itemsize: int = 2, k_blocks: int | None = None) -> int:
+        """Shared memory of one CTA in bytes, as Mosaic GPU counts it for the kernel (`mosaic._kernel`) with
+        `out_itemsize`-byte outputs (2: bf16, 4: float32) and `k_blocks` = K / 128 K blocks (None: any K).
+
+        The kernel allocates everything in one `pl.run_scoped`; Mosaic GPU's resource estimate (jax 0.11.2)
+        (jax/_src/pallas/mosaic_gpu/lowering.py, `_run_scoped_resource_estimator` and `Resources`) rounds each
+        shared-memory allocation up to SMEM_ALIGNMENT (1024) bytes and adds them; the launch
+        (jax/experimental/mosaic/gpu/core.py, `_smem_tree_size`) puts the mbarriers, MBARRIER_BYTES (8) each,
+        after that scratch. With S = min(stages, k_blocks) (`emit_pipeline_warp_specialized` shrinks its ring to
+        the K steps there are; without k_blocks S = stages, a bound from above for K below stages blocks):
+          the pipeline's TMA ring (`get_allocations`: one [S, block] buffer per in_spec), each rounded up:
+            e4m3 rows: S x tile_m x 128 bytes; each weight operand's e4m3 rows: S x operand_rows x 128;
+            activation scales: S x 4 sa_w, each operand's weight scales S x 4 sw_w (`scale_block_widths`);
+          the store tiles, [compute_wgs, *out_tile()] of the output dtype, rounded up;
+          the pipeline's barriers: one produced and one consumed barrier per stage, 2 S x 8 bytes, not rounded.
+        Nothing else: the wgmma accumulators are registers (`plgpu.ACC`), the kernel has no reduction (which
+        would reserve Mosaic's reduction scratch) and no TMEM. benchmarks/diagnostics/fp8_gemm_configs.py records
+        Mosaic's own count (`mosaic.lowered_smem_bytes`) beside this one; tests/kernels/fp8_gemm checks the two
+        are equal."""
+        s = self.stages if k_blocks is None else max(1, min(self.stages, k_blocks))
+        sa_w, sw_w = scale_block_widths(self)
         r, c = self.out_tile()
-        return self.stages * per_stage + self.compute_wgs * r * c * out_itemsize + 1024
+        scratch = [s * self.tile_m * BLOCK, *[s * self.operand_rows * BLOCK] * self.n_operands, s * sa_w * 4,
+                   *[s * sw_w * 4] * self.n_operands, self.compute_wgs * r * c * out_itemsize]
+        return sum(_align(b, SMEM_ALIGNMENT) for b in scratch) + 2 * s * MBARRIER_BYTES
+
+
+def _align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def scale_block_widths(config: Fp8GemmConfig) -> tuple[int, int]:
+    """float32 widths of one stage's activation-scale block and of each weight operand's scale block. Every
+    stage's buffer must start on a TMA_SMEM_ALIGN boundary, so each block is a multiple of 128 bytes: the
+    activation block covers tile_m scales rounded up to 32 (a decode tile of 8 rows reads 24 scales past it, from
+    padding), a weight block SCALE_REPEAT copies of each of the operand's `operand_blocks` scales."""
+    per = TMA_SMEM_ALIGN // 4
+    return _align(config.tile_m, per), SCALE_REPEAT * config.operand_blocks
 
 
 PREFILL = Fp8GemmConfig()

@@ -22,7 +22,7 @@ epilogue stores silu(gate) * up.
 Scales travel with the tiles: the activation scales as s_a^T [K/128, M] (a tile's scales for one K block are one
 contiguous run), the weight scales as [G, K/128, 32 N/128] with each scale repeated 32 times: every stage's
 buffer of a TMA destination must start on a 128-byte boundary, so each stage's scale block is whole 128 bytes
-(`scale_block_widths`).
+(`config.scale_block_widths`). The shared memory this takes is `Fp8GemmConfig.smem_bytes`, as Mosaic GPU counts it.
 """
 
 from __future__ import annotations
@@ -35,21 +35,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .config import BLOCK, SMEM_LIMIT, WGMMA_M, Fp8GemmConfig
+from .config import BLOCK, SCALE_REPEAT, SMEM_LIMIT, WGMMA_M, Fp8GemmConfig, scale_block_widths
 from .reference import FP8
 
 SM_COUNT = 132  # Hopper SXM (H100, H200)
-TMA_SMEM_ALIGN = 128  # bytes: a TMA's shared-memory address must be a multiple of this
-SCALE_REPEAT = TMA_SMEM_ALIGN // 4  # float32 copies of each weight scale: one stage's block is whole 128 bytes
-
-
-def scale_block_widths(config: Fp8GemmConfig) -> tuple[int, int]:
-    """float32 widths of one stage's activation-scale block and of each weight operand's scale block. Every
-    stage's buffer must start on a TMA_SMEM_ALIGN boundary, so each block is a multiple of 128 bytes: the
-    activation block covers tile_m scales rounded up to 32 (a decode tile of 8 rows reads 24 scales past it, from
-    padding), a weight block SCALE_REPEAT copies of each of the operand's `operand_blocks` scales."""
-    per = TMA_SMEM_ALIGN // 4
-    return -(-config.tile_m // per) * per, SCALE_REPEAT * config.operand_blocks
 
 
 def _tile_transforms(cols: int, dtype):
@@ -221,6 +210,32 @@ def _run(a_q, a_scale, w_qs, w_scales, tile_group, *, config, out_dtype, interpr
     return out.T if config.swap_ab else out
 
 
+def lowered_smem_bytes(config: Fp8GemmConfig, out_dtype=jnp.bfloat16, k_blocks: int = 8) -> int:
+    """Mosaic GPU's own count of the kernel's shared memory (bytes a CTA): the kernel lowered for CUDA (no device
+    needed) with `k_blocks` K blocks under an artificial limit of 0 bytes, whose error names the count (the figure
+    does not depend on M, N or G). `config` may be one that `Fp8GemmConfig` rejects, built without its checks.
+    ValueError when the lowering fails otherwise."""
+    import re
+
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+    g, k = 2, k_blocks * BLOCK
+    m, n = 2 * config.tile_m, 2 * config.operand_rows
+    S = jax.ShapeDtypeStruct
+    w, ws = S((g, n, k), FP8), S((g, n // BLOCK, k // BLOCK), jnp.float32)
+    args = (S((m, k), FP8), S((m, k // BLOCK), jnp.float32), (w,) * config.n_operands, (ws,) * config.n_operands,
+            S((m // config.tile_m,), jnp.int32))
+    try:
+        with mgpu_core.artificial_shared_memory_limit(0):
+            _run.trace(*args, config=config, out_dtype=jnp.dtype(out_dtype), interpret=False).lower(
+                lowering_platforms=("cuda",))
+    except Exception as e:  # noqa: BLE001  the expected exit: over the limit of 0 bytes
+        hit = re.search(r"smem_bytes=(\d+)", str(e))
+        if hit:
+            return int(hit.group(1))
+        raise ValueError(f"fp8 grouped matmul: lowering {config} for CUDA failed: {type(e).__name__}: {e}") from e
+    raise ValueError(f"fp8 grouped matmul: lowering {config} under a shared-memory limit of 0 did not fail")
+
+
 def operand_list(w, name: str, config: Fp8GemmConfig) -> tuple:
     """The weight operands as a tuple: (gate, up) for swiglu configs, (w,) otherwise (TypeError naming `name`)."""
     pair = isinstance(w, (tuple, list))
@@ -266,7 +281,7 @@ def grouped_matmul_mosaic(a_q, a_scale, w_q, w_scale, tile_group, *, config: Fp8
     t (of config.tile_m rows) uses group tile_group[t]'s weights, and its rows are zeros where that is -1.
     interpret: run under the Pallas Mosaic GPU interpreter (CPU tests)."""
     w_qs, w_ss = check_operands(a_q, a_scale, w_q, w_scale, tile_group, config)
-    need = config.smem_bytes(jnp.dtype(out_dtype).itemsize)
+    need = config.smem_bytes(jnp.dtype(out_dtype).itemsize, a_q.shape[1] // BLOCK)
     if need > SMEM_LIMIT:
         raise ValueError(f"fp8 grouped matmul: {config} with {jnp.dtype(out_dtype).name} output needs {need} bytes "
                          f"of shared memory, over {SMEM_LIMIT}")

@@ -74,9 +74,9 @@ def test_fp8_gemm_configs_reads_back_a_printed_log():
     log = (f"device NVIDIA H100 80GB HBM3 jax 0.11.2 dims {dims} configs 3\n"
            "[ 1/3] up_fused    tm128 tn256 s3 wgs2 msub1        wall   7.853 ms  420.0 TF/s dev   7.631 gemm   "
            "7.595 ms  434.3 TF/s err rel_fro 1.7e-03 rel_max 2.0e-03 (compile and first run 1.35 s)\n"
-           "[ 2/3] up_fused    tm128 tn256 s4 wgs2 msub1        INVALID: repo smem 233472 (over by 1024), mosaic "
+           "[ 2/3] up_fused    tm128 tn256 s4 wgs2 msub1        INVALID: repo smem 233536 (over by 1088), mosaic "
            "233536 (over by 1088); Fp8GemmConfig Fp8GemmConfig(tile_m=128, tile_n=256, stages=4, compute_wgs=2, "
-           "swap_ab=False, m_sub=1, swiglu=True): 23347\n"
+           "swap_ab=False, m_sub=1, swiglu=True): 23353\n"
            "[ 3/3] e2e_unfused tm128 tn128 s4 wgs2 msub1        wall   5.199 ms  634.5 TF/s dev   5.248 gemm   "
            "4.485 ms  735.4 TF/s (compile and first run 0.86 s)\n")
     head, rows = fc.rows_from_log(log)
@@ -84,11 +84,11 @@ def test_fp8_gemm_configs_reads_back_a_printed_log():
     assert [r["status"] for r in rows] == ["ok", "invalid", "ok"]
     assert rows[0]["config"]["swiglu"] and not rows[2]["config"]["swiglu"]
     assert (rows[0]["gemm_ms"], rows[0]["tflops_gemm"], rows[0]["check"]["rel_fro"]) == (7.595, 434.3, 1.7e-3)
-    assert (rows[1]["over_repo"], rows[1]["over_mosaic"]) == (1024, 1088)
-    assert rows[1]["error"].endswith("233472 bytes of shared memory, over 232448")
+    assert (rows[1]["over_repo"], rows[1]["over_mosaic"]) == (1088, 1088)
+    assert rows[1]["error"].endswith("233536 bytes of shared memory, over 232448")
     assert "check" not in rows[2] and rows[2]["N"] == 4096
     with pytest.raises(ValueError, match="not this commit's"):
-        fc.rows_from_log(log.replace("repo smem 233472", "repo smem 233000"))
+        fc.rows_from_log(log.replace("repo smem 233536", "repo smem 233472"))
     assert fc.output_path("r/x.json", 1) == "r/x.json" and fc.output_path("r/x.json", 12) == "r/x_from12.json"
 
 

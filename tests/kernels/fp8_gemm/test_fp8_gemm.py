@@ -3,9 +3,11 @@
 On CPU the kernel runs under the Pallas Mosaic GPU interpreter at tiny shapes (one case per layout: prefill row
 tiles of 128 and 256 columns, two m sub-tiles, the SwiGLU epilogue, swap-AB decode tiles of 16 and 8 rows, swap-AB
 with SwiGLU; ragged groups with empty and 1-row groups, zero blocks, unused tiles) and lowers for CUDA at GLM-5.2
-widths; the gpu-marked tests run it on the device at ragged group sizes against a bound derived from the tensor
-core's accumulation (`accumulation_bound`)."""
+widths; the shared-memory count (`Fp8GemmConfig.smem_bytes`) is checked against Mosaic GPU's own, as recorded on
+the H100 and as its lowering computes it on the CPU; the gpu-marked tests run it on the device at ragged group sizes
+against a bound derived from the tensor core's accumulation (`accumulation_bound`)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -222,6 +224,84 @@ def test_expert_configs_fit_float32_outputs(layout):
         up, down = experts.expert_configs(layout, t, 8, 256)
         assert up.swiglu and not down.swiglu and up.tile_m == down.tile_m and up.swap_ab == (layout == "swap_ab")
         assert max(up.smem_bytes(4), down.smem_bytes(4)) <= fp8_config.SMEM_LIMIT
+
+
+def unchecked_config(**kw) -> Fp8GemmConfig:
+    """An Fp8GemmConfig without __post_init__'s checks (a config it rejects for shared memory)."""
+    c = object.__new__(Fp8GemmConfig)
+    for f in dataclasses.fields(Fp8GemmConfig):
+        object.__setattr__(c, f.name, kw.get(f.name, f.default))
+    return c
+
+
+# Mosaic GPU's own shared-memory counts on the H100 (jax 0.11.2, bf16 output, K = 1024), hand-copied from the
+# "invalid" rows of benchmarks/results/fp8_gemm_configs.json (smem_mosaic; the run's printed errors name them).
+H100_MOSAIC_SMEM = [
+    (dict(tile_m=128, tile_n=256, stages=4, swiglu=True), 233536),
+    (dict(tile_m=128, tile_n=128, stages=6), 233568),
+    (dict(tile_m=128, tile_n=256, stages=4), 232512),
+    (dict(tile_m=256, tile_n=128, stages=4, m_sub=2), 234560),
+]
+
+
+@pytest.mark.parametrize("kw,mosaic_bytes", H100_MOSAIC_SMEM)
+def test_smem_bytes_is_mosaics_count_on_the_h100(kw, mosaic_bytes):
+    """smem_bytes gives the byte count Mosaic GPU printed for the configs it refused on the H100, and those configs
+    are rejected."""
+    assert unchecked_config(**kw).smem_bytes() == mosaic_bytes
+    with pytest.raises(ValueError, match=f"{mosaic_bytes} bytes of shared memory, over {fp8_config.SMEM_LIMIT}"):
+        Fp8GemmConfig(**kw)
+
+
+def test_smem_constants_are_mosaics():
+    from jax._src.pallas.mosaic_gpu import core as gpu_core
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    assert fp8_config.SMEM_ALIGNMENT == gpu_core.SMEM_ALIGNMENT
+    assert fp8_config.MBARRIER_BYTES == mgpu_utils.MBARRIER_BYTES
+
+
+LOWERED_SMEM = {  # name: (config kwargs, output dtype, K blocks)
+    "prefill": (dict(), jnp.bfloat16, 8),
+    "prefill_f32": (dict(), jnp.float32, 8),
+    "prefill_swiglu": (dict(tile_n=256, stages=3, swiglu=True), jnp.bfloat16, 8),
+    "prefill_swiglu_f32": (dict(tile_n=256, stages=3, swiglu=True), jnp.float32, 8),
+    "prefill_swiglu_4_stages": (dict(tile_n=256, stages=4, swiglu=True), jnp.bfloat16, 8),  # rejected
+    "prefill_256_6_stages": (dict(tile_n=256, stages=6), jnp.bfloat16, 8),  # rejected
+    "prefill_m_sub2": (dict(tile_m=256, stages=3, m_sub=2), jnp.bfloat16, 8),
+    "one_wg": (dict(tile_m=64, tile_n=256, stages=5, compute_wgs=1, swiglu=True), jnp.float32, 8),
+    "decode": (dict(tile_m=16, stages=6, swap_ab=True), jnp.bfloat16, 8),
+    "decode_tm8_f32": (dict(tile_m=8, stages=6, swap_ab=True), jnp.float32, 8),
+    "decode_tm64_f32": (dict(tile_m=64, stages=6, swap_ab=True), jnp.float32, 8),
+    "decode_swiglu": (dict(tile_m=16, tile_n=256, stages=4, swap_ab=True, swiglu=True), jnp.bfloat16, 8),
+    "decode_swiglu_tm128": (dict(tile_m=128, tile_n=256, stages=3, swap_ab=True, swiglu=True), jnp.bfloat16, 8),
+    "ring_shrunk_to_k": (dict(tile_n=256, stages=3, swiglu=True), jnp.bfloat16, 2),  # 2 K blocks: 2 stages
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOWERED_SMEM))
+def test_smem_bytes_is_what_mosaic_lowering_counts(name):
+    """smem_bytes against the byte count Mosaic GPU's lowering computes for the kernel (lowered for CUDA on the
+    CPU, `mosaic.lowered_smem_bytes`): equal, for bf16 and float32 outputs, and with fewer K blocks than stages."""
+    from kernels.fp8_gemm import mosaic
+    kw, out_dtype, k_blocks = LOWERED_SMEM[name]
+    cfg = unchecked_config(**kw)
+    want = mosaic.lowered_smem_bytes(cfg, out_dtype, k_blocks)
+    assert cfg.smem_bytes(jnp.dtype(out_dtype).itemsize, k_blocks) == want
+    assert cfg.smem_bytes(jnp.dtype(out_dtype).itemsize) >= want  # any K: a bound from above
+
+
+def test_default_configs_fit():
+    """The configs the kernels pick by default (the named ones, the routed experts' and the dense linears' at
+    decode and prefill row counts) fit the shared memory with bf16 and with float32 outputs."""
+    from kernels.fp8_gemm import experts
+    from kernels.fp8_linear import mosaic as linear
+    cfgs = [fp8_config.PREFILL, fp8_config.DECODE, fp8_config.PREFILL_SWIGLU, fp8_config.DECODE_SWIGLU]
+    for t in (1, 8, 32, 128, 512, 8192):
+        for layout in ("grouped", "swap_ab"):
+            cfgs += [*experts.expert_configs(layout, t, 8, 256), linear.linear_config(layout, t),
+                     linear.linear_config(layout, t, swiglu=True)]
+    for cfg in cfgs:
+        assert max(cfg.smem_bytes(2), cfg.smem_bytes(4)) <= fp8_config.SMEM_LIMIT, cfg
 
 
 def test_configs_and_operands_are_checked():
