@@ -281,9 +281,15 @@ def grouped_matmul_mosaic(a_q, a_scale, w_q, w_scale, tile_group, *, config: Fp8
     t (of config.tile_m rows) uses group tile_group[t]'s weights, and its rows are zeros where that is -1.
     interpret: run under the Pallas Mosaic GPU interpreter (CPU tests)."""
     w_qs, w_ss = check_operands(a_q, a_scale, w_q, w_scale, tile_group, config)
-    need = config.smem_bytes(jnp.dtype(out_dtype).itemsize, a_q.shape[1] // BLOCK)
+    itemsize = jnp.dtype(out_dtype).itemsize
+    need = config.smem_bytes(itemsize, a_q.shape[1] // BLOCK)
     if need > SMEM_LIMIT:
         raise ValueError(f"fp8 grouped matmul: {config} with {jnp.dtype(out_dtype).name} output needs {need} bytes "
                          f"of shared memory, over {SMEM_LIMIT}")
+    row_bytes = config.out_tile()[1] * itemsize
+    if row_bytes >= 32 and row_bytes % 32:  # `_tile_transforms`: Mosaic GPU swizzles 32, 64 or 128 bytes, not 16
+        raise ValueError(f"fp8 grouped matmul: {config} with {jnp.dtype(out_dtype).name} output has store-tile rows "
+                         f"of {row_bytes} bytes, which no shared-memory swizzle takes (under 32 bytes or a multiple "
+                         f"of 32: swap_ab tile_m 8 or a multiple of {32 // itemsize})")
     return _run(a_q, a_scale, w_qs, w_ss, tile_group, config=config, out_dtype=jnp.dtype(out_dtype),
                 interpret=bool(interpret))

@@ -334,6 +334,22 @@ def test_configs_and_operands_are_checked():
         fp8_gemm.grouped_matmul(a_q, s_a, (w_q[0], w_q[1][:, :, :128]), s_w, tg, config=fp8_config.DECODE_SWIGLU)
 
 
+
+def test_store_tiles_no_swizzle_takes_are_refused():
+    """swap_ab tile_m 24 with bf16 output: 48-byte store-tile rows, on which Mosaic GPU's own lowering fails (a
+    16-byte swizzle); the wrapper refuses it first, naming the rows. With float32 output (96-byte rows) Mosaic
+    lowers it, and the wrapper takes it."""
+    from kernels.fp8_gemm import mosaic
+    cfg = Fp8GemmConfig(tile_m=24, tile_n=128, stages=6, swap_ab=True)
+    with pytest.raises(ValueError, match="Swizzle 16 is not supported"):
+        mosaic.lowered_smem_bytes(cfg, out_dtype=jnp.bfloat16)
+    assert mosaic.lowered_smem_bytes(cfg, out_dtype=jnp.float32) == cfg.smem_bytes(4, 8)
+    a_q, s_a, w_q, s_w, tg, _ = make_problem(0, [5, 30], 128, 256, 24)
+    with pytest.raises(ValueError, match="store-tile rows of 48 bytes"):
+        mosaic.grouped_matmul_mosaic(a_q, s_a, w_q[0], s_w[0], tg, config=cfg, out_dtype=jnp.bfloat16, interpret=True)
+    jax.eval_shape(functools.partial(mosaic.grouped_matmul_mosaic, config=cfg, out_dtype=jnp.float32, interpret=True),
+                   a_q, s_a, w_q[0], s_w[0], tg)
+
 # ------------------------------------------------------------------------------ the GPU's accumulation bound
 #
 # Hopper's e4m3 wgmma does not add its products into a float32 accumulator: it keeps a short running sum (the
