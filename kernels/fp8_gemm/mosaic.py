@@ -7,11 +7,12 @@ g the group of row r's tile (rows grouped by group in tiles of `tile_m`, `refere
 A persistent launch (one CTA per SM) walks the (row tile, column tile) pairs, column tile fastest, so the CTAs in
 flight share a row tile in L2 and stream the group's weights. Per tile, a warp-specialised pipeline
 (`plgpu.emit_pipeline_warp_specialized`): the producer warpgroup TMA-copies each K block's e4m3 row tile, weight
-tile(s) and their scales into a ring of `stages` buffers; each compute warpgroup, per K block, issues its wgmma
-into a fresh accumulator, waits for it, and adds partial x (s_a * s_w) to its running float32 accumulator (the
-promotion that keeps fp8 wgmma's short accumulator to one block). The two compute warpgroups interleave: one
-scales while the other's wgmma runs. The epilogue stores bf16 (or float32) through shared memory by TMA.
-Tiles whose group is -1 store zeros and read nothing.
+tile(s) and their scales into a ring of `stages` buffers; each compute warpgroup, per K block, loads the block's
+scales into registers, issues its wgmma into a fresh accumulator, fences the scale loads against the TMA that will
+refill the slot (`commit_smem`, while the wgmma runs), waits for the wgmma, and adds partial x (s_a * s_w) to its
+running float32 accumulator (the promotion that keeps fp8 wgmma's short accumulator to one block). The two
+compute warpgroups interleave: one scales while the other's wgmma runs. The epilogue stores bf16 (or float32)
+through shared memory by TMA. Tiles whose group is -1 store zeros and read nothing.
 
 swap_ab (decode): the weight rows go on wgmma's M side (64 per compute warpgroup) and the few activation rows of
 a group on its N side (8..256), so the tensor core is not 3/4 idle on a 16-row tile; the kernel writes out^T.
@@ -150,23 +151,35 @@ def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int
                         return (lambda i: w_smems[j].at[my_rows(i)]), scale
                     return (lambda i: w_smems[j].at[pl.ds(b * BLOCK, BLOCK)]), scale
 
+                # Every read of this stage's scales, before the first wgmma: see `mma` for the fence after them.
                 ws = [weight(s) for s in range(n_sub)]
+                if swap:
+                    sas = [plgpu.load(sa_smem.at[0, pl.ds(0, cfg.tile_m)], layout=plgpu.Layout.WGMMA.reduce(0),
+                                      optimized=False)]
+                else:
+                    sas = [plgpu.load(sa_smem.at[0, my_rows(i)], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                           for i in range(cfg.m_sub)]
                 new = []
                 for i in range(cfg.m_sub):
-                    if swap:
-                        sa = plgpu.load(sa_smem.at[0, pl.ds(0, cfg.tile_m)], layout=plgpu.Layout.WGMMA.reduce(0),
-                                        optimized=False)
-                    else:
-                        sa = plgpu.load(sa_smem.at[0, my_rows(i)], layout=plgpu.Layout.WGMMA.reduce(1),
-                                        optimized=False)
+                    sa = sas[0 if swap else i]
                     for s in range(n_sub):
                         w_tile, sw = ws[s]
 
-                        def mma(acc_ref):
+                        def mma(acc_ref, first=i == 0 and s == 0):
                             if swap:
                                 plgpu.wgmma(acc_ref, w_tile(i), a_smem.transpose((1, 0)))
                             else:
                                 plgpu.wgmma(acc_ref, a_smem.at[my_rows(i)], w_tile(i).transpose((1, 0)))
+                            if first:
+                                # The scales above were read by plain loads (the generic proxy); the producer's TMA
+                                # (the async proxy) refills this slot once every compute thread has arrived on the
+                                # pipeline's consumed barrier, after this body returns. The barrier orders accesses
+                                # of one proxy; across proxies the PTX memory model asks for a proxy fence
+                                # (fence.proxy.async.shared::cta: `commit_smem`) between the read and the write, as
+                                # CUTLASS's TMA epilogue has before it releases a loaded C stage. Issued while the
+                                # first wgmma runs. The e4m3 tiles need none: wgmma reads them through the async
+                                # proxy, and `acc_ref[...]` waits for it (wgmma.wait_group 0) before the release.
+                                plgpu.commit_smem()
                             return acc_ref[...]
 
                         part = pl.run_scoped(mma, plgpu.ACC((out_r, out_c), f32))

@@ -389,7 +389,10 @@ def _share_p_consumers(q_ref, idx_ref, o_ref, lse_ref, q_smem, k_tiled, q_bar, k
 
 def _tma_producer(cache_ref, idx_ref, k_tiled, k_rows, k_ready, k_free, idx_smem, idx_bar, t, tile0,
                   tiles_per_split, n_cols, config, interpret):
-    """One TMA per (row, 64-column chunk): 9 x 64 single-thread issues per tile, each arriving on `k_ready`."""
+    """One TMA per (row, 64-column chunk): 9 x 64 single-thread issues per tile, each arriving on `k_ready`.
+    slot_source "smem": the slot ids are read by plain loads (the generic proxy) and their buffer refilled by TMA
+    (the async proxy) two tiles later, which the PTX memory model orders only through a proxy fence between the
+    two: under share_p consumer 0's `commit_smem` each tile; the plain schedule has none on the device."""
     def fill(i, _):
         b = lax.rem(i, 2)
 
@@ -414,6 +417,8 @@ def _tma_producer(cache_ref, idx_ref, k_tiled, k_rows, k_ready, k_free, idx_smem
         lax.fori_loop(0, BLOCK_K, row, None)
         return None
     lax.fori_loop(0, tiles_per_split, fill, None)
+    if interpret:  # the interpreter checks that a thread waiting on `k_free` observes all its phases
+        _drain(k_free, tiles_per_split)
 
 
 def _l2_prefetch(cache_ref, idx_ref, t, tile0, tiles_per_split, ahead):

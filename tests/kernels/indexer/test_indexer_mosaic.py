@@ -222,6 +222,18 @@ def test_interpreted_scores_match_the_oracle(h, options):
     _check_scores(_inputs(LENS_PATTERN, h=h, seed=h), interpret=True, **options)
 
 
+def test_interpreted_ring_wrap_has_no_race(mosaic_races):
+    """Five tiles through two staging buffers and two key buffers, two consumers, under the interpreter's race
+    detector (`mosaic_races`). The producer reads each landed tile out of its staging buffer by plain loads (the
+    generic proxy) before a TMA (the async proxy) refills it: its `commit_smem` orders the two (without it the
+    detector reports the refill). The consumers' loads of a key buffer's scales and the producer's stores that
+    refill it are of one proxy, ordered through `k_free`."""
+    args = _inputs([300], h=8, seed=1)
+    _, races = mosaic_races(lambda: _check_scores(args, interpret=True, n_split=1, consumers=2, stages=2,
+                                                  in_flight=2))
+    assert not races
+
+
 @pytest.mark.parametrize("page", [128, 256])
 def test_interpreted_pages_larger_than_a_tile(page):
     """A tile starts inside a page: its first slot is the page's plus the tile's offset in it."""

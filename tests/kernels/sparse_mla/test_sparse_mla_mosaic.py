@@ -77,12 +77,27 @@ SCHEDULES = {"plain": {"share_p": False}, "share_p": {"share_p": True}}
 def test_interpreted_matches_numpy(t, h, k, n_split, schedule):
     """Heads padded to 64, K padded to whole 64-slot tiles (and to the splits), -1 slots, duplicates, an empty
     row and a row whose only slot falls in one split (the other splits' partials are the merge identity); both
-    K buffers in use. (At most 2 tiles per split: with more, the interpreter's barrier bookkeeping rejects the
-    producer's waits; the GPU tests below run 32 tiles per CTA.)"""
+    K buffers in use (`test_interpreted_ring_wrap_has_no_race` refills them; the GPU tests below run 32 tiles
+    per CTA)."""
     q, cache, idx = _inputs(t, h, k, 300, seed=t * h + k)
     o, lse = _run("mosaic_interpret", q, cache, idx, r=R_SMALL, n_split=n_split, **SCHEDULES[schedule])
     assert o.shape == (t, h, R_SMALL) and lse.shape == (t, h) and o.dtype == np.float32
     _check_against_numpy(o, lse, q, np.asarray(cache.astype(jnp.float32)), idx, R_SMALL)
+
+
+def test_interpreted_ring_wrap_has_no_race(mosaic_races):
+    """share_p with the slot ids in shared memory: four tiles through the two K buffers and the two slot-id
+    buffers, each refilled by the producer's TMA once the consumers free it, under the interpreter's race detector
+    (`mosaic_races`). The producer reads a tile's slot ids by plain loads (the generic proxy) and refills their
+    buffer by TMA (the async proxy) two tiles later; consumer 0's `commit_smem` (before it hands P over) lies
+    between the two through `k_ready` and `k_free` (without it the detector reports the refill). No race reported,
+    and the values right."""
+    q, cache, idx = _inputs(2, 4, 256, 300, seed=11)
+    f = functools.partial(sparse_mla_mosaic.sparse_mla_mosaic, scale=0.0625, kv_lora_rank=R_SMALL, interpret=True,
+                          n_split=1, producer="tma", slot_source="smem", share_p=True)
+    (o, lse), races = mosaic_races(lambda: f(jnp.asarray(q, jnp.bfloat16), cache, jnp.asarray(idx)))
+    assert not races
+    _check_against_numpy(np.asarray(o), np.asarray(lse), q, np.asarray(cache.astype(jnp.float32)), idx, R_SMALL)
 
 
 def test_interpreted_partials_merge_to_the_whole():
