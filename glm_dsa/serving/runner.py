@@ -317,23 +317,29 @@ class ModelRunner:
         changes are padding and the sampled ids are dropped, so the caches, the block table and `prev_ids` are
         left as they were. Its host inputs are laid out as `execute`'s, so a later step of that shape runs this
         executable."""
-        packed, layout = host_buffer.pack(*self._padding_inputs(t, nr))
+        rows, su, sf = self._padding_rows(t, nr)
+        packed, layout = host_buffer.pack(rows, *self._padding_tables(t, nr), su, sf)
         self._launch(packed, layout, width=width, greedy=greedy, logprobs=logprobs)
 
-    def _padding_inputs(self, t: int, nr: int) -> tuple[np.ndarray, ...]:
-        """`_serve_step`'s host arrays (rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32) of a
-        step of `t` rows and `nr` requests, all padding: rows at position -1 (write nothing, route nowhere) with
-        src -1 and request 0, requests reading the all-zero last table row, table updates outside the table, no
-        resets, greedy sampling rows. `execute` fills a plan's part in."""
+    def _padding_rows(self, t: int, nr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`_serve_step`'s row and sampling host arrays (rows, samp_u32, samp_f32) of a step of `t` rows and `nr`
+        requests, all padding: rows at position -1 (write nothing, route nowhere) with src -1 and request 0,
+        greedy sampling rows. `execute` fills a plan's part in."""
         rows = np.zeros((4, t), np.int32)
         rows[1], rows[3] = -1, -1
-        plan_rows = np.full(nr, self.max_num_seqs, np.int32)
-        upd = np.full((3, t), self.max_num_seqs + 1, np.int32)
-        resets = np.zeros(self.max_num_seqs + 1, np.int32)
         su = np.zeros((5, nr), np.uint32)  # logits row, seed words, token index, prompt index
         sf = np.zeros((2, nr), np.float32)  # temperature, top_p
         sf[1] = 1.0
-        return rows, plan_rows, upd, resets, su, sf
+        return rows, su, sf
+
+    def _padding_tables(self, t: int, nr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`_serve_step`'s block-table host arrays (plan_rows, table_updates, table_resets) of a step of `t` rows
+        and `nr` requests, all padding: requests reading the all-zero last table row, table updates outside the
+        table, no resets. `table_inputs` fills a plan's part in."""
+        plan_rows = np.full(nr, self.max_num_seqs, np.int32)
+        upd = np.full((3, t), self.max_num_seqs + 1, np.int32)
+        resets = np.zeros(self.max_num_seqs + 1, np.int32)
+        return plan_rows, upd, resets
 
     def step_function(self):
         """The jitted serving step `execute` runs: the one that also returns logits while keep_logits is set."""
@@ -384,7 +390,7 @@ class ModelRunner:
         all but the last t entries are written to the device table here, before the step (`write_tables`), and
         the step gets the last t and no resets: the table it reads is the same (resets first, then the entries in
         order), and its input shapes do not depend on how many cached pages its admissions bring."""
-        _, plan_rows, upd, resets, _, _ = self._padding_inputs(t, nr)  # padding requests read the all-zero last row
+        plan_rows, upd, resets = self._padding_tables(t, nr)  # padding requests read the all-zero last row
         plan_rows[: len(plan.requests)] = [r.table_row for r in plan.requests]
         resets[plan.table_resets] = 1
         updates = plan.table_updates
@@ -419,7 +425,7 @@ class ModelRunner:
         rows = plan.num_rows
         t, width, nr = self.step_shapes(plan)
         # logits rows bucketed with the requests (at most one each): one shape dimension less to compile
-        row_arr, _, _, _, su, sf = self._padding_inputs(t, nr)
+        row_arr, su, sf = self._padding_rows(t, nr)
         row_arr[0, :rows], row_arr[1, :rows], row_arr[2, :rows], row_arr[3, :rows] = (plan.token, plan.pos, plan.req,
                                                                                        plan.src)
         plan_rows, upd, resets = self.table_inputs(plan, t, nr)

@@ -42,13 +42,21 @@ from .reference import FP8
 SM_COUNT = 132  # Hopper SXM (H100, H200)
 
 
+def _swizzle(cols: int, dtype) -> int | None:
+    """The shared-memory swizzle (bytes) of a tile of rows of `cols` elements: None for rows under 32 bytes (a
+    decode store tile of 8 bf16 rows), which take none; else the largest that divides a row (16 for rows of an odd
+    number of 16 bytes, which Mosaic GPU does not take: `grouped_matmul_mosaic` refuses those configs)."""
+    row_bits = cols * jnp.dtype(dtype).itemsize * 8
+    return None if row_bits < 32 * 8 else plgpu.find_swizzle(row_bits)
+
+
 def _tile_transforms(cols: int, dtype):
     """The tiled, swizzled shared-memory form of a tile of rows of `cols` elements (wgmma operands, store tiles);
-    none for rows under 32 bytes (a decode store tile of 8 bf16 rows), which no swizzle takes."""
-    bits = jnp.dtype(dtype).itemsize * 8
-    if cols * bits < 32 * 8:
+    none for rows under 32 bytes (`_swizzle`)."""
+    swizzle = _swizzle(cols, dtype)
+    if swizzle is None:
         return ()
-    swizzle = plgpu.find_swizzle(cols * bits)
+    bits = jnp.dtype(dtype).itemsize * 8
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
@@ -153,15 +161,12 @@ def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int
 
                 # Every read of this stage's scales, before the first wgmma: see `mma` for the fence after them.
                 ws = [weight(s) for s in range(n_sub)]
-                if swap:
-                    sas = [plgpu.load(sa_smem.at[0, pl.ds(0, cfg.tile_m)], layout=plgpu.Layout.WGMMA.reduce(0),
-                                      optimized=False)]
-                else:
-                    sas = [plgpu.load(sa_smem.at[0, my_rows(i)], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-                           for i in range(cfg.m_sub)]
+                sas = [plgpu.load(sa_smem.at[0, pl.ds(0, cfg.tile_m) if swap else my_rows(i)],  # swap_ab: m_sub 1
+                                  layout=plgpu.Layout.WGMMA.reduce(0 if swap else 1), optimized=False)
+                       for i in range(cfg.m_sub)]
                 new = []
                 for i in range(cfg.m_sub):
-                    sa = sas[0 if swap else i]
+                    sa = sas[i]
                     for s in range(n_sub):
                         w_tile, sw = ws[s]
 
@@ -299,10 +304,9 @@ def grouped_matmul_mosaic(a_q, a_scale, w_q, w_scale, tile_group, *, config: Fp8
     if need > SMEM_LIMIT:
         raise ValueError(f"fp8 grouped matmul: {config} with {jnp.dtype(out_dtype).name} output needs {need} bytes "
                          f"of shared memory, over {SMEM_LIMIT}")
-    row_bytes = config.out_tile()[1] * itemsize
-    if row_bytes >= 32 and row_bytes % 32:  # `_tile_transforms`: Mosaic GPU swizzles 32, 64 or 128 bytes, not 16
+    if _swizzle(config.out_tile()[1], out_dtype) == 16:  # Mosaic GPU swizzles 32, 64 or 128 bytes, not 16
         raise ValueError(f"fp8 grouped matmul: {config} with {jnp.dtype(out_dtype).name} output has store-tile rows "
-                         f"of {row_bytes} bytes, which no shared-memory swizzle takes (under 32 bytes or a multiple "
-                         f"of 32: swap_ab tile_m 8 or a multiple of {32 // itemsize})")
+                         f"of {config.out_tile()[1] * itemsize} bytes, which no shared-memory swizzle takes (under "
+                         f"32 bytes or a multiple of 32: swap_ab tile_m 8 or a multiple of {32 // itemsize})")
     return _run(a_q, a_scale, w_qs, w_ss, tile_group, config=config, out_dtype=jnp.dtype(out_dtype),
                 interpret=bool(interpret))
