@@ -208,13 +208,16 @@ def test_an_idle_keep_alive_connection_outlives_the_clients_reuse_window(server)
 
 
 def test_a_request_arriving_mid_decode_finishes_before_the_running_one(server, client):
+    # the running stream is long (400 tokens: hundreds of steps) so that on a loaded machine the short request's
+    # round trip still fits inside it; with 58 it was once outrun on 2 busy cores
+    long_tokens = 400
     arrivals = []  # (time, what)
     first_two = threading.Event()
 
     def long_stream():
         n = 0
-        for chunk in client.completions.create(model=MODEL, prompt=[3, 1, 4, 1, 5], max_tokens=58, stream=True,
-                                               **GREEDY):
+        for chunk in client.completions.create(model=MODEL, prompt=[3, 1, 4, 1, 5], max_tokens=long_tokens,
+                                               stream=True, **GREEDY):
             n += len(chunk.choices[0].model_extra["token_ids"])
             if n == 2:
                 first_two.set()
