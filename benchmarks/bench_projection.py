@@ -284,7 +284,8 @@ def run(args, log=print, partial=None) -> tuple[list[dict], dict]:
                                 shard_parallel(str(args.tp), cfg), 16, quantization=args.quantization,
                                 kv_cache_dtype=args.kv_cache_dtype)
     log(f"MoE width check ({check['rows']} rows, {cfg.num_hidden_layers if cfg.num_hidden_layers < 8 else 8} "
-        f"layers): full-width weights / share's = {check['split_weight_bytes']:.4f}; FLOPs less the router: full / "
+        f"layers): full-width weights / share's = {check['split_weight_bytes']:.4f}; products' FLOPs less the router: "
+        f"full / share = {check['split_matmul_flops']}; XLA's FLOPs less the router: full / "
         f"share = {check['split_flops']}; XLA bytes less the router: full / share = {check['split_bytes']} "
         f"(TP = {check['tp']}; full {check['full']}, share {check['shard']})")
     extra = {"runs": runs, "moe_width_check": check, "model_inputs": model_sources,

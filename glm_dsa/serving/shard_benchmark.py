@@ -224,6 +224,28 @@ def stage_times(sb: ShardBench, batch: StepBatch, context: int, *, stages=STAGES
     return out
 
 
+def matmul_flops(jaxpr) -> int:
+    """2 x multiply-adds of every product in `jaxpr` (a core Jaxpr; nested jaxprs walked, a scan's body once per
+    trip): a dot_general's output elements x its contracted length, and a ragged dot's the same over its rows, each
+    row against its own group only. These are the products' own FLOPs, not XLA's count of how it lowers them (the
+    CPU lowers a ragged dot to a masked product over every group, with elementwise work around it)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in ("dot_general", "ragged_dot_general"):
+            dims = (eqn.params["dimension_numbers"] if name == "dot_general"
+                    else eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers)
+            lhs = eqn.invars[0].aval.shape
+            total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in dims[0][0])
+        trips = eqn.params.get("length", 1) if name == "scan" else 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a closed jaxpr's own
+                if hasattr(sub, "eqns"):
+                    total += trips * matmul_flops(sub)
+    return total
+
+
 def stage_costs(sb_or_cfg, parallel: ParallelConfig, batch: StepBatch, context: int, *, params=None, caches=None,
                 dtype="bfloat16", stages=STAGES) -> dict:
     """Per stage: XLA's FLOPs and bytes of its xla-form program on this device's shapes, and the collectives it
@@ -257,7 +279,8 @@ def stage_costs(sb_or_cfg, parallel: ParallelConfig, batch: StepBatch, context: 
             ca = None if cpu is None else traced.lower().cost_analysis()
         ca = ca[0] if isinstance(ca, (list, tuple)) else ca
         out[stage] = {"flops": None if ca is None else float(ca.get("flops", 0.0)),
-                      "bytes": None if ca is None else float(ca.get("bytes accessed", 0.0)), "collectives": list(log)}
+                      "bytes": None if ca is None else float(ca.get("bytes accessed", 0.0)),
+                      "matmul_flops": matmul_flops(traced.jaxpr.jaxpr), "collectives": list(log)}
     return out
 
 
@@ -367,7 +390,8 @@ def moe_width_check(cfg: GlmDsaConfig, parallel: ParallelConfig, rows: int, *, q
     `rows` decode rows, counted abstractly (nothing allocated): XLA's counts of the xla-form program and the bytes
     of the layer's weights (routed and shared experts, FP8 with their scale grids: what a decode step reads). The
     router is replicated (every device routes every row), so it is counted apart: (full - router) / (shard -
-    router) is the split factor of the rest, TP where the experts' work splits exactly."""
+    router) is the split factor of the rest, TP where the experts' work splits exactly. `split_matmul_flops` is the
+    same ratio of the products' own FLOPs (`matmul_flops`), which split by exactly TP."""
     from glm_dsa.model.shard import shard_parallel
     rng = np.random.default_rng(0)
     out = {}
@@ -381,7 +405,8 @@ def moe_width_check(cfg: GlmDsaConfig, parallel: ParallelConfig, rows: int, *, q
                               is_leaf=lambda s: isinstance(s, tuple) and bool(s) and isinstance(s[0], int))
         batch = step_batch(rows, 1, 2, block_size, cfg.vocab_size, rng, par.dcp, par.interleave)
         costs = stage_costs(cfg, par, batch, 2, params=params, caches=caches, dtype=dtype, stages=("moe", "router"))
-        out[name] = {k: {"flops": v["flops"], "bytes": v["bytes"]} for k, v in costs.items()}
+        out[name] = {k: {"flops": v["flops"], "bytes": v["bytes"], "matmul_flops": v["matmul_flops"]}
+                     for k, v in costs.items()}
         prefix = f"layers.{stage_layers(cfg)['moe'][0]}.moe."
         nbytes = {path_str(p)[len(prefix):]: math.prod(v.shape) * jnp.dtype(v.dtype).itemsize
                   for p, v in jax.tree_util.tree_leaves_with_path(params) if path_str(p).startswith(prefix)}
@@ -392,6 +417,8 @@ def moe_width_check(cfg: GlmDsaConfig, parallel: ParallelConfig, rows: int, *, q
         r = f["router"][key]
         counted = None not in (r, f["moe"][key], s["moe"][key])  # None: the backend has no HLO cost model
         out[f"split_{key}"] = (f["moe"][key] - r) / (s["moe"][key] - r) if counted else None
+    r = f["router"]["matmul_flops"]
+    out["split_matmul_flops"] = (f["moe"]["matmul_flops"] - r) / (s["moe"]["matmul_flops"] - r)
     out["split_weight_bytes"] = f["weights"]["bytes"] / s["weights"]["bytes"]
     out.update(tp=parallel.tp, rows=rows)
     return out

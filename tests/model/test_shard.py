@@ -131,8 +131,8 @@ def test_collectives_of_a_layer_by_hand():
 
 def test_moe_full_width_is_tp_times_the_share():
     """`--num-layers 8` at full width (TP = 1) against one device's share at TP = 8: the MoE layer's weights (routed
-    and shared experts with their FP8 scale grids) are exactly 8 times the share's bytes, and its FLOPs less the
-    replicated router 8 times the share's to 1% (the per-row work of the routed pairs, gathering, weighting and
+    and shared experts with their FP8 scale grids) are exactly 8 times the share's bytes, its products' FLOPs less
+    the replicated router exactly 8 times the share's, and XLA's FLOPs less the router 8 times the share's to 1% (the per-row work of the routed pairs, gathering, weighting and
     summing [T k, D] rows, is every device's: 0.4% of a share's FLOPs here). XLA's bytes of the xla form count its
     float32 temporaries, which do not all split: they are printed by the GPU command, not asserted."""
     cfg = presets.glm52.with_depth(8)
@@ -142,6 +142,22 @@ def test_moe_full_width_is_tp_times_the_share():
     assert check["full"]["weights"]["bytes"] == 256 * 3 * (6144 * 2048 + 4 * 48 * 16) + 3 * (6144 * 2048 + 4 * 48 * 16)
     assert check["full"]["router_weights"] == check["shard"]["router_weights"]
     assert check["split_flops"] == pytest.approx(8, rel=1e-2)
+    # the products' own FLOPs split exactly: 16 rows x 8 routed pairs and 16 shared rows, each gate+up (6144 x 4096)
+    # and down (2048 x 6144), plus the replicated router (6144 x 256)
+    expert = 2 * 6144 * 4096 + 2 * 2048 * 6144
+    assert check["full"]["moe"]["matmul_flops"] == ROWS * 8 * expert + ROWS * expert + 2 * ROWS * 6144 * 256
+    assert check["full"]["router"]["matmul_flops"] == 2 * ROWS * 6144 * 256
+    assert check["split_matmul_flops"] == 8
+
+
+def test_matmul_flops_by_hand():
+    """`matmul_flops` counts a dot's 2 M N K, a scan body's products once per trip, and a ragged dot's rows against
+    their own group only (not XLA's masked product over every group)."""
+    def f(a, b, w, sizes):
+        z, _ = jax.lax.scan(lambda c, _: (c @ w, None), a @ b, None, length=3)
+        return z, jax.lax.ragged_dot(a, jnp.ones((4, 8, 5)), sizes)
+    traced = jax.jit(f).trace(jnp.ones((6, 8)), jnp.ones((8, 7)), jnp.ones((7, 7)), jnp.array([1, 2, 0, 3], jnp.int32))
+    assert sbm.matmul_flops(traced.jaxpr.jaxpr) == 2 * 6 * 8 * 7 + 3 * (2 * 6 * 7 * 7) + 2 * 6 * 8 * 5
 
 
 def _small_share(impl, max_requests, rows):
