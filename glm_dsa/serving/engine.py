@@ -104,17 +104,20 @@ class Engine:
     shapes (each with the block-table width of max_model_len and the request count of max_num_seqs): a prompt step
     computes prompt tokens only (prefill chunks), padded to `invariant_step_rows[0]` rows (default
     `kernels.registry.INVARIANT_PROMPT_ROWS` = 8192); a decode step computes every other token (decode rows, and a
-    preempted request's generated tokens when it is recomputed), padded to `invariant_step_rows[1]` rows (default
-    `INVARIANT_STEP_ROWS` = 256). The kinds never share a step (they alternate while both have work; see
-    glm_dsa.serving.scheduler), so a token is always computed in its kind's shape; a step holds at most
-    min(max_num_batched_tokens, its kind's rows). The prefix cache keeps only pages of prompt tokens there.
-    Memory: every prompt step has the activations of `invariant_step_rows[0]` rows whatever max_num_batched_tokens
-    (as the default mode at max_num_batched_tokens = 8192), within the device memory the cache plan leaves
-    (1 - cache_memory_fraction); where that does not fit, pass smaller prompt rows (results are then the same
-    among engines of those rows) or a smaller cache_memory_fraction. `invariant_step_rows` is for that and for
-    tests; None keeps the defaults (a value without batch_invariant is a ValueError). Not with speculative
-    decoding. It covers the serving loop (`generate`, `stream`, `submit`, the server), not `logits` and `trace`
-    (steps of their own shapes).
+    preempted request's generated tokens when it is recomputed), padded to the power-of-two bucket of its rows from 8
+    up to `invariant_step_rows[1]` rows (default `INVARIANT_STEP_ROWS` = 256; `kernels.registry.decode_step_rows`),
+    whose kernel choices and launch configs are the decode kind's at every bucket and whose XLA products run at
+    `invariant_step_rows[1]` rows (`glm_dsa.model.linear.at_decode_rows`). The kinds never share a step (they
+    alternate while both have work; see glm_dsa.serving.scheduler), so a token is always computed in a step of its
+    kind; a step holds at most min(max_num_batched_tokens, its kind's rows). `warmup` compiles the decode buckets the
+    planned `generate` reaches; another bucket compiles at its first step. The prefix cache keeps only pages of prompt
+    tokens there. Memory: every prompt step has the activations of `invariant_step_rows[0]` rows whatever
+    max_num_batched_tokens (as the default mode at max_num_batched_tokens = 8192), within the device memory the cache
+    plan leaves (1 - cache_memory_fraction); where that does not fit, pass smaller prompt rows (results are then the
+    same among engines of those rows) or a smaller cache_memory_fraction. `invariant_step_rows` is for that and for
+    tests; None keeps the defaults (a value without batch_invariant is a ValueError). Not with speculative decoding. It
+    covers the serving loop (`generate`, `stream`, `submit`, the server), not `logits` and `trace` (steps of their own
+    shapes).
     """
 
     config = _runner_attribute("config", "The model's `GlmDsaConfig`.")

@@ -25,7 +25,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .. import registry
 from ..common.fp8_formats import FP8, WEIGHT_BLOCK, block_count, load_e4m3, quantize_activation_blocks
+from ..common.ordered import ordered_sum
 from ..common.triton_common import MASKED_ROW, col_range, dot, with_options
 from .config import Fp8LinearConfig, cdiv, default_config  # noqa: F401 (default_config: read from here)
 
@@ -120,13 +122,13 @@ def fp8_matmul(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0, 
     kn = w_layout == "kn"
     n = w_q.shape[1] if kn else w_q.shape[0]
     k_blocks = w_scale.shape[0] if kn else w_scale.shape[1]
-    # the config of the op's own rows, not `registry.config_rows` (batch-invariant decode steps' fixed 64): a GEMM
-    # does the same work for a padding row as for a real one, and what it costs is how often the tiles read the
-    # weight and the rows (`default_config`: 12 W from L2 with 64-row tiles at 256 rows, 6 W with the step tiles).
-    # At one static T the config is one, so a row's K order (steps, splits summed in split order) is the same
-    # wherever it sits and whatever the other rows hold.
-    cfg = config or default_config(t, n, k, form, jnp.dtype(x.dtype).itemsize)
-    cfg = with_options(cfg, overrides, "fp8_linear")
+    # the config of `registry.config_rows`: the op's rows, or in a batch-invariant decode step the fixed
+    # INVARIANT_CONFIG_ROWS whatever the step's bucket (8 to 256 rows), since the split-K (chosen from the rows) sets
+    # the order a row's K partials are summed in, and the tile shape the MMA instruction. At one config a row's K
+    # order (steps, splits summed in split order) is the same wherever it sits, whatever the other rows hold and
+    # whatever the bucket.
+    cfg = config or default_config(registry.config_rows(t), n, k, form, jnp.dtype(x.dtype).itemsize)
+    cfg = registry.launch("fp8_linear", with_options(cfg, overrides, "fp8_linear"))
     bm, bn, bk, ks = cfg.bm, cfg.bn, cfg.bk, cfg.k_split
     static = isinstance(n_offset, int) and isinstance(k_offset, int)
     shift = k_offset % bk if static else None
@@ -173,4 +175,4 @@ def fp8_matmul(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0, 
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret, name=f"fp8_linear_{form}" + ("_split_k" if split else ""),
     )(*inputs)
-    return y.sum(0).astype(x.dtype) if split else y
+    return ordered_sum(y, 0).astype(x.dtype) if split else y  # the splits in split order
