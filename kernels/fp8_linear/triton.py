@@ -13,7 +13,8 @@ with s_w gathered per output column ((n_offset + n) // 128; one scalar when the 
 W8A8 activations are quantised before the kernel by XLA (one fused pass; quantising inside would redo it for
 every column block). k_split > 1 writes float32 partials [k_split, T, N] summed by XLA (decode: enough programs
 to stream the weight at HBM speed). Rows, columns and K past the operands are masked (ragged 128-blocks, tiny
-widths); the unmasked block loads are used where the shapes allow.
+widths); the unmasked block loads are used where the shapes allow, except that a batch-invariant decode step
+masks its rows at every row bucket (one kernel body at all of them).
 """
 
 from __future__ import annotations
@@ -136,7 +137,13 @@ def fp8_matmul(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0, 
     total = cdiv((shift if static else bk - 1) + k, bk)
     steps = cdiv(total, ks)
     mask_k = not (static and shift == 0 and k % bk == 0 and steps * ks == total)
-    mask_m, mask_n = t % bm != 0, n % bn != 0
+    # a batch-invariant decode step takes the row-masked body at every bucket, also where its rows fill whole row
+    # blocks (64 rows and up at the decode kind's 64-row tiles): masked and plain loads and stores are different
+    # kernel code, which Triton compiles to different programs that need not round a row alike. With the masks
+    # from t alone the buckets of 8 to 32 rows ran one kernel and those from 64 another (on an H100 a request's
+    # logprobs parted between the two groups a few decode steps in)
+    mask_m = t % bm != 0 or registry.invariant_decode_rows() is not None
+    mask_n = n % bn != 0
     n_scalar_scale = static and n_offset == 0 and bn <= WEIGHT_BLOCK
     if static and block_count(k, k_offset) != k_blocks:
         raise ValueError(f"fp8_linear triton: scale grid {tuple(w_scale.shape)} does not cover K {k} from offset "
