@@ -92,17 +92,26 @@ def at_decode_rows(fn, *xs):
     shape (cuBLAS: split-K and tiles by M, and with them a row's reduction order; `lax.top_k`'s algorithm by the
     rows too), so a product over T rows could round a row differently at each bucket. At D rows it is one
     computation whatever the bucket. Optimisation barriers keep XLA from moving the padding or the cut through
-    `fn` (a slice of a dot becomes a dot of slices). Elsewhere (the default mode, prompt steps: one static shape
-    each) `fn(*xs)` as it is. The model's XLA products over a step's rows go through here (the bf16 linears of
-    `apply`, the indexer's head weights, the router and its top-k, the absorbed query and value products); the
-    kernels' own products have launch configs fixed for the kind (`kernels.registry.config_rows`)."""
+    `fn` (a slice of a dot becomes a dot of slices); they are there at D rows too, with nothing padded or cut, so
+    that the step of the last bucket is the same program around `fn` as the others' (without them XLA got another
+    program at D rows, free to fuse and order `fn` with its neighbours as it would not at the other buckets).
+    Elsewhere (the default mode, prompt steps: one static shape each) `fn(*xs)` as it is. The model's XLA products
+    over a step's rows go through here (the bf16 linears of `apply`, the indexer's head weights, the router and its
+    top-k, the absorbed query and value products); the kernels' own products have launch configs fixed for the
+    kind (`kernels.registry.config_rows`)."""
     most = registry.invariant_decode_rows()
-    t = xs[0].shape[0]
-    if most is None or t >= most:
+    if most is None:
         return fn(*xs)
-    padded = jax.lax.optimization_barrier(tuple(jnp.pad(x, [(0, most - t)] + [(0, 0)] * (x.ndim - 1)) for x in xs))
+    t = xs[0].shape[0]
+    if t > most:
+        raise ValueError(f"at_decode_rows: a decode step of {t} rows, over the kind's {most}")
+    # lax.slice_in_dim, not y[:t] (which traces no slice when it takes all the rows): the same equations at every
+    # bucket, the last one padding zero rows and cutting none
+    zero = lambda x: jnp.zeros((), x.dtype)
+    padded = jax.lax.optimization_barrier(tuple(
+        jax.lax.pad(x, zero(x), [(0, most - t, 0)] + [(0, 0, 0)] * (x.ndim - 1)) for x in xs))
     out = jax.lax.optimization_barrier(fn(*padded))
-    return jax.tree.map(lambda y: y[:t], out)
+    return jax.tree.map(lambda y: jax.lax.slice_in_dim(y, 0, t), out)
 
 
 def apply(module, name: str, x, *, n_in: int = 1, split=None, impl: str = "xla", comm: Collectives | None = None):

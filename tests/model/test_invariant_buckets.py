@@ -113,11 +113,20 @@ def test_at_decode_rows():
         return x_ @ w, x_[:, :1]
 
     want = (x @ w, x[:, :1])
-    for on, rows, shape in ((False, None, (3, 4)), (True, 8192, (3, 4)), (True, 3, (16, 4))):
+    for on, rows, most, shape in ((False, None, 16, (3, 4)), (True, 8192, 16, (3, 4)), (True, 3, 16, (16, 4)),
+                                  (True, 3, 3, (3, 4))):
         seen.clear()
-        with registry.batch_invariant(on, rows=rows, decode_rows=16):
+        with registry.batch_invariant(on, rows=rows, decode_rows=most):
             got = linear.at_decode_rows(f, x)
-            assert registry.invariant_decode_rows() == (16 if on and rows == 3 else None)
+            assert registry.invariant_decode_rows() == (most if on and rows == 3 else None)
         assert seen == [shape]
         assert all(np.array_equal(a, b) for a, b in zip(got, want))
     assert registry.invariant_decode_rows() is None
+    # the same equations whether the step is of the kind's most rows or fewer (padded): two barriers, a pad, a cut
+    for most in (3, 16):
+        with registry.batch_invariant(True, rows=3, decode_rows=most):
+            eqns = [e.primitive.name for e in jax.make_jaxpr(lambda x_: linear.at_decode_rows(f, x_))(x).eqns]
+        assert eqns == ["pad", "optimization_barrier", "dot_general", "slice", "optimization_barrier", "slice",
+                        "slice"], eqns
+    with registry.batch_invariant(True, rows=3, decode_rows=2), pytest.raises(ValueError, match="over the kind's 2"):
+        linear.at_decode_rows(f, x)
