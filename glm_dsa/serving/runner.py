@@ -304,9 +304,14 @@ class ModelRunner:
         most `max_rows` rows can take (a scheduler's steps hold at most its max_num_batched_tokens), at the
         block-table `widths` given (values of `width_for`; default: all of them). Default mode: each rows bucket
         with each requests bucket up to the most requests its rows and max_num_seqs allow; batch-invariant mode:
-        its two shapes, the prompt rows and the decode rows, at the fixed width and requests."""
+        the prompt rows and every decode bucket a decode step of at most `max_rows` rows pads to (the scheduler's
+        decode steps hold a row per running request, or a preempted request's recompute; `decode_step_rows`), at
+        the fixed width and requests."""
         if self.batch_invariant:
-            return [(t, self.pages_per_seq, self.n_out) for t in sorted(self.invariant_rows)]
+            prompt, decode = self.invariant_rows
+            top = registry.decode_step_rows(min(max_rows, decode), decode)
+            rows = [b for b in registry.decode_buckets(decode) if b <= top] + [prompt]
+            return [(t, self.pages_per_seq, self.n_out) for t in rows]
         if widths is None:
             widths = {self.width_for(p) for p in range(1, self.pages_per_seq + 1)}
         shapes = []
