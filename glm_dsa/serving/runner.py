@@ -65,6 +65,15 @@ def check_invariant_rows(rows, batch_invariant: bool) -> tuple[int, int] | None:
     return prompt, decode
 
 
+def step_options(impl: str, invariant_rows: tuple[int, int] | None) -> StepOptions:
+    """The model step's options of a runner of `impl`: the default mode when `invariant_rows` is None, else
+    batch-invariant mode of those (prompt step rows, most decode step rows) (`check_invariant_rows`)."""
+    if invariant_rows is None:
+        return StepOptions(impl=impl)
+    return StepOptions(impl=impl, batch_invariant=True, invariant_prompt_rows=invariant_rows[0],
+                       invariant_decode_rows=invariant_rows[1])
+
+
 def _change_tables(tables, resets, updates):
     """The device block table with the rows `resets` marks (int32 [S + 1], 1: zero the row) zeroed, then the
     entries `updates` (int32 [3, U]: row, column, page) set; updates of rows past S are padding, dropped."""
@@ -173,9 +182,7 @@ class ModelRunner:
         # batch-invariant mode: a step of the prompt rows takes the rules' prompt-step choices, a decode step (fewer
         # rows: a bucket of at most the decode rows) their decode-step ones (kernels.registry.batch_invariant), its
         # XLA products at the decode rows whatever its bucket (glm_dsa.model.linear.at_decode_rows)
-        self.options = StepOptions(impl=self.impl, batch_invariant=batch_invariant,
-                                   invariant_prompt_rows=self.invariant_rows[0] if batch_invariant else None,
-                                   invariant_decode_rows=self.invariant_rows[1] if batch_invariant else None)
+        self.options = step_options(self.impl, self.invariant_rows)
         self.max_model_len = (min(config.max_position_embeddings, 4096) if max_model_len is None
                               else check_positive_int("max_model_len", max_model_len))
         if self.max_model_len > config.max_position_embeddings:

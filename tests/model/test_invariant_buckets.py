@@ -1,18 +1,18 @@
 """Batch-invariant decode steps in row buckets (8 to the decode rows, `kernels.registry.decode_buckets`): a decode
-row must be computed alike at every bucket. On the CPU shapes do not move numbers, so this is checked by tracing a
-GLM-5.2-width decode step (the bench preset: FP8 weights, fp8_ds_mla cache) for a GPU at every bucket:
+row must be computed alike at every bucket. On the CPU shapes do not move numbers, so this is checked by tracing
+decode steps for a GPU at every bucket:
 - every rule's decision (`registry.record`) and every kernel launch config (`registry.record_launches`: tiles,
-  split counts, split-K) is the same at each bucket, so a row's reduction order in the kernels is the kind's;
-- every XLA product outside the kernels (dot_general, top_k) has the same operand shapes at each bucket: those
-  over the step's rows run at the decode rows (`glm_dsa.model.linear.at_decode_rows`), since XLA picks their
-  algorithm by shape.
+  split counts, split-K) is the same at each bucket, at GLM-5.2's widths (the bench preset: FP8 weights,
+  fp8_ds_mla cache), so a row's reduction order in the kernels is the kind's;
+- the serving decode step (`glm_dsa.debug.invariant_audit`, the heads preset) is one program at each two
+  neighbouring buckets: the same kernel bodies, the same XLA program around them (as many optimisation barriers),
+  no product or reduction across rows at the bucket's rows outside the kernels (those over the step's rows run at
+  the decode rows, `glm_dsa.model.linear.at_decode_rows`, since XLA picks their algorithm by shape).
 The default mode is the negative control for both (its choices and products follow the rows). A launch config
-chosen from the bucket's rows again (e.g. the FP8 linear's split-K from its own rows) or a product left at the
-bucket's rows fails here."""
+chosen from the bucket's rows again (e.g. the FP8 linear's split-K from its own rows), a kernel body that changes
+with the rows (the FP8 linear's row mask) or a product left at the bucket's rows fails here."""
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +20,9 @@ import numpy as np
 import pytest
 
 from glm_dsa import configs
+from glm_dsa.debug import invariant_audit
 from glm_dsa.model import linear
-from glm_dsa.model.kernel_table import _abstract_step_inputs, _trimmed, step_decisions
-from glm_dsa.model.options import StepOptions
-from glm_dsa.model.step import resolve_parallel, step
+from glm_dsa.model.kernel_table import step_decisions
 from kernels import registry
 
 CFG = configs.bench
@@ -63,44 +62,44 @@ def test_rule_decisions_and_launch_configs_are_the_same_at_every_decode_bucket()
     assert _decided(8, invariant=False)[1] != _decided(256, invariant=False)[1]
 
 
-def _products(jaxpr, out: list) -> list:
-    """(primitive, operand shapes) of every dot_general and top_k in `jaxpr` and the jaxprs it holds, outside the
-    Pallas kernels (whose bodies are the kernels' own products, fixed by their launch configs)."""
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name == "pallas_call":
-            continue
-        if name in ("dot_general", "top_k"):
-            out.append((name, tuple(tuple(v.aval.shape) for v in eqn.invars)))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    _products(inner, out)
-    return out
+@pytest.fixture(scope="module")
+def serving_steps():
+    """The serving decode step (FP8 weights, fp8_ds_mla cache, the `heads` preset: GLM-5.2's attention geometry at
+    hidden 1024) traced for a GPU at every bucket (`glm_dsa.debug.invariant_audit`)."""
+    return {t: invariant_audit.trace_decode_step(configs.heads, t) for t in BUCKETS}
 
 
-def _step_products(rows: int, invariant: bool = True) -> list:
-    cfg = _trimmed(CFG)
-    parallel = resolve_parallel(None, cfg)
-    with registry.deciding_for("gpu"):
-        args = _abstract_step_inputs(cfg, parallel, rows=rows, **STEP)
-        options = StepOptions(impl="auto", batch_invariant=invariant)
-        jaxpr = jax.make_jaxpr(functools.partial(step, config=cfg, parallel=parallel, options=options))(*args)
-    return sorted(_products(jaxpr.jaxpr, []))
-
-
-def test_xla_products_run_at_the_decode_rows_at_every_bucket():
-    ref = _step_products(BUCKETS[0])
+def test_serving_decode_step_is_one_program_at_every_bucket(serving_steps):
+    """At each two neighbouring buckets the serving decode step is one program for a row
+    (`invariant_audit.differences`): the same rule decisions and launch configs, the same kernels with the same
+    bodies (numbers aside that count rows: a ref's, a row mask's bound), the same XLA program around them with as
+    many optimisation barriers, and no product or reduction across rows outside the kernels at the bucket's rows.
+    Fails at 32 -> 64 with the FP8 linear kernel's row mask taken from its rows (its plain body from 64 rows on)
+    and at 128 -> 256 with `at_decode_rows` leaving out its barriers at the kind's most rows."""
+    first = serving_steps[BUCKETS[0]]
+    xla, kernels = first.parts
+    names = {invariant_audit.kernel_name(e) for e in kernels}
+    assert {"pallas_call:fp8_linear_w8a16_split_k", "pallas_call:moe_up", "pallas_call:indexer_topk_select",
+            "pallas_call:fused_norm_rope_cache"} <= names, names
+    assert "mpmd_map:anonymous" in names  # the Mosaic sparse MLA kernel
+    # the products over the step's rows run at the decode kind's rows, between barriers: the router's top-k, the
+    # indexer's head weights, the absorbed query and value products
     rows = registry.INVARIANT_STEP_ROWS
-    # the products over the step's rows: the router (and its top-k), the indexer's head weights, the absorbed
-    # query and value products; the LM head's rows are the logits rows (the requests), fixed by the runner
-    assert any(name == "top_k" and shapes == ((rows, CFG.n_routed_experts),) for name, shapes in ref), ref
-    assert sum(1 for name, shapes in ref if name == "dot_general" and rows in shapes[0]) >= 4, ref
-    assert not any(BUCKETS[0] in shapes[0] for _, shapes in ref), ref
-    for t in (16, 64, 256):
-        assert _step_products(t) == ref, t
-    assert _step_products(8, invariant=False) != _step_products(16, invariant=False)  # the negative control
+    assert any(e.primitive.name == "top_k" and e.invars[0].aval.shape == (rows, configs.heads.n_routed_experts)
+               for e in xla)
+    assert sum(e.primitive.name == "dot_general" and e.invars[0].aval.shape[0] == rows for e in xla) >= 4
+    assert invariant_audit.barriers(first) >= 8
+    failed = {(a, b): invariant_audit.differences(serving_steps[a], serving_steps[b])
+              for a, b in zip(BUCKETS, BUCKETS[1:])}
+    assert not any(failed.values()), "\n".join(f"{a} -> {b}: {line}" for (a, b), lines in failed.items()
+                                               for line in lines)
+
+
+def test_default_mode_decode_steps_differ_by_rows(serving_steps):
+    """The negative control: the default mode's decode steps of 8 and 16 rows are not one program (launch configs
+    and XLA products by their rows), which `differences` sees."""
+    default = [invariant_audit.trace_decode_step(configs.heads, t, batch_invariant=False) for t in (8, 16)]
+    assert invariant_audit.differences(*default)
 
 
 def test_at_decode_rows():

@@ -9,13 +9,13 @@ bitwise comparisons here cannot see a token computed in the wrong shape; what gu
 executed step is recorded (`_Steps`) and must hold prompt tokens only, padded to the prompt rows, or no prompt
 token, padded to the power-of-two bucket of its rows up to the decode rows (`registry.decode_step_rows`), also
 when a preempted request is recomputed; that a decode step computes a row alike at every bucket (the same rule
-choices and launch configs, XLA's products at the decode rows) is checked by tracing, in
-tests/model/test_invariant_buckets.py. The GPU tests (tests/serving/test_gpu_batch_invariance.py) compare numbers
-where shapes do change them, with the default mode's differences as the negative control. The engines here run
-steps of `ROWS` (the defaults, 8192 and 256 rows, cost more on a CPU; `test_default_step_rows` runs them once).
-The engines run the xla impls (the CPU's), which take the same forms in both step kinds;
-`test_prompt_steps_on_the_kernels` runs the GPU's Triton kernels interpreted, where the prompt steps take the prefill
-forms (kernels.registry: the rules' `invariant_prompt`)."""
+choices and launch configs, kernel bodies and XLA program, XLA's products at the decode rows) is checked by
+tracing, in tests/model/test_invariant_buckets.py. The GPU tests (tests/serving/test_gpu_batch_invariance.py)
+compare numbers where shapes do change them, with the default mode's differences as the negative control. The
+engines here run steps of `ROWS` (the defaults, 8192 and 256 rows, cost more on a CPU; `test_default_step_rows`
+runs them once). The engines run the xla impls (the CPU's), which take the same forms in both step kinds;
+`test_prompt_steps_on_the_kernels` runs the GPU's Triton kernels interpreted, where the prompt steps take the
+prefill forms (kernels.registry: the rules' `invariant_prompt`)."""
 
 import collections
 import functools
