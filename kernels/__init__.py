@@ -7,7 +7,7 @@ block-scaled weights), `fp8_linear` (a linear layer over FP8 block-scaled weight
 Each package: `__init__` (the public function, its checks, the impls and rules it registers), `reference.py` (the
 plain-jnp oracle, impl "xla"), `triton.py` / `mosaic.py` (the Pallas Triton / Mosaic GPU kernels and their frozen
 launch configs, imported on first use of their impl), and what only that op needs (`indexer/config.py`,
-`indexer/stages.py`, `indexer/topk_triton.py`, `moe/tiles.py`, `moe/tokamax.py`). `kernels.common`: the helpers
+`indexer/stages.py`, `indexer/topk_triton.py`, `moe/tiles.py`). `kernels.common`: the helpers
 shared by the ops (`norms`, `rope`, `chunking`, `fp8_formats` with the FP8 block codec, `triton_common`,
 `mosaic_common`).
 """

@@ -4,10 +4,7 @@ reference, device time per variant, and (under Nsight Compute) each kernel's own
 The experts are K-major FP8 stacks (the model's stored form: gate/up [E, I, D], down [E, D, I], each expert the
 release's [out, in]) with random e4m3 bytes and block scales; the bf16 kernel runs over the same experts
 dequantised, as the baseline. `--variants` is a JSON object {name: kernel overrides} (MoEConfig fields, `form`,
-`swap_ab`); "bf16" is the bf16 kernel and "default" the FP8 default; a name starting "tokamax" runs the same
-experts through tokamax's `ragged_dot` (`tokamax_moe.py` here; overrides: `implementation` and the fields
-of its Mosaic GPU config); overrides {"impl": "tokamax", ...} run the MoE impl "tokamax" (`kernels/moe/tokamax.py`:
-the same library kernel with the scale layout and range steering inside the op) with `TokamaxMoEConfig` fields.
+`swap_ab`); "bf16" is the bf16 kernel and "default" the FP8 default.
 
     PYTHONPATH=. python3 benchmarks/diagnostics/probe_moe_fp8.py --dims 6144,256,256 --batches 1,32,128      # times + checks
     ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum \\
@@ -50,21 +47,8 @@ def make_case(d: int, i: int, e: int, t: int, seed: int = 0, with_bf16: bool = T
 
 def runner(name: str, opts: dict, impl: str):
     """f(x, experts, weights, stacks, scales, bf16) running variant `name`; the weights are arguments (captured as
-    constants, a 2.4 GB stack is embedded in the program and its compile takes minutes). A tokamax variant takes
-    the stacks' `tokamax_moe.column_scales` in the place of `scales`."""
+    constants, a 2.4 GB stack is embedded in the program and its compile takes minutes)."""
     opts = dict(opts)
-    if opts.pop("impl", None) == "tokamax":  # the MoE impl "tokamax" (kernels/moe/tokamax.py), config fields as opts
-        from kernels.moe import tokamax as moe_tokamax
-
-        cfg = moe_tokamax.TokamaxMoEConfig(**opts)
-        return lambda x, experts, w, stacks, scales, bf16: moe.routed_experts(
-            x, experts, w, *stacks, impl="tokamax", w_layout="nk", **scales, config=cfg)
-    if name.startswith("tokamax"):
-        from benchmarks.diagnostics import tokamax_moe
-
-        dot = tokamax_moe.ragged_op(**opts)
-        return lambda x, experts, w, stacks, col_scales, bf16: tokamax_moe.routed_experts(x, experts, w, stacks,
-                                                                                        col_scales, dot)
     if name != "bf16":
         opts.setdefault("form", "w8a8")
 
@@ -117,19 +101,11 @@ def main(argv=None):
                                                             **case[4])
         fp8_bytes = used * 3 * (d * i + 4 * (d // 128) * (i // 128))
         ref_default = None
-        tk_cases = {}
         for name, opts in variants.items():
             row = {"T": t, "dims": [d, i, e], "experts_used": used, "variant": name, "overrides": opts}
             try:
                 f = runner(name, opts, args.impl)
                 args_ = case
-                if name.startswith("tokamax"):
-                    from benchmarks.diagnostics import tokamax_moe
-
-                    dt = opts.get("dtype", "bfloat16")
-                    if dt not in tk_cases:
-                        tk_cases[dt] = (*case[:4], tokamax_moe.column_scales(case[3], case[4], dt), None)
-                    args_ = tk_cases[dt]
                 got = jax.jit(f)(*args_)
                 row["rel_err"] = float("nan") if want is None else rel_err(got, want)
                 if name == "default":

@@ -16,8 +16,6 @@ FP8 experts (e4m3 weights with float32 128 x 128 block scales, docs/math.md §11
 wg_scale=, wu_scale=, wd_scale=, i_offset=)`; the kernels read the e4m3 bytes (W8A16: each tile dequantised in
 registers), the xla forms run over the experts dequantised to float32 (the reference). `w_layout="nk"`: FP8
 experts stored K-major (each expert in the release's [out, in] form, the scale grids untransposed).
-impl="tokamax" runs FP8 K-major experts through tokamax's grouped GEMM (kernels/moe/tokamax.py) when asked for by
-name; "auto" does not take it (`_choose`).
 impl="mosaic" runs FP8 K-major experts of whole blocks through the Pallas Mosaic GPU W8A8 grouped GEMM
 (kernels/fp8_gemm/experts.py: e4m3 x e4m3 wgmma, SwiGLU fused into the gate/up GEMM; "mosaic_interpret" under the
 interpreter); it is also the FP8 form "w8a8_mosaic" of the kernel impls, which the rule "moe.fp8_form" picks on a
@@ -56,8 +54,7 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: 
     the static shapes (T padded rows), not from how many pairs are routed.
 
     impl (`kernels.registry`): "xla" (the forms above), "triton" (the grouped-GEMM Pallas kernel, any widths),
-    "triton_interpret" (that kernel interpreted: CPU tests), "tokamax" (FP8 K-major experts of whole blocks
-    through tokamax's grouped GEMM, W8A16 in float16: `kernels.moe.tokamax`, by name only), "mosaic" /
+    "triton_interpret" (that kernel interpreted: CPU tests), "mosaic" /
     "mosaic_interpret" (FP8 K-major experts of whole blocks through the Mosaic GPU W8A8 grouped GEMM,
     `kernels.fp8_gemm.experts`; the form "w8a8_mosaic" of the kernel impls runs the same, natively or interpreted
     as the impl is, with the option `layout` "grouped" / "swap_ab", default the rule "moe.mosaic_layout", and
@@ -112,9 +109,6 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, impl: str = "xla", mode: 
                              f"({sorted(kernel_options)})")
         registry.get("moe", impl)  # an unknown impl is an error even when `mode` overrides it
         return experts_xla(x, experts, weights, wg, wu, wd, mode=mode, **fp8)
-    if impl == "tokamax":  # FP8 K-major stacks through the library's grouped GEMM (kernels/moe/tokamax.py)
-        return registry.dispatch("moe", impl, x, experts, weights, wg, wu, wd, w_layout=w_layout, **fp8,
-                                 **kernel_options)
     if fp8 and impl != "xla":
         form = kernel_options.pop("form", None)
         if form is None:
@@ -261,10 +255,7 @@ def _check_fp8(x, wg, wu, wd, wg_scale, wu_scale, wd_scale, i_offset, nk: bool =
 
 
 def _choose(platform: str, x, experts, weights, wg, wu, wd, *, w_layout: str = "kn", **fp8) -> str:
-    """The Triton grouped GEMM on a GPU, xla elsewhere; never tokamax (by name only).
-
-    Not tokamax, though the op alone was measured faster for TP = 1 FP8 stacks at 8-128 rows: with "auto" taking
-    it the engine's FP8 prefill was several times slower (BENCHMARKS.md, tokamax; the cause is not found)."""
+    """The Triton grouped GEMM on a GPU, xla elsewhere."""
     del x, experts, weights, wg, wu, wd, w_layout, fp8
     return "triton" if platform == "gpu" else "xla"
 
@@ -324,4 +315,3 @@ registry.register_rule("moe.mosaic_layout", "moe", _mosaic_layout, ("grouped", "
                        invariant=_mosaic_layout_invariant, invariant_prompt=registry.DEFAULT)
 registry.register_mosaic("moe", "kernels.fp8_gemm.experts:routed_experts",
                          supports="kernels.fp8_gemm.experts:supports")
-registry.register("moe", "tokamax", "kernels.moe.tokamax:routed_experts", supports="kernels.moe.tokamax:supports")

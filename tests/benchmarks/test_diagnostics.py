@@ -16,7 +16,7 @@ from kernels.sparse_mla import mosaic
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "benchmarks", "diagnostics", "*.py"))
-                 if os.path.basename(p) not in ("__init__.py", "sparse_mla_forms.py", "tokamax_moe.py"))
+                 if os.path.basename(p) not in ("__init__.py", "sparse_mla_forms.py"))
 
 # what each timing-only form leaves in the fp8 producer: (e4m3 conversion, cache row loads)
 FP8_FORMS = {"none": (True, True), "no_convert": (False, True), "no_load": (True, False),

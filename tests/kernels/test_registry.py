@@ -40,16 +40,15 @@ def _calls():
 
 
 MOSAIC_OPS = ("sparse_mla", "indexer", "moe")  # ops with a Pallas Mosaic GPU kernel
-LIBRARY_IMPLS = {"moe": ("tokamax",)}  # ops with a library's kernel as an impl of its own
 
 
 def test_every_op_registers_the_same_impls():
     """Every op takes kernels.IMPLS (so a step can name one impl for all of them); an op with a Mosaic GPU kernel
-    adds "mosaic" and "mosaic_interpret", one with a library kernel that library's name, and nothing else."""
+    adds "mosaic" and "mosaic_interpret", and nothing else."""
     assert set(OPS) <= set(registry.ops())
     for op in OPS:
         extra = ("mosaic", "mosaic_interpret") if op in MOSAIC_OPS else ()
-        assert registry.impls(op) == kernels.IMPLS + extra + LIBRARY_IMPLS.get(op, ()), op
+        assert registry.impls(op) == kernels.IMPLS + extra, op
     assert kernels.default_impl() in kernels.IMPLS
 
 
