@@ -394,6 +394,7 @@ def moe_width_check(cfg: GlmDsaConfig, parallel: ParallelConfig, rows: int, *, q
     same ratio of the products' own FLOPs (`matmul_flops`), which split by exactly TP."""
     from glm_dsa.model.shard import shard_parallel
     rng = np.random.default_rng(0)
+    counts = ("flops", "bytes", "matmul_flops")  # XLA's two counts, and the products' own FLOPs
     out = {}
     for name, par in (("full", shard_parallel("1", cfg)), ("shard", parallel)):
         params = jax.eval_shape(lambda par=par: init_shard_params(cfg, par, dtype=dtype, quantization=quantization))
@@ -405,20 +406,17 @@ def moe_width_check(cfg: GlmDsaConfig, parallel: ParallelConfig, rows: int, *, q
                               is_leaf=lambda s: isinstance(s, tuple) and bool(s) and isinstance(s[0], int))
         batch = step_batch(rows, 1, 2, block_size, cfg.vocab_size, rng, par.dcp, par.interleave)
         costs = stage_costs(cfg, par, batch, 2, params=params, caches=caches, dtype=dtype, stages=("moe", "router"))
-        out[name] = {k: {"flops": v["flops"], "bytes": v["bytes"], "matmul_flops": v["matmul_flops"]}
-                     for k, v in costs.items()}
+        out[name] = {k: {key: v[key] for key in counts} for k, v in costs.items()}
         prefix = f"layers.{stage_layers(cfg)['moe'][0]}.moe."
         nbytes = {path_str(p)[len(prefix):]: math.prod(v.shape) * jnp.dtype(v.dtype).itemsize
                   for p, v in jax.tree_util.tree_leaves_with_path(params) if path_str(p).startswith(prefix)}
         out[name]["weights"] = {"bytes": sum(v for k, v in nbytes.items() if not k.startswith("router"))}
         out[name]["router_weights"] = {"bytes": sum(v for k, v in nbytes.items() if k.startswith("router"))}
     f, s = out["full"], out["shard"]
-    for key in ("flops", "bytes"):
+    for key in counts:
         r = f["router"][key]
         counted = None not in (r, f["moe"][key], s["moe"][key])  # None: the backend has no HLO cost model
         out[f"split_{key}"] = (f["moe"][key] - r) / (s["moe"][key] - r) if counted else None
-    r = f["router"]["matmul_flops"]
-    out["split_matmul_flops"] = (f["moe"]["matmul_flops"] - r) / (s["moe"]["matmul_flops"] - r)
     out["split_weight_bytes"] = f["weights"]["bytes"] / s["weights"]["bytes"]
     out.update(tp=parallel.tp, rows=rows)
     return out

@@ -132,9 +132,10 @@ def test_collectives_of_a_layer_by_hand():
 def test_moe_full_width_is_tp_times_the_share():
     """`--num-layers 8` at full width (TP = 1) against one device's share at TP = 8: the MoE layer's weights (routed
     and shared experts with their FP8 scale grids) are exactly 8 times the share's bytes, its products' FLOPs less
-    the replicated router exactly 8 times the share's, and XLA's FLOPs less the router 8 times the share's to 1% (the per-row work of the routed pairs, gathering, weighting and
-    summing [T k, D] rows, is every device's: 0.4% of a share's FLOPs here). XLA's bytes of the xla form count its
-    float32 temporaries, which do not all split: they are printed by the GPU command, not asserted."""
+    the replicated router exactly 8 times the share's, and XLA's FLOPs less the router 8 times the share's to 1%
+    (the per-row work of the routed pairs, gathering, weighting and summing [T k, D] rows, is every device's: 0.4%
+    of a share's FLOPs here). XLA's bytes of the xla form count its float32 temporaries, which do not all split:
+    they are printed by the GPU command, not asserted."""
     cfg = presets.glm52.with_depth(8)
     check = sbm.moe_width_check(cfg, shard_parallel("8", cfg), ROWS)
     assert check["full"]["router"] == check["shard"]["router"]
