@@ -71,6 +71,7 @@ class ServingBenchConfig:
     dcp: int = 1
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None  # "fp8": the random model's linear weights quantised on device
     impl: str | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 8192
@@ -269,6 +270,7 @@ class MultiTurnConfig:
     dcp: int = 1
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None  # "fp8": the random model's linear weights quantised on device
     impl: str | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 8192
@@ -377,7 +379,7 @@ def run_multi_turn_bench(mc: MultiTurnConfig, log=print) -> dict:
     if mc.num_layers:
         cfg = cfg.with_depth(mc.num_layers)
     parallel = ParallelConfig(tensor_parallel_size=mc.tp, decode_context_parallel_size=mc.dcp)
-    params = init_params(cfg, seed=mc.seed, dtype=mc.dtype, parallel=parallel)
+    params = init_params(cfg, seed=mc.seed, dtype=mc.dtype, parallel=parallel, quantization=mc.quantization)
     system, users, starts = multi_turn_workload(mc, cfg.vocab_size)
     max_len = mc.max_model_len
     dev0 = jax.devices()[0]
@@ -450,7 +452,7 @@ def run_serving_bench(bc: ServingBenchConfig, log=print) -> dict:
     if bc.num_layers:
         cfg = cfg.with_depth(bc.num_layers)
     parallel = ParallelConfig(tensor_parallel_size=bc.tp, decode_context_parallel_size=bc.dcp)
-    params = init_params(cfg, seed=bc.seed, dtype=bc.dtype, parallel=parallel)
+    params = init_params(cfg, seed=bc.seed, dtype=bc.dtype, parallel=parallel, quantization=bc.quantization)
     kw = dict(parallel=parallel, dtype=bc.dtype, kv_cache_dtype=bc.kv_cache_dtype, impl=bc.impl,
               block_size=bc.block_size, max_num_batched_tokens=bc.max_num_batched_tokens)
     rng = np.random.default_rng(bc.seed)
@@ -543,6 +545,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dcp", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--quantization", default=None, choices=["fp8", "none"],
+                    help="fp8: the random model's linear weights quantised to e4m3 with 128x128 block scales, as the "
+                         "released checkpoint stores them (default: --dtype weights)")
     ap.add_argument("--impl", default=None)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -573,7 +578,8 @@ def main(argv=None) -> int:
         mc = MultiTurnConfig(preset=args.preset, num_layers=args.num_layers, conversations=args.conversations,
                              turns=args.turns, system_len=args.system_len, user_len=args.user_len,
                              output_len=args.output_len, request_rate=args.request_rate, tp=args.tp, dcp=args.dcp,
-                             dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, impl=args.impl,
+                             dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                             quantization=args.quantization, impl=args.impl,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              num_pages=args.num_pages, block_size=args.block_size,
                              warm_passes=max(args.warm_passes, 1), warm_steps=args.warm_steps, seed=args.seed)
@@ -584,7 +590,8 @@ def main(argv=None) -> int:
     bc = ServingBenchConfig(preset=args.preset, num_layers=args.num_layers, num_requests=args.num_requests,
                             input_len=args.input_len, output_len=args.output_len, request_rate=args.request_rate,
                             modes=tuple(m for m in args.modes.split(",") if m), tp=args.tp, dcp=args.dcp,
-                            dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, impl=args.impl,
+                            dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                            quantization=args.quantization, impl=args.impl,
                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             num_pages=args.num_pages,
                             block_size=args.block_size, host_overhead_batches=_ints(args.host_overhead_batches),

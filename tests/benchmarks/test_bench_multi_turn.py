@@ -37,3 +37,30 @@ def test_a_failed_step_fails_the_run(monkeypatch):
                                        max_num_batched_tokens=64, warm_passes=1, dtype="float32")
     with pytest.raises(RuntimeError, match="turn failed.*injected"):
         bench_serving.run_multi_turn_bench(mc, log=lambda *a: None)
+
+
+def test_fp8_weights_reach_both_engines(monkeypatch):
+    """--quantization fp8 serves the random model with its linear weights in e4m3 (the released checkpoint's
+    format), in both settings, and caching still finds the shared system prompt."""
+    import jax
+    import jax.numpy as jnp
+
+    drawn = []
+    real = bench_serving.init_params
+
+    def spy(*a, **kw):
+        drawn.append(real(*a, **kw))
+        return drawn[-1]
+    monkeypatch.setattr(bench_serving, "init_params", spy)
+    mc = bench_serving.MultiTurnConfig(preset="tiny", conversations=2, turns=1, system_len=16, user_len=4,
+                                       output_len=2, request_rate=float("inf"), block_size=4, max_num_seqs=4,
+                                       max_num_batched_tokens=64, warm_passes=1, quantization="fp8",
+                                       warm_steps=False)
+    res = bench_serving.run_multi_turn_bench(mc, log=lambda *a: None)
+    (params,) = drawn
+    fp8 = [x for x in jax.tree.leaves(params) if x.dtype == jnp.float8_e4m3fn]
+    assert fp8, "no float8_e4m3fn weight in the served params"
+    on, off = res["settings"]["prefix_caching"], res["settings"]["no_prefix_caching"]
+    assert on["output_tokens"] == off["output_tokens"] == 2 * 2
+    assert on["prefix_cache_hits"] == 16 and off["prefix_cache_hits"] == 0
+    assert res["config"]["quantization"] == "fp8"
