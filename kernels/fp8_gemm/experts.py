@@ -46,12 +46,13 @@ def _pow2_at_least(n: int) -> int:
 def expert_configs(layout: str, t: int, k: int, n_exp: int) -> tuple[Fp8GemmConfig, Fp8GemmConfig]:
     """(up config, down config) of the routed experts at T rows of k experts among n_exp.
 
-    grouped: 128-row tiles; gate+up 128 gate + 128 up rows a tile in 3 stages, down 128-column tiles in 4 stages
-    (both fit float32 outputs; the configs the benchmark runs at prefill). swap_ab: tiles of about the mean rows per
+    grouped: 128-row tiles; gate+up 128 gate + 128 up rows a tile in 2 stages, down 128-column tiles in 4 stages
+    (both fit float32 outputs; the fastest of benchmarks/diagnostics/fp8_gemm_configs.py's sweep on an H100 and
+    an H200: the SwiGLU tile in 3 stages was 1.3-1.4x slower, BENCHMARKS.md). swap_ab: tiles of about the mean rows per
     expert (a power of two in [8, 64]); gate+up 64 gate + 64 up rows per compute warpgroup in 4 stages, down 128
     rows a tile in 6 (the pipeline takes no more stages than K blocks)."""
     if layout == "grouped":
-        return (Fp8GemmConfig(tile_m=128, tile_n=256, stages=3, swiglu=True),
+        return (Fp8GemmConfig(tile_m=128, tile_n=256, stages=2, swiglu=True),
                 Fp8GemmConfig(tile_m=128, tile_n=128, stages=4))
     if layout != "swap_ab":
         raise ValueError(f"fp8_gemm experts: layout {layout!r} is not one of {LAYOUTS}")
