@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from ..moe.tiles import sort_pairs
-from .config import BLOCK, Fp8GemmConfig
+from .config import BLOCK, PREFILL, PREFILL_SWIGLU, Fp8GemmConfig
 from .reference import FP8, group_layout, quantize_rows
 
 LAYOUTS = ("grouped", "swap_ab")
@@ -46,14 +46,13 @@ def _pow2_at_least(n: int) -> int:
 def expert_configs(layout: str, t: int, k: int, n_exp: int) -> tuple[Fp8GemmConfig, Fp8GemmConfig]:
     """(up config, down config) of the routed experts at T rows of k experts among n_exp.
 
-    grouped: 128-row tiles; gate+up 128 gate + 128 up rows a tile in 2 stages, down 128-column tiles in 4 stages
-    (both fit float32 outputs; the fastest of benchmarks/diagnostics/fp8_gemm_configs.py's sweep on an H100 and
-    an H200: the SwiGLU tile in 3 stages was 1.3-1.4x slower, BENCHMARKS.md). swap_ab: tiles of about the mean rows per
-    expert (a power of two in [8, 64]); gate+up 64 gate + 64 up rows per compute warpgroup in 4 stages, down 128
-    rows a tile in 6 (the pipeline takes no more stages than K blocks)."""
+    grouped: the named prefill configs (`config.PREFILL_SWIGLU`: 128 gate + 128 up rows a tile in 2 stages;
+    `config.PREFILL`: down in 128-column tiles in 4 stages; both fit float32 outputs, and were the fastest of
+    benchmarks/diagnostics/fp8_gemm_configs.py's sweep on an H100 and an H200, BENCHMARKS.md). swap_ab: tiles of
+    about the mean rows per expert (a power of two in [8, 64]); gate+up 64 gate + 64 up rows per compute warpgroup
+    in 4 stages, down 128 rows a tile in 6 (the pipeline takes no more stages than K blocks)."""
     if layout == "grouped":
-        return (Fp8GemmConfig(tile_m=128, tile_n=256, stages=2, swiglu=True),
-                Fp8GemmConfig(tile_m=128, tile_n=128, stages=4))
+        return PREFILL_SWIGLU, PREFILL
     if layout != "swap_ab":
         raise ValueError(f"fp8_gemm experts: layout {layout!r} is not one of {LAYOUTS}")
     tm = min(64, max(8, _pow2_at_least(max(1, t * k // n_exp))))
