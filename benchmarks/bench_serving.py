@@ -50,6 +50,7 @@ import jax
 import numpy as np
 
 from benchmarks.harness import apply_platform_flags, command_line, record, write_json
+from glm_dsa.serving.benchmark import add_quantization_argument
 from glm_dsa.serving.engine import Engine
 from glm_dsa.model.random_init import init_params
 from glm_dsa.serving.sampling import SamplingParams
@@ -545,9 +546,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dcp", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-cache-dtype", default="auto")
-    ap.add_argument("--quantization", default=None, choices=["fp8", "none"],
-                    help="fp8: the random model's linear weights quantised to e4m3 with 128x128 block scales, as the "
-                         "released checkpoint stores them (default: --dtype weights)")
+    add_quantization_argument(ap)
     ap.add_argument("--impl", default=None)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)

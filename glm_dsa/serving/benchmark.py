@@ -553,6 +553,14 @@ def result_rows(res: dict) -> list[dict]:
     return out
 
 
+def add_quantization_argument(p: argparse.ArgumentParser) -> None:
+    """--quantization of the benchmarks over a random model (`init_params`' quantization): this one and
+    benchmarks/bench_serving.py's."""
+    p.add_argument("--quantization", default=None, choices=["fp8", "none"],
+                   help="fp8: the random model's linear weights quantised on device to FP8 (128x128 block scales, as "
+                        "the released checkpoint stores them) and computed from; none / default: all in --dtype")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's flags: the `python -m glm_dsa bench` subcommand's and this module's `main`'s."""
     from glm_dsa.model.presets import PRESETS
@@ -565,9 +573,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-context", type=int, default=None, help="context length of the decode runs")
     p.add_argument("--impls", default="xla", help="comma-separated op implementations, e.g. triton,xla")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--quantization", default=None, choices=["fp8", "none"],
-                   help="fp8: the random model's linear weights quantised on device to FP8 (128x128 block scales) "
-                        "and computed from; none / default: all in --dtype")
+    add_quantization_argument(p)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--batch-invariant", action="store_true",
                    help="the engine's batch-invariant mode (bitwise reproducible requests; see Engine)")

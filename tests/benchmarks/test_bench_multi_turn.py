@@ -64,3 +64,13 @@ def test_fp8_weights_reach_both_engines(monkeypatch):
     assert on["output_tokens"] == off["output_tokens"] == 2 * 2
     assert on["prefix_cache_hits"] == 16 and off["prefix_cache_hits"] == 0
     assert res["config"]["quantization"] == "fp8"
+
+
+def test_a_bad_quantization_is_refused_before_anything_runs(capsys):
+    """--quantization takes fp8 or none: another value is an argparse error naming the flag, before any model is
+    drawn."""
+    import pytest
+    with pytest.raises(SystemExit) as e:
+        bench_serving.main(["--workload", "multi-turn", "--quantization", "int4", "--cpu"])
+    assert e.value.code == 2
+    assert "--quantization: invalid choice: 'int4'" in capsys.readouterr().err
