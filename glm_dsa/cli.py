@@ -178,6 +178,7 @@ def cmd_serve(args) -> int:
     import glm_dsa
     from .serving import text
     from .serving.server import chat_template, listen_socket, serve
+    _check_warmup_flags(args)
     # the port first: one in use fails now, not after the model has loaded (only process 0 answers HTTP)
     sock = listen_socket(args.host, args.port) if jax.process_index() == 0 else None
     tokenizer = text.load_tokenizer(args.checkpoint)
@@ -191,6 +192,8 @@ def cmd_serve(args) -> int:
     if tokenizer is not None:
         tokenizer.vocab_size = eng.config.vocab_size
     name = args.served_model_name or os.path.basename(os.path.normpath(args.checkpoint))
+    if args.warmup_steps:  # every process alike: the same padding steps, so multi-process collectives pair up
+        warm_up(eng, args.warmup_max_len)
 
     def run(loop=None):
         serve(eng, model_name=name, host=args.host, port=args.port, api_key=args.api_key, tokenizer=tokenizer,
@@ -201,6 +204,42 @@ def cmd_serve(args) -> int:
         return serve_in_lockstep(eng, run, timeout_s=args.distributed_timeout)
     run()
     return 0
+
+
+def _check_warmup_flags(args) -> None:
+    """serve's warm-up flags, checked before the model loads (ValueError naming the flag)."""
+    if args.warmup_max_len is not None and not args.warmup_steps:
+        raise ValueError("--warmup-max-len is a bound of --warmup-steps, which is not given")
+    if args.warmup_steps and args.num_speculative_tokens > 0:
+        raise ValueError("--warmup-steps does not compile the speculative decoding steps: leave it out with "
+                         "--num-speculative-tokens (their turns compile on first use)")
+    if args.warmup_max_len is not None and args.max_model_len is not None and args.warmup_max_len > args.max_model_len:
+        raise ValueError(f"--warmup-max-len {args.warmup_max_len} is over --max-model-len {args.max_model_len}")
+
+
+def warm_up(eng, max_len: int | None = None, out=None) -> int:
+    """Compile `eng`'s serving-step shapes before it serves (`Engine.warmup_steps`): steps of up to its
+    max_num_batched_tokens rows, at the block-table widths of requests of up to `max_len` tokens (default: the
+    engine's max_model_len), greedy and sampled (steps that report logprobs compile when first asked for). Reports
+    progress on `out` (default stderr) about every tenth of the shapes; returns how many were compiled."""
+    out = sys.stderr if out is None else out
+    max_len = eng.max_model_len if max_len is None else int(max_len)
+    if not 0 < max_len <= eng.max_model_len:
+        raise ValueError(f"warm-up: max_len must be in 1..{eng.max_model_len} (max_model_len), got {max_len}")
+    t0 = time.perf_counter()
+    print(f"warm-up: compiling the serving steps of up to {eng.max_num_batched_tokens} rows for requests of up to "
+          f"{max_len} tokens", file=out, flush=True)
+    shown = [0]
+
+    def progress(done, total):
+        if done == total or done * 10 // total > shown[0]:
+            shown[0] = done * 10 // total
+            print(f"warm-up: {done} / {total} step shapes ({time.perf_counter() - t0:.0f} s)", file=out, flush=True)
+
+    n = eng.warmup_steps(pages=range(1, eng.scheduler.pages_for(max_len) + 1), greedy=(True, False),
+                         progress=progress)
+    print(f"warm-up: {n} step shapes compiled in {time.perf_counter() - t0:.1f} s", file=out, flush=True)
+    return n
 
 
 def _check_write_target(path: str, flag: str, ours, what: str, overwrite: bool) -> str | None:
@@ -551,6 +590,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--shutdown-timeout", type=_non_negative_float, default=5.0, metavar="SECONDS",
                     help="on SIGTERM / SIGINT: stop accepting, let requests in flight run this long, then abort them "
                          "(streams end with finish_reason 'abort') and exit 0 (default 5)")
+    sv.add_argument("--warmup-steps", action="store_true",
+                    help="before accepting requests, compile the serving steps of every shape the loop can meet: "
+                         "up to --max-num-batched-tokens rows, requests of up to --warmup-max-len tokens, greedy "
+                         "and sampled (a shape met first while serving stalls every request for its compile: "
+                         "seconds each on a GPU at full size); progress on stderr")
+    sv.add_argument("--warmup-max-len", type=_positive(int), default=None, metavar="TOKENS",
+                    help="with --warmup-steps: the longest request (prompt and output) whose steps are compiled "
+                         "ahead (default --max-model-len; a smaller bound compiles fewer block-table widths)")
     _add_spec_flag(sv)
     _add_prefix_caching_flag(sv)
     _add_model_flags(sv)

@@ -237,7 +237,8 @@ class Engine:
             self._dry = None
             self.scheduler.prefix_caching = caching
 
-    def warmup_steps(self, pages=None, max_rows: int | None = None, greedy=(True,), logprobs=(False,)) -> int:
+    def warmup_steps(self, pages=None, max_rows: int | None = None, greedy=(True,), logprobs=(False,),
+                     progress=None) -> int:
         """Compile every serving-step shape the loop can reach (`ModelRunner.serving_shapes`: each rows bucket up
         to `max_rows`, default max_num_batched_tokens, with each requests bucket, at the block-table widths of
         `pages`, the page counts (per DCP rank) a step's longest request may hold, default any; in batch-invariant
@@ -250,7 +251,8 @@ class Engine:
         GPU, seconds per shape at full model size), so warming by serving sample traffic leaves shapes that
         arrive with other timings; this compiles them all ahead. Each compile runs one step of padding rows
         only: the caches, block table and requests are untouched. Not with speculative decoding (its turn
-        compiles its own steps)."""
+        compiles its own steps). `progress`: called as progress(done, total) after each shape (compiled or not),
+        for a caller that reports on a long warm-up."""
         if self.spec is not None:
             raise ValueError("warmup_steps: not with speculative decoding (num_speculative_tokens > 0)")
         self._check_idle("warmup_steps")
@@ -258,10 +260,13 @@ class Engine:
             max_rows = self.max_num_batched_tokens
         widths = None if pages is None else {self.runner.width_for(check_positive_int("pages", p)) for p in pages}
         before = self.runner.step_function()._cache_size()
-        for t, width, nr in self.runner.serving_shapes(check_positive_int("max_rows", max_rows), widths):
-            for g in greedy:
-                for lp in logprobs:
-                    self.runner.compile_step(t, width, nr, greedy=bool(g), logprobs=bool(lp))
+        shapes = [(t, width, nr, bool(g), bool(lp))
+                  for t, width, nr in self.runner.serving_shapes(check_positive_int("max_rows", max_rows), widths)
+                  for g in greedy for lp in logprobs]
+        for i, (t, width, nr, g, lp) in enumerate(shapes):
+            self.runner.compile_step(t, width, nr, greedy=g, logprobs=lp)
+            if progress is not None:
+                progress(i + 1, len(shapes))
         return self.runner.step_function()._cache_size() - before
 
     def _release(self, seqs: list[_Seq]) -> None:
@@ -430,7 +435,10 @@ class Engine:
         cached but unheld; per DCP rank), preemptions, finished and aborted requests, steps, generated tokens,
         tokens/s over the recent steps, host time per step, and the prefix cache's: `prefix_cache_queries`
         (tokens of admitted sequences looked up, recomputed ones again), `prefix_cache_hits` (of those, tokens
-        found cached and not computed) and `prefix_cache_pages` (pages in its index, per DCP rank)."""
+        found cached and not computed) and `prefix_cache_pages` (pages in its index, per DCP rank);
+        `step_shapes_compiled`: the serving-step shapes compiled so far (`warmup_steps` compiles them ahead; a
+        count that grows while serving is a step that stalled the loop for its compile; speculative decoding's
+        draft and verify steps are not among them)."""
         st, sch = self.stats, self.scheduler
         recent = list(st.recent)
         span = recent[-1][0] - recent[0][0] if len(recent) > 1 else 0.0
@@ -442,6 +450,7 @@ class Engine:
                 "tokens_per_s": rate, "host_ms_per_step": 1e3 * st.host_s / max(st.steps, 1),
                 "step_ms": 1e3 * st.wall_s / max(st.steps, 1), "prefix_cache_queries": sch.prefix_queries,
                 "prefix_cache_hits": sch.prefix_hits, "prefix_cache_pages": sch.cached_pages,
+                "step_shapes_compiled": self.runner.step_function()._cache_size(),
                 **(self.spec.metrics() if self.spec else {})}
 
     # ---- the serving loop ------------------------------------------------------------------
