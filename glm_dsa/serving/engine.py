@@ -259,7 +259,7 @@ class Engine:
         if max_rows is None:
             max_rows = self.max_num_batched_tokens
         widths = None if pages is None else {self.runner.width_for(check_positive_int("pages", p)) for p in pages}
-        before = self.runner.step_function()._cache_size()
+        before = self.runner.step_shapes_compiled()
         shapes = [(t, width, nr, bool(g), bool(lp))
                   for t, width, nr in self.runner.serving_shapes(check_positive_int("max_rows", max_rows), widths)
                   for g in greedy for lp in logprobs]
@@ -267,7 +267,7 @@ class Engine:
             self.runner.compile_step(t, width, nr, greedy=g, logprobs=lp)
             if progress is not None:
                 progress(i + 1, len(shapes))
-        return self.runner.step_function()._cache_size() - before
+        return self.runner.step_shapes_compiled() - before
 
     def _release(self, seqs: list[_Seq]) -> None:
         for s in seqs:
@@ -450,7 +450,7 @@ class Engine:
                 "tokens_per_s": rate, "host_ms_per_step": 1e3 * st.host_s / max(st.steps, 1),
                 "step_ms": 1e3 * st.wall_s / max(st.steps, 1), "prefix_cache_queries": sch.prefix_queries,
                 "prefix_cache_hits": sch.prefix_hits, "prefix_cache_pages": sch.cached_pages,
-                "step_shapes_compiled": self.runner.step_function()._cache_size(),
+                "step_shapes_compiled": self.runner.step_shapes_compiled(),
                 **(self.spec.metrics() if self.spec else {})}
 
     # ---- the serving loop ------------------------------------------------------------------

@@ -345,6 +345,10 @@ class ModelRunner:
         """The jitted serving step `execute` runs: the one that also returns logits while keep_logits is set."""
         return self._logits_step() if self.keep_logits else self.serve_step
 
+    def step_shapes_compiled(self) -> int:
+        """How many shapes of `step_function` are compiled (its jit cache's entries)."""
+        return self.step_function()._cache_size()
+
     def _launch(self, packed, layout, *, width: int, greedy: bool, logprobs: bool):
         """Run `step_function` on packed host inputs after the previous step's ids; returns its ids output (the
         caches, the table and, with keep_logits, last_logits updated)."""
