@@ -229,11 +229,9 @@ def warm_up(eng, max_len: int | None = None, out=None) -> int:
     t0 = time.perf_counter()
     print(f"warm-up: compiling the serving steps of up to {eng.max_num_batched_tokens} rows for requests of up to "
           f"{max_len} tokens", file=out, flush=True)
-    shown = [0]
 
-    def progress(done, total):
-        if done == total or done * 10 // total > shown[0]:
-            shown[0] = done * 10 // total
+    def progress(done, total):  # done counts up by one: a line where it crosses a tenth of total, and at the end
+        if done == total or done * 10 // total > (done - 1) * 10 // total:
             print(f"warm-up: {done} / {total} step shapes ({time.perf_counter() - t0:.0f} s)", file=out, flush=True)
 
     n = eng.warmup_steps(pages=range(1, eng.scheduler.pages_for(max_len) + 1), greedy=(True, False),
