@@ -323,14 +323,22 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, mla_cache, index_cache, topk_prev, batch: StepBatch, ctx: StepContext):
         eps, tr = ctx.cfg.rms_norm_eps, ctx.tracer.at(self.layer)
-        a, mla_cache, index_cache, topk = self.attn(rms_norm(x, self.input_norm[...], eps), mla_cache, index_cache,
+        a, mla_cache, index_cache, topk = self.attn(_row_norm(x, self.input_norm[...], eps), mla_cache, index_cache,
                                                     topk_prev, batch, ctx)
         x = x + a
-        h = rms_norm(x, self.post_norm[...], eps)
+        h = _row_norm(x, self.post_norm[...], eps)
         x = x + (self.moe(h, ctx.cfg, ctx.options, tr, ctx.comm, valid=batch.positions >= 0) if self.moe is not None
                  else self.mlp(h, ctx.options, ctx.comm))
         tr.record("residual", x)
         return x, mla_cache, index_cache, topk
+
+
+def _row_norm(x, weight, eps: float):
+    """rms_norm of the step's rows, at the decode kind's rows in a batch-invariant decode step
+    (`linear.at_decode_rows`): a row's sum over the hidden width is its own, but XLA compiles the reduction, and
+    fuses it with its neighbours, for the whole shape, so at a decode step's bucket of rows it need not round a row
+    as at another bucket."""
+    return linear.at_decode_rows(lambda x_: rms_norm(x_, weight, eps), x)
 
 
 class GlmDsaModel(nnx.Module):
@@ -358,7 +366,7 @@ class GlmDsaModel(nnx.Module):
             if j is not None:
                 index[j] = new_index.reshape(index[j].shape)
             mla[i] = mla[i].reshape(caches["mla"][i].shape)
-        hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps) if return_hidden else None
+        hidden = _row_norm(x, self.final_norm[...], cfg.rms_norm_eps) if return_hidden else None
         x = hidden[batch.logits_indices] if return_hidden else rms_norm(x[batch.logits_indices], self.final_norm[...],
                                                                           cfg.rms_norm_eps)
         logits = jnp.einsum("td,dv->tv", x, self.lm_head[...], preferred_element_type=jnp.float32)
