@@ -544,8 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print which kernel impl='auto' runs on a GPU for each op of this model's step (decode "
                         "B=1/32/128, a prefill chunk of 2048): the kernels registry's rules, traced on this machine")
     i.add_argument("--batch-invariant", action="store_true",
-                   help="with --kernels: the table of batch-invariant mode's two step shapes (a prompt step of 8192 "
-                        "rows, a decode step of 256) instead")
+                   help="with --kernels: the table of batch-invariant mode's step shapes (a prompt step of 8192 "
+                        "rows, decode steps in buckets of 8 to 256 rows) instead")
     _add_quantization_flag(i)
     i.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "fp8_ds_mla"])
     i.add_argument("--device-memory", type=_positive(float), default=141.0, metavar="GiB",

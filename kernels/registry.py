@@ -15,24 +15,29 @@ decisions a traced step takes (`glm_dsa.model.kernel_table`, `python -m glm_dsa 
 
 Batch-invariant mode (`batch_invariant()`, set by a step traced with `StepOptions(batch_invariant=True)`): every
 rule declares what it chooses there (`register_rule(..., invariant=..., invariant_prompt=...)`), as a function of
-the step's static padded row count T only, never of how many of its rows are real, how they spread over requests or
-experts, or where a row sits. The serving steps of the mode have two fixed shapes (`INVARIANT_PROMPT_ROWS` rows for
-prompt steps, `INVARIANT_STEP_ROWS` for decode steps) and a token is always computed in the shape of its kind, so a
-choice may differ between the two shapes as long as, at one T, a row's arithmetic depends on its own inputs only.
-`batch_invariant(rows=T, prompt_rows=P)` names the step kind by its rows: a step of at least P rows (the engine's
-prompt-step rows) is a prompt step, fewer a decode step.
+the step's kind only, never of how many of its rows are real, how they spread over requests or experts, or where a
+row sits. The serving steps of the mode are of two kinds: prompt steps (prompt tokens only) of one fixed shape
+(`INVARIANT_PROMPT_ROWS` rows), and decode steps padded to the power-of-two bucket of their rows (`decode_buckets`:
+`INVARIANT_MIN_DECODE_ROWS` up to the kind's most rows, `INVARIANT_STEP_ROWS` by default). A token is always
+computed in a step of its kind, so a choice may differ between the kinds; within the decode kind every choice and
+every launch config must be the same at every bucket, so that a row's arithmetic (its reduction orders) does not
+follow the bucket. `batch_invariant(rows=T, prompt_rows=P, decode_rows=D)` names the step kind by its rows: a step
+of at least P rows (the engine's prompt-step rows) is a prompt step, fewer a decode step, whose kind has at most D
+rows (`invariant_decode_rows`).
 - Decode steps take `invariant`: one fixed, per-row schedule tuned for decode-sized steps (a form without
-  reductions across rows, a fixed split count), or `ROW_FREE` where the rule's choice never depends on the rows or
-  the batch. The rule "launch_rows" fixes the row count the kernels' default launch configs (tiles, split counts)
-  are chosen for (`config_rows`: `INVARIANT_CONFIG_ROWS`), except the FP8 linear kernel's, which are for its own
-  rows (the step's fixed `INVARIANT_STEP_ROWS`: a GEMM's cost is how often its tiles read the weight, the same for
-  a padding row as for a real one; `kernels.fp8_linear.config.default_config`).
+  reductions across rows, a fixed split count), never a function of T, or `ROW_FREE` where the rule's choice never
+  depends on the rows or the batch. The rule "launch_rows" fixes the row count every kernel's default launch config
+  (tiles, split counts, split-K) is chosen for (`config_rows`: `INVARIANT_CONFIG_ROWS`), whatever the bucket.
+  tests/kernels/test_registry.py checks, by tracing a decode step at every bucket for a GPU, that the decisions and
+  the launch configs (`launch`, recorded by `record_launches`) are the same at all of them.
 - Prompt steps take `invariant_prompt`: `DEFAULT` (the default mode's choice at the same static shapes: the
   prefill forms, for rules whose default choice is batch-independent at a fixed shape; each such rule says why),
   a function of its own, or None (the decode steps' choice, for a rule whose default is not batch-independent
   at a fixed shape). "launch_rows" is `DEFAULT` there: the launch configs are the default mode's for the op's rows.
-So in that mode a row's arithmetic depends on its own inputs and the step's fixed shape only, not on how many rows
-share its step or where it sits.
+So in that mode a row's arithmetic depends on its own inputs and its step's kind only, not on how many rows share
+its step or where it sits. What the rules cannot fix is XLA's own choice of algorithm by shape (cuBLAS picks split-K
+by M, and compiles a row's sum by the rows it reduces): the model computes its XLA products and RMSNorms over a
+decode step's rows at the kind's most rows (`glm_dsa.model.linear.at_decode_rows`).
 
 `dispatch(op, impl, *args, **kwargs)` raises ValueError for an unknown impl (naming the op and the available
 impls) and for an impl that does not support the inputs (naming the constraint): never a silent fallback.
@@ -108,24 +113,48 @@ ROW_FREE = "row_free"
 DEFAULT = "default"
 
 #: The row count the kernels' launch configs are chosen for in the decode steps of batch-invariant mode (see
-#: `config_rows`): a decode-sized count, so the fixed tiles and split counts suit the few real rows of a decode
-#: batch (sparse MLA's splits a row, the indexer's keys a program). Not the FP8 linear kernel's: it chooses for the
-#: step's 256 rows, which 64-row tiles would cover by reading each weight tile four times. Prompt steps take the
-#: default mode's configs for their ops' rows instead (rule "launch_rows": `DEFAULT` there), as invariant, since each
-#: token is computed in one shape (checked on the GPU at both shapes by tests/serving/test_gpu_batch_invariance.py).
+#: `config_rows`), at every decode bucket: a decode-sized count, so the fixed tiles and split counts suit the few real
+#: rows of a decode batch (sparse MLA's splits a row, the indexer's keys a program, the FP8 linears' 64 x 64 tiles and
+#: split-K). Prompt steps take the default mode's configs for their ops' rows instead (rule "launch_rows": `DEFAULT`
+#: there), as invariant, since each token is computed in one shape (checked on the GPU at both kinds by
+#: tests/serving/test_gpu_batch_invariance.py).
 INVARIANT_CONFIG_ROWS = 64
 
-#: The rows of a decode step in batch-invariant mode (the serving runner pads each such step to it, and its
-#: scheduler puts at most this many rows in one). XLA picks a computation's algorithm, and with it a row's reduction
-#: order, by the computation's shape (cuBLAS picks split-K by M), and on the GPU decode steps padded to row buckets
-#: (8 to 256) changed a row's numbers after a few steps even with every rule's choice fixed and XLA's products at
-#: one shape (BENCHMARKS.md, batch-invariant mode's cost). A fixed step shape makes every op's shapes the same
-#: whatever the batch, so what is left to fix is each op's choices by the row count (the rules here) and by row
-#: position. The serving steps have two fixed shapes, one per kind of token (glm_dsa.serving.scheduler): decode
-#: steps (decode rows, and the generated tokens of a preempted request when it is recomputed) of these rows, and
-#: prompt steps (prompt tokens only) of `INVARIANT_PROMPT_ROWS`. A token is always computed in the shape of its
-#: kind, so the two shapes need not round alike. 256: a decode batch of up to 256 requests is one step.
+#: The most rows of a decode step in batch-invariant mode (the engine's default `invariant_step_rows[1]`; its
+#: scheduler puts at most this many rows in one). A decode step of n rows is padded to the power-of-two bucket of n,
+#: from `INVARIANT_MIN_DECODE_ROWS` up to these rows (`decode_step_rows`), so a small batch does not pay for 256
+#: rows. The bucket must change no row's numbers: every rule's choice and every launch config in a decode step is
+#: the kind's, never the bucket's (`config_rows`), and XLA's products over the step's rows run at these rows
+#: whatever the bucket (`glm_dsa.model.linear.at_decode_rows`: XLA picks an algorithm, and with it a row's
+#: reduction order, by the computation's shape). The serving steps' two kinds (glm_dsa.serving.scheduler): decode
+#: steps (decode rows, and the generated tokens of a preempted request when it is recomputed) and prompt steps
+#: (prompt tokens only) of `INVARIANT_PROMPT_ROWS`. 256: a decode batch of up to 256 requests is one step.
 INVARIANT_STEP_ROWS = 256
+
+#: The smallest decode-step bucket of batch-invariant mode (`decode_buckets`).
+INVARIANT_MIN_DECODE_ROWS = 8
+
+
+def decode_buckets(decode_rows: int | None = None) -> tuple[int, ...]:
+    """The row counts a batch-invariant decode step may have: the powers of two from `INVARIANT_MIN_DECODE_ROWS`
+    below `decode_rows` (None: `INVARIANT_STEP_ROWS`), then `decode_rows` itself (the kind's most rows, a
+    power of two or not)."""
+    most = INVARIANT_STEP_ROWS if decode_rows is None else int(decode_rows)
+    out, b = [], INVARIANT_MIN_DECODE_ROWS
+    while b < most:
+        out.append(b)
+        b *= 2
+    return (*out, most)
+
+
+def decode_step_rows(n: int, decode_rows: int | None = None) -> int:
+    """The padded rows of a batch-invariant decode step of `n` real rows: the smallest of `decode_buckets` that
+    holds them (ValueError past the kind's most rows)."""
+    for b in decode_buckets(decode_rows):
+        if n <= b:
+            return b
+    raise ValueError(f"a decode step of {n} rows, over the kind's {decode_buckets(decode_rows)[-1]}")
+
 
 #: The rows of a prompt step in batch-invariant mode (see `INVARIANT_STEP_ROWS`): prefill chunks pad to it, so a
 #: long prefill takes as many steps (each reading every weight once) as in the default mode at
@@ -186,6 +215,9 @@ _PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("kernels_
 _RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("kernels_record", default=None)
 # None: the default mode; "prompt" / "decode": batch-invariant mode, in a step of that kind
 _INVARIANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("kernels_batch_invariant", default=None)
+# the most rows of a batch-invariant decode step (its kind's; set with _INVARIANT)
+_DECODE_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("kernels_decode_rows", default=INVARIANT_STEP_ROWS)
+_LAUNCHES: contextvars.ContextVar[list | None] = contextvars.ContextVar("kernels_launches", default=None)
 
 
 def step_kind(rows: int | None, prompt_rows: int | None = None) -> str:
@@ -197,18 +229,30 @@ def step_kind(rows: int | None, prompt_rows: int | None = None) -> str:
 
 
 @contextlib.contextmanager
-def batch_invariant(on: bool = True, *, rows: int | None = None, prompt_rows: int | None = None):
+def batch_invariant(on: bool = True, *, rows: int | None = None, prompt_rows: int | None = None,
+                    decode_rows: int | None = None):
     """Within the block (while a step traces) every rule decides in batch-invariant mode when `on` (see the
     module doc), for a step of `rows` rows (its static padded row count; `step_kind` with `prompt_rows` names its
-    kind: None, a decode step); `on=False` leaves the current mode as it is."""
+    kind: None, a decode step); `decode_rows`: the most rows of the mode's decode steps (None:
+    `INVARIANT_STEP_ROWS`), what `invariant_decode_rows` says in a decode step. `on=False` leaves the current mode
+    as it is."""
     if not on:
         yield
         return
-    token = _INVARIANT.set(step_kind(rows, prompt_rows))
+    kind = step_kind(rows, prompt_rows)
+    most = INVARIANT_STEP_ROWS if decode_rows is None else int(decode_rows)
+    token, token_rows = _INVARIANT.set(kind), _DECODE_ROWS.set(most)
     try:
         yield
     finally:
         _INVARIANT.reset(token)
+        _DECODE_ROWS.reset(token_rows)
+
+
+def invariant_decode_rows() -> int | None:
+    """In a batch-invariant decode step, the most rows of its kind (`batch_invariant`'s `decode_rows`), the row
+    count every decode bucket computes its XLA products at; None elsewhere (the default mode, prompt steps)."""
+    return _DECODE_ROWS.get() if _INVARIANT.get() == "decode" else None
 
 
 def batch_invariant_mode() -> bool:
@@ -263,6 +307,27 @@ def record():
         yield log
     finally:
         _RECORD.reset(token)
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Collect every kernel launch config chosen within the block (also inside traced functions) as a list of
+    (kernel name, config) pairs (`launch`): what a test compares across a decode step's buckets."""
+    log: list[tuple[str, object]] = []
+    token = _LAUNCHES.set(log)
+    try:
+        yield log
+    finally:
+        _LAUNCHES.reset(token)
+
+
+def launch(kernel: str, config):
+    """`config` (a kernel's launch config, as the kernel will run it), recorded under `kernel` when
+    `record_launches` is on; returns it."""
+    log = _LAUNCHES.get()
+    if log is not None:
+        log.append((kernel, config))
+    return config
 
 
 def register_rule(name: str, op: str, choose: Callable[..., str], choices: tuple[str, ...] | None = None, *,
@@ -341,14 +406,15 @@ def register_auto(op: str, choose: Callable[..., str] | None = None, *,
 
 def _launch_rows(platform: str, t: int) -> str:
     """The kernels' default launch configs are chosen for the op's rows ("rows"; "fixed" in batch-invariant
-    decode steps: `INVARIANT_CONFIG_ROWS`)."""
+    decode steps: `INVARIANT_CONFIG_ROWS` at every bucket)."""
     del platform, t
     return "rows"
 
 
 def _launch_rows_invariant(platform: str, t: int) -> str:
-    """Batch-invariant decode steps: every kernel's launch config is chosen for `INVARIANT_CONFIG_ROWS` rows.
-    Prompt steps (`DEFAULT`): for the op's rows, as in the default mode. Either way a launch config is a function
+    """Batch-invariant decode steps: every kernel's launch config is chosen for `INVARIANT_CONFIG_ROWS` rows, at
+    every decode bucket (never for the bucket's rows: tiles, split counts and split-K set a row's K order). Prompt
+    steps (`DEFAULT`): for the op's rows, as in the default mode. Either way a launch config is a function
     of static shapes (the op's rows are the step's padded rows, or a static chunk of them), never of the data: at
     one step shape every kernel runs one schedule (tiles, K steps, split counts), and each kernel computes a row
     from that row alone in a K order the config fixes (the grouped-GEMM tiles' rows, sparse MLA's and the
@@ -364,7 +430,7 @@ register_rule("launch_rows", "launch", _launch_rows, ("rows", "fixed"), invarian
 def config_rows(t: int) -> int:
     """The row count a kernel's default launch config (tiles, splits, warps) is chosen for: `t`, or
     `INVARIANT_CONFIG_ROWS` in batch-invariant decode steps (rule "launch_rows"), so a row's schedule does not
-    change with the batch (in prompt steps `t`, a static shape too)."""
+    change with the batch or the decode bucket (in prompt steps `t`, a static shape too)."""
     return t if decide("launch_rows", t) == "rows" else INVARIANT_CONFIG_ROWS
 
 

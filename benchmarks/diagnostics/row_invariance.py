@@ -1,10 +1,11 @@
 """Which ops give a decode row the same bits whatever the step's row count (BENCHMARKS.md, batch-invariant mode's
 cost).
 
-Batch-invariant mode pads every decode step to one row count (`kernels.registry.INVARIANT_STEP_ROWS`), which costs
-4.6x the default mode's step at B = 32. Sizing decode steps to the batch (a few row buckets) instead needs every
-op to give a row the same bits at each bucket. This diagnostic asks which ops do: one target decode row (its token,
-position and context pages fixed) is computed in steps of T rows for each T of --rows, the other rows other
+Batch-invariant mode pads a decode step to the power-of-two bucket of its rows (8 to
+`kernels.registry.INVARIANT_STEP_ROWS`), which needs every op to give a row the same bits at each bucket (padding
+every decode step to 256 rows instead cost 1.66x the default mode's step at B = 32). This diagnostic asks which
+ops do: one target decode row (its token, position and context pages fixed) is computed in steps of T rows for
+each T of --rows (each a decode step of a kind of at most 256 rows: its XLA products at 256), the other rows other
 requests' decode rows, from the same random weights and caches. Per T it reports whether the target's logits are
 bitwise those of the first T, and per layer the first intermediate of `glm_dsa.debug.trace` (model order) whose
 target row differs:

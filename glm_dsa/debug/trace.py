@@ -66,7 +66,8 @@ def traced_step(params, caches, batch: StepBatch, *, config: GlmDsaConfig, paral
     # eagerly, the step dispatches its ops one by one over the mesh). The kernels' rules decide as in `step` (in
     # batch-invariant mode: for the step's kind, named by its padded rows)
     with registry.batch_invariant(options.batch_invariant, rows=batch.token_ids.shape[0],
-                                  prompt_rows=options.invariant_prompt_rows):
+                                  prompt_rows=options.invariant_prompt_rows,
+                                  decode_rows=options.invariant_decode_rows):
         return jax.jit(lambda p, c, b: run_sharded(body, p, c, b, par, lambda cspecs: (P(), cspecs, P()), config))(
             params, caches, batch)
 

@@ -1,9 +1,10 @@
 """Which kernel runs for a model's shapes: the kernels registry's decisions for one step of each shape class
 (decode rows of B requests, a prefill chunk), taken while tracing `glm_dsa.step` for a platform given as an input
 (`kernels.registry.deciding_for`), so a CPU prints the table of a GPU. `python -m glm_dsa info --kernels`; with
-`batch_invariant` (`--batch-invariant`) the table of batch-invariant mode's two serving step shapes instead (a
-prompt step of `INVARIANT_PROMPT_ROWS` rows, a decode step of `INVARIANT_STEP_ROWS`, each with the block table of
-`requests` requests)."""
+`batch_invariant` (`--batch-invariant`) the table of batch-invariant mode's serving step shapes instead (a
+prompt step of `INVARIANT_PROMPT_ROWS` rows, a decode step at each bucket of `kernels.registry.decode_buckets`, 8 to
+`INVARIANT_STEP_ROWS` rows, each with the block table of `requests` requests: the decode buckets list the same
+choices)."""
 
 from __future__ import annotations
 
@@ -55,11 +56,13 @@ def _abstract_step_inputs(config, parallel, *, rows: int, requests: int, context
 
 def step_decisions(config, *, parallel=None, rows: int, requests: int, context: int = 32768, block_size: int = 64,
                    kv_cache_dtype: str = "auto", dtype="bfloat16", quantization=None, platform: str = "gpu",
-                   trim: bool = True, batch_invariant: bool = False, prompt_rows: int | None = None) -> list:
+                   trim: bool = True, batch_invariant: bool = False, prompt_rows: int | None = None,
+                   decode_rows: int | None = None) -> list:
     """The `kernels.registry.Decision`s of one `glm_dsa.step` (impl "auto") over `rows` rows of `requests`
     requests with `context` tokens of room each, decided for `platform`; traced only (`jax.eval_shape`), nothing
     runs. `trim`: trace one layer of each kind (`_trimmed`) instead of the whole model. `batch_invariant`: the
-    step in batch-invariant mode, a prompt step from `prompt_rows` rows (`StepOptions.invariant_prompt_rows`)."""
+    step in batch-invariant mode, a prompt step from `prompt_rows` rows (`StepOptions.invariant_prompt_rows`), a
+    decode step's kind of at most `decode_rows` rows (`StepOptions.invariant_decode_rows`)."""
     from glm_dsa.model.options import StepOptions
     from glm_dsa.model.step import resolve_parallel, step
 
@@ -74,7 +77,8 @@ def step_decisions(config, *, parallel=None, rows: int, requests: int, context: 
                                      block_size=block_size, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
                                      quantization=quantization)
     options = StepOptions(impl="auto", batch_invariant=batch_invariant,
-                          invariant_prompt_rows=prompt_rows if batch_invariant else None)
+                          invariant_prompt_rows=prompt_rows if batch_invariant else None,
+                          invariant_decode_rows=decode_rows if batch_invariant else None)
     with registry.deciding_for(platform), registry.record() as log:
         jax.eval_shape(functools.partial(step, config=cfg, parallel=parallel, options=options), *args)
     return log
@@ -93,12 +97,13 @@ INVARIANT_REQUESTS = 32
 
 def invariant_shape_classes(prompt_rows: int | None = None, decode_rows: int | None = None,
                             requests: int = INVARIANT_REQUESTS) -> list[tuple[str, int, int]]:
-    """(label, rows, requests) of batch-invariant mode's two step shapes: a prompt step of `prompt_rows` (default
-    `INVARIANT_PROMPT_ROWS`) rows and a decode step of `decode_rows` (default `INVARIANT_STEP_ROWS`), both with a
-    block table of `requests` rows (the mode's steps always have max_num_seqs' bucket of them)."""
+    """(label, rows, requests) of batch-invariant mode's step shapes: a prompt step of `prompt_rows` (default
+    `INVARIANT_PROMPT_ROWS`) rows and a decode step at each of its buckets, 8 up to `decode_rows` (default
+    `INVARIANT_STEP_ROWS`; `registry.decode_buckets`), all with a block table of `requests` rows (the mode's steps
+    always have max_num_seqs' bucket of them)."""
     p = registry.INVARIANT_PROMPT_ROWS if prompt_rows is None else prompt_rows
-    d = registry.INVARIANT_STEP_ROWS if decode_rows is None else decode_rows
-    return [(f"invariant prompt T={p}", p, requests), (f"invariant decode T={d}", d, requests)]
+    return [(f"invariant prompt T={p}", p, requests)] + [
+        (f"invariant decode T={d}", d, requests) for d in registry.decode_buckets(decode_rows)]
 
 
 def dispatch_table(config, *, decode_rows=DECODE_ROWS, prefill_rows=PREFILL_ROWS, batch_invariant: bool = False,
@@ -112,7 +117,7 @@ def dispatch_table(config, *, decode_rows=DECODE_ROWS, prefill_rows=PREFILL_ROWS
     if batch_invariant:
         prompt, decode = invariant_rows or (None, None)
         classes = invariant_shape_classes(prompt, decode)
-        kwargs = dict(kwargs, batch_invariant=True, prompt_rows=classes[0][1])
+        kwargs = dict(kwargs, batch_invariant=True, prompt_rows=classes[0][1], decode_rows=classes[-1][1])
     else:
         classes = shape_classes(decode_rows, prefill_rows)
     for label, rows, requests in classes:

@@ -114,7 +114,8 @@ class Indexer(nnx.Module):
     def head_weights(self, h):
         """w[t, h] = weights_proj(h) * Hi^-0.5, times the score scale Di^-0.5 (folded: both > 0)."""
         n_heads, head_dim = self.wq_b.shape[1], self.wq_b.shape[2]
-        w = h.astype(jnp.float32) @ self.weights_proj[...]
+        wp = self.weights_proj[...]
+        w = linear.at_decode_rows(lambda h_: h_.astype(jnp.float32) @ wp, h)
         return w * (n_heads ** -0.5) * (head_dim ** -0.5)
 
     def __call__(self, h, q_n, index_cache, cos, sin, batch: StepBatch, ctx: StepContext):
@@ -171,7 +172,7 @@ class MLA(nnx.Module):
                            ctx.attend_rows(q_row.shape[0]))
         # W_UV, o_proj, summed over the heads of every TP device
         w_uv = self.value_up(rank, ctx)
-        o_v = jnp.einsum("thr,rhd->thd", o.astype(w_uv.dtype), w_uv)
+        o_v = linear.at_decode_rows(lambda o_: jnp.einsum("thr,rhd->thd", o_.astype(w_uv.dtype), w_uv), o)
         tr.heads("attn.out", o_v)
         out = ctx.comm.psum(linear.apply(self, "o_proj", o_v, n_in=2, split=("in", TP_AXES), impl=ctx.options.impl,
                                          comm=ctx.comm), TP_AXES)
@@ -201,7 +202,8 @@ class MLA(nnx.Module):
         heads = TP if ctx.parallel.q_replicate else TP_AXES  # QREP: the DCP group's heads, split over 'tp' only
         q = linear.apply(self, "q_b_proj", q_n, split=("out", heads), impl=ctx.options.impl, comm=ctx.comm)
         q_pe = rope.apply_rope(q[..., dn:], cos[:, None], sin[:, None], interleave=cfg.rope_interleave)
-        q_lat = jnp.einsum("thd,rhd->thr", q[..., :dn], self.kv_b_proj[:, :, :dn])
+        w_uk = self.kv_b_proj[:, :, :dn]
+        q_lat = linear.at_decode_rows(lambda q_: jnp.einsum("thd,rhd->thr", q_, w_uk), q[..., :dn])
         return jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1), q_pe
 
     def attend(self, q_rows, slot_rows, *, mla_cache, ctx: StepContext, tr: Tracer):
@@ -253,7 +255,16 @@ class MoE(nnx.Module):
         """Chosen experts [T, k] and their weights [T, k] (float32). `valid` (bool [T], default all): rows marked
         False (padding) route to no expert: their experts are the sentinel E (one past the last expert, which
         `kernels.moe.routed_experts` computes nowhere) and their weights 0. Padding rows all carry the same token,
-        so they would otherwise all pick the same k experts, real work whose output is never read."""
+        so they would otherwise all pick the same k experts, real work whose output is never read. The scores and
+        the top-k run over the decode kind's rows in a batch-invariant decode step (`linear.at_decode_rows`)."""
+        experts, w = linear.at_decode_rows(functools.partial(self._route, cfg=cfg), x)
+        if valid is not None:
+            experts = jnp.where(valid[:, None], experts, self.router.shape[-1])
+            w = jnp.where(valid[:, None], w, 0.0)
+        return experts, w
+
+    def _route(self, x, cfg: GlmDsaConfig):
+        """(experts [T, k], weights [T, k]) of every row of `x`, as `route` without `valid`."""
         s = jax.nn.sigmoid(x.astype(jnp.float32) @ self.router[...])
         choice = s + self.router_bias[...]
         t, e = choice.shape
@@ -267,11 +278,7 @@ class MoE(nnx.Module):
         w = jnp.take_along_axis(s, experts, axis=1)
         if cfg.norm_topk_prob:
             w = w / (jnp.sum(w, axis=1, keepdims=True) + 1e-20)
-        w = w * cfg.routed_scaling_factor
-        if valid is not None:
-            experts = jnp.where(valid[:, None], experts, e)
-            w = jnp.where(valid[:, None], w, 0.0)
-        return experts, w
+        return experts, w * cfg.routed_scaling_factor
 
     def expert_scales(self, comm: Collectives | None = None) -> dict:
         """The FP8 experts' keywords for `moe.routed_experts`: their scale grids (this device's blocks of the expert
@@ -316,14 +323,22 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, mla_cache, index_cache, topk_prev, batch: StepBatch, ctx: StepContext):
         eps, tr = ctx.cfg.rms_norm_eps, ctx.tracer.at(self.layer)
-        a, mla_cache, index_cache, topk = self.attn(rms_norm(x, self.input_norm[...], eps), mla_cache, index_cache,
+        a, mla_cache, index_cache, topk = self.attn(_row_norm(x, self.input_norm[...], eps), mla_cache, index_cache,
                                                     topk_prev, batch, ctx)
         x = x + a
-        h = rms_norm(x, self.post_norm[...], eps)
+        h = _row_norm(x, self.post_norm[...], eps)
         x = x + (self.moe(h, ctx.cfg, ctx.options, tr, ctx.comm, valid=batch.positions >= 0) if self.moe is not None
                  else self.mlp(h, ctx.options, ctx.comm))
         tr.record("residual", x)
         return x, mla_cache, index_cache, topk
+
+
+def _row_norm(x, weight, eps: float):
+    """rms_norm of the step's rows, at the decode kind's rows in a batch-invariant decode step
+    (`linear.at_decode_rows`): a row's sum over the hidden width is its own, but XLA compiles the reduction, and
+    fuses it with its neighbours, for the whole shape, so at a decode step's bucket of rows it need not round a row
+    as at another bucket."""
+    return linear.at_decode_rows(lambda x_: rms_norm(x_, weight, eps), x)
 
 
 class GlmDsaModel(nnx.Module):
@@ -351,7 +366,7 @@ class GlmDsaModel(nnx.Module):
             if j is not None:
                 index[j] = new_index.reshape(index[j].shape)
             mla[i] = mla[i].reshape(caches["mla"][i].shape)
-        hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps) if return_hidden else None
+        hidden = _row_norm(x, self.final_norm[...], cfg.rms_norm_eps) if return_hidden else None
         x = hidden[batch.logits_indices] if return_hidden else rms_norm(x[batch.logits_indices], self.final_norm[...],
                                                                           cfg.rms_norm_eps)
         logits = jnp.einsum("td,dv->tv", x, self.lm_head[...], preferred_element_type=jnp.float32)

@@ -75,7 +75,7 @@ def _fp8_product(x2, w2, scale, n_off, k_off, form: str, impl: str):
     """x2 @ W in x2's dtype by the model form `form` (rule "fp8_linear.model_form")."""
     if form == "dequant":
         wd = dequantize_weight_blocks(w2, scale, k_off, n_off, dtype=x2.dtype)
-        return jnp.dot(x2, wd, preferred_element_type=jnp.float32).astype(x2.dtype)
+        return at_decode_rows(lambda x_: jnp.dot(x_, wd, preferred_element_type=jnp.float32).astype(x_.dtype), x2)
     if form == "w8a8_mosaic":
         return fp8_linear.fp8_linear(x2, w2, scale, form="w8a8", impl=_mosaic(impl), n_offset=n_off,
                                      k_offset=k_off, w_layout="kn")
@@ -83,12 +83,46 @@ def _fp8_product(x2, w2, scale, n_off, k_off, form: str, impl: str):
                                  w_layout="kn")
 
 
+def at_decode_rows(fn, *xs):
+    """fn(*xs), where each of `xs` has the step's T rows on its leading axis, and so has every output of `fn`.
+
+    In a batch-invariant decode step (`kernels.registry.invariant_decode_rows`) the rows are first padded with
+    zeros to the decode kind's most rows D, `fn` runs on D rows, and its outputs are cut back to T: the decode
+    steps are padded to power-of-two buckets of their rows (8 to D), and XLA picks a product's algorithm by its
+    shape (cuBLAS: split-K and tiles by M, and with them a row's reduction order; `lax.top_k`'s algorithm by the
+    rows too), so a product over T rows could round a row differently at each bucket. At D rows it is one
+    computation whatever the bucket. Optimisation barriers keep XLA from moving the padding or the cut through
+    `fn` (a slice of a dot becomes a dot of slices); they are there at D rows too, with nothing padded or cut, so
+    that the step of the last bucket is the same program around `fn` as the others' (without them XLA got another
+    program at D rows, free to fuse and order `fn` with its neighbours as it would not at the other buckets).
+    Elsewhere (the default mode, prompt steps: one static shape each) `fn(*xs)` as it is. The model's XLA products
+    over a step's rows go through here (the bf16 linears of `apply`, the indexer's head weights, the router and its
+    top-k, the absorbed query and value products); the kernels' own products have launch configs fixed for the
+    kind (`kernels.registry.config_rows`)."""
+    most = registry.invariant_decode_rows()
+    if most is None:
+        return fn(*xs)
+    t = xs[0].shape[0]
+    if t > most:
+        raise ValueError(f"at_decode_rows: a decode step of {t} rows, over the kind's {most}")
+    # lax.slice_in_dim, not y[:t] (which traces no slice when it takes all the rows): the same equations at every
+    # bucket, the last one padding zero rows and cutting none
+    zero = lambda x: jnp.zeros((), x.dtype)
+    padded = jax.lax.optimization_barrier(tuple(
+        jax.lax.pad(x, zero(x), [(0, most - t, 0)] + [(0, 0, 0)] * (x.ndim - 1)) for x in xs))
+    out = jax.lax.optimization_barrier(fn(*padded))
+    return jax.tree.map(lambda y: jax.lax.slice_in_dim(y, 0, t), out)
+
+
 def apply(module, name: str, x, *, n_in: int = 1, split=None, impl: str = "xla", comm: Collectives | None = None):
     """x [T, *in] @ module.<name> [*in, *out] -> [T, *out] (x's dtype). `split`: None, or ("in" | "out", mesh
     axes) when TP splits that flattened axis of an FP8 weight (the float path ignores it); `comm`: the step's
-    collectives (this device's rank along those axes)."""
+    collectives (this device's rank along those axes). A float weight's product is XLA's, over the decode kind's
+    rows in a batch-invariant decode step (`at_decode_rows`); an FP8 weight's is the kernels' (rule
+    "fp8_linear.model_form")."""
     if scale_of(module, name) is None:
-        return jnp.tensordot(x, getattr(module, name)[...], n_in)
+        w = getattr(module, name)[...]
+        return at_decode_rows(lambda x_: jnp.tensordot(x_, w, n_in), x)
     lead = x.shape[: x.ndim - n_in]
     x2, w2, scale, n_off, k_off, out_shape = _operands(module, name, x, n_in, split, comm)
     form = fp8_linear.model_form(x2, impl=impl, n_offset=n_off, k_offset=k_off)

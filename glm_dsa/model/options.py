@@ -19,13 +19,17 @@ class StepOptions:
     of its batch. invariant_prompt_rows (batch_invariant only): a step of at least this many rows (its static
     padded row count) takes the rules' prompt-step choices (the default mode's prefill forms), a smaller one their
     decode-step choices; None: `kernels.registry.INVARIANT_PROMPT_ROWS` (the serving runner passes its prompt-step
-    rows)."""
+    rows). invariant_decode_rows (batch_invariant only): the most rows of the mode's decode steps (each padded to a
+    bucket of at most these rows, `kernels.registry.decode_buckets`): the rows a decode step computes its XLA
+    products at (`glm_dsa.model.linear.at_decode_rows`), whatever its bucket; None:
+    `kernels.registry.INVARIANT_STEP_ROWS` (the serving runner passes its decode-step rows)."""
 
     impl: str | None = None
     moe_mode: str | None = None
     dcp_row_chunk: int = 256
     batch_invariant: bool = False
     invariant_prompt_rows: int | None = None
+    invariant_decode_rows: int | None = None
 
     def __post_init__(self):
         if self.impl is None:
@@ -36,11 +40,12 @@ class StepOptions:
             raise ValueError(f"StepOptions.moe_mode must be one of {moe.MODES} or None, got {self.moe_mode!r}")
         if not isinstance(self.batch_invariant, bool):
             raise TypeError(f"StepOptions.batch_invariant must be a bool, got {self.batch_invariant!r}")
-        rows = self.invariant_prompt_rows
-        if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
-            raise ValueError(f"StepOptions.invariant_prompt_rows must be None or an integer >= 1, got {rows!r}")
-        if rows is not None and not self.batch_invariant:
-            raise ValueError(f"StepOptions.invariant_prompt_rows={rows!r} is for batch_invariant=True")
+        for name in ("invariant_prompt_rows", "invariant_decode_rows"):
+            rows = getattr(self, name)
+            if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
+                raise ValueError(f"StepOptions.{name} must be None or an integer >= 1, got {rows!r}")
+            if rows is not None and not self.batch_invariant:
+                raise ValueError(f"StepOptions.{name}={rows!r} is for batch_invariant=True")
         chunk = self.dcp_row_chunk
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
             raise ValueError(f"StepOptions.dcp_row_chunk must be an integer >= 1, got {chunk!r}")

@@ -88,7 +88,8 @@ def step(params, caches, batch: StepBatch, *, config: GlmDsaConfig, parallel: Pa
     # the kernels' rules decide while the body traces: in batch-invariant mode each takes its fixed per-row choice
     # for the step's kind, named by its static padded row count (a prompt step from invariant_prompt_rows rows)
     with registry.batch_invariant(options.batch_invariant, rows=batch.token_ids.shape[0],
-                                  prompt_rows=options.invariant_prompt_rows):
+                                  prompt_rows=options.invariant_prompt_rows,
+                                  decode_rows=options.invariant_decode_rows):
         return run_sharded(body, params, caches, batch, parallel, lambda cspecs: (P(), cspecs), config)
 
 

@@ -678,9 +678,10 @@ def run_invariant_cost(bc: BenchConfig, log=print) -> dict:
       whatever `bc.max_num_batched_tokens`, which still caps a step's rows, and alternate with decode steps for
       the prompts whose first token is out;
     - decode at each of `bc.decode_batches` (at `bc.decode_context`, default `bc.input_len`; caches of random
-      rows): one serving step (`serving_decode_ms`), padded in batch-invariant mode to 256 rows
-      (`kernels.registry.INVARIANT_STEP_ROWS`), the block-table width of max_model_len and max_num_seqs requests.
-    Returns {"config", "device", "layers", "invariant_step_rows", "rows"}: one row {"check":
+      rows): one serving step (`serving_decode_ms`, whose warm-up steps compile it), padded in batch-invariant
+      mode to the bucket of its B rows (`kernels.registry.decode_step_rows`: 8 to `INVARIANT_STEP_ROWS`; the row's
+      "invariant_rows"), the block-table width of max_model_len and max_num_seqs requests.
+    Returns {"config", "device", "layers", "invariant_step_rows", "decode_buckets", "rows"}: one row {"check":
     "batch_invariant_cost", "phase": "prefill" | "decode", "default_s" / "default_ms", "invariant_s" /
     "invariant_ms", "ratio" (invariant over default), "limit" (`INVARIANT_COST_LIMITS`, None where the acceptance
     names none), "within_limit", ...} per point."""
@@ -730,12 +731,13 @@ def run_invariant_cost(bc: BenchConfig, log=print) -> dict:
             finally:
                 del eng
         rows.append(_cost_row("decode", ms[False], ms[True], b, **common, context=ctx, default_ms=ms[False],
-                              invariant_ms=ms[True]))
+                              invariant_ms=ms[True], invariant_rows=registry.decode_step_rows(b)))
         log(f"decode B={b} at {ctx}: default {ms[False]:.3f} ms, batch-invariant {ms[True]:.3f} ms per step, ratio "
             f"{rows[-1]['ratio']:.3f} (limit {rows[-1]['limit']})")
     return {"config": dataclasses.asdict(bc), "device": getattr(device, "device_kind", str(device)),
             "layers": cfg.num_hidden_layers,
-            "invariant_step_rows": [registry.INVARIANT_PROMPT_ROWS, registry.INVARIANT_STEP_ROWS], "rows": rows}
+            "invariant_step_rows": [registry.INVARIANT_PROMPT_ROWS, registry.INVARIANT_STEP_ROWS],
+            "decode_buckets": list(registry.decode_buckets()), "rows": rows}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -100,21 +100,24 @@ class Engine:
     and whether its prompt's pages were found in the prefix cache or computed (for one mesh, device, jax version
     and engine: max_model_len, max_num_seqs, block_size and invariant_step_rows). Every kernel rule takes its
     fixed per-row choice for the step's kind (`kernels.registry.batch_invariant`: prompt steps the default mode's
-    prefill forms for their shape, decode steps fixed decode forms), and every serving step has one of two fixed
-    shapes (each with the block-table width of max_model_len and the request count of max_num_seqs): a prompt step
+    prefill forms for their shape, decode steps fixed decode forms), and every serving step is of one of two kinds
+    (each with the block-table width of max_model_len and the request count of max_num_seqs): a prompt step
     computes prompt tokens only (prefill chunks), padded to `invariant_step_rows[0]` rows (default
     `kernels.registry.INVARIANT_PROMPT_ROWS` = 8192); a decode step computes every other token (decode rows, and a
-    preempted request's generated tokens when it is recomputed), padded to `invariant_step_rows[1]` rows (default
-    `INVARIANT_STEP_ROWS` = 256). The kinds never share a step (they alternate while both have work; see
-    glm_dsa.serving.scheduler), so a token is always computed in its kind's shape; a step holds at most
-    min(max_num_batched_tokens, its kind's rows). The prefix cache keeps only pages of prompt tokens there.
-    Memory: every prompt step has the activations of `invariant_step_rows[0]` rows whatever max_num_batched_tokens
-    (as the default mode at max_num_batched_tokens = 8192), within the device memory the cache plan leaves
-    (1 - cache_memory_fraction); where that does not fit, pass smaller prompt rows (results are then the same
-    among engines of those rows) or a smaller cache_memory_fraction. `invariant_step_rows` is for that and for
-    tests; None keeps the defaults (a value without batch_invariant is a ValueError). Not with speculative
-    decoding. It covers the serving loop (`generate`, `stream`, `submit`, the server), not `logits` and `trace`
-    (steps of their own shapes).
+    preempted request's generated tokens when it is recomputed), padded to the power-of-two bucket of its rows from 8
+    up to `invariant_step_rows[1]` rows (default `INVARIANT_STEP_ROWS` = 256; `kernels.registry.decode_step_rows`),
+    whose kernel choices and launch configs are the decode kind's at every bucket and whose XLA products run at
+    `invariant_step_rows[1]` rows (`glm_dsa.model.linear.at_decode_rows`). The kinds never share a step (they
+    alternate while both have work; see glm_dsa.serving.scheduler), so a token is always computed in a step of its
+    kind; a step holds at most min(max_num_batched_tokens, its kind's rows). `warmup` compiles the decode buckets the
+    planned `generate` reaches, `warmup_steps` every one; another bucket compiles at its first step. The prefix
+    cache keeps only pages of prompt tokens there. Memory: every prompt step has the activations of
+    `invariant_step_rows[0]` rows whatever max_num_batched_tokens (as the default mode at max_num_batched_tokens =
+    8192), within the device memory the cache plan leaves (1 - cache_memory_fraction); where that does not fit, pass
+    smaller prompt rows (results are then the same among engines of those rows) or a smaller cache_memory_fraction.
+    `invariant_step_rows` is for that and for tests; None keeps the defaults (a value without batch_invariant is a
+    ValueError). Not with speculative decoding. It covers the serving loop (`generate`, `stream`, `submit`, the
+    server), not `logits` and `trace` (steps of their own shapes).
     """
 
     config = _runner_attribute("config", "The model's `GlmDsaConfig`.")
@@ -242,8 +245,8 @@ class Engine:
         """Compile every serving-step shape the loop can reach (`ModelRunner.serving_shapes`: each rows bucket up
         to `max_rows`, default max_num_batched_tokens, with each requests bucket, at the block-table widths of
         `pages`, the page counts (per DCP rank) a step's longest request may hold, default any; in batch-invariant
-        mode its few fixed shapes), for each of `greedy` (True: steps that sample greedily, or nothing) and
-        `logprobs`; returns how many were compiled (the others already were).
+        mode the prompt rows and each decode bucket up to `max_rows`), for each of `greedy` (True: steps that
+        sample greedily, or nothing) and `logprobs`; returns how many were compiled (the others already were).
 
         Which of those shapes a serving loop meets depends on how requests arrive: how many are running and how
         many rows their admissions bring to a step (with prefix caching, the uncached tails of varied lengths).

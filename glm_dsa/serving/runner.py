@@ -46,9 +46,10 @@ def check_positive_int(name: str, value, minimum: int = 1) -> int:
 
 
 def check_invariant_rows(rows, batch_invariant: bool) -> tuple[int, int] | None:
-    """The (prompt step rows, decode step rows) of batch-invariant mode: `rows` checked (two integers >= 1), or
-    by default (`kernels.registry.INVARIANT_PROMPT_ROWS`, `INVARIANT_STEP_ROWS`); None in the default mode (a
-    `rows` given there is a ValueError)."""
+    """The (prompt step rows, most decode step rows) of batch-invariant mode: `rows` checked (two integers >= 1),
+    or by default (`kernels.registry.INVARIANT_PROMPT_ROWS`, `INVARIANT_STEP_ROWS`); None in the default mode (a
+    `rows` given there is a ValueError). A decode step is padded to the bucket of its rows up to the second
+    (`kernels.registry.decode_step_rows`)."""
     if not batch_invariant:
         if rows is not None:
             raise ValueError(f"invariant_step_rows={rows!r} is for batch_invariant=True")
@@ -62,6 +63,15 @@ def check_invariant_rows(rows, batch_invariant: bool) -> tuple[int, int] | None:
     if decode >= prompt:  # the kernels' rules tell the kinds apart by rows (kernels.registry.step_kind)
         raise ValueError(f"invariant_step_rows={tuple(rows)!r}: the decode rows must be fewer than the prompt rows")
     return prompt, decode
+
+
+def step_options(impl: str, invariant_rows: tuple[int, int] | None) -> StepOptions:
+    """The model step's options of a runner of `impl`: the default mode when `invariant_rows` is None, else
+    batch-invariant mode of those (prompt step rows, most decode step rows) (`check_invariant_rows`)."""
+    if invariant_rows is None:
+        return StepOptions(impl=impl)
+    return StepOptions(impl=impl, batch_invariant=True, invariant_prompt_rows=invariant_rows[0],
+                       invariant_decode_rows=invariant_rows[1])
 
 
 def _change_tables(tables, resets, updates):
@@ -162,16 +172,17 @@ class ModelRunner:
         if not isinstance(batch_invariant, bool):
             raise TypeError(f"batch_invariant must be a bool, got {batch_invariant!r}")
         self.batch_invariant = batch_invariant
-        #: batch-invariant mode's (prompt step rows, decode step rows), see `step_shapes`; None in the default mode
+        #: batch-invariant mode's (prompt step rows, most decode step rows), see `step_shapes`; None in the default
+        #: mode
         self.invariant_rows = check_invariant_rows(invariant_step_rows, batch_invariant)
         self.parallel = resolve_parallel(parallel, config)
         self.dtype = resolve_dtype(dtype)
         self.kv_cache_dtype = kv_cache_dtype
         self.impl = impl or default_impl()
         # batch-invariant mode: a step of the prompt rows takes the rules' prompt-step choices, a decode step (fewer
-        # rows) their decode-step ones (kernels.registry.batch_invariant)
-        self.options = StepOptions(impl=self.impl, batch_invariant=batch_invariant,
-                                   invariant_prompt_rows=self.invariant_rows[0] if batch_invariant else None)
+        # rows: a bucket of at most the decode rows) their decode-step ones (kernels.registry.batch_invariant), its
+        # XLA products at the decode rows whatever its bucket (glm_dsa.model.linear.at_decode_rows)
+        self.options = step_options(self.impl, self.invariant_rows)
         self.max_model_len = (min(config.max_position_embeddings, 4096) if max_model_len is None
                               else check_positive_int("max_model_len", max_model_len))
         if self.max_model_len > config.max_position_embeddings:
@@ -300,9 +311,14 @@ class ModelRunner:
         most `max_rows` rows can take (a scheduler's steps hold at most its max_num_batched_tokens), at the
         block-table `widths` given (values of `width_for`; default: all of them). Default mode: each rows bucket
         with each requests bucket up to the most requests its rows and max_num_seqs allow; batch-invariant mode:
-        its two shapes, the prompt rows and the decode rows, at the fixed width and requests."""
+        the prompt rows and every decode bucket a decode step of at most `max_rows` rows pads to (the scheduler's
+        decode steps hold a row per running request, or a preempted request's recompute; `decode_step_rows`), at
+        the fixed width and requests."""
         if self.batch_invariant:
-            return [(t, self.pages_per_seq, self.n_out) for t in sorted(self.invariant_rows)]
+            prompt, decode = self.invariant_rows
+            top = registry.decode_step_rows(min(max_rows, decode), decode)
+            rows = [b for b in registry.decode_buckets(decode) if b <= top] + [prompt]
+            return [(t, self.pages_per_seq, self.n_out) for t in rows]
         if widths is None:
             widths = {self.width_for(p) for p in range(1, self.pages_per_seq + 1)}
         shapes = []
@@ -370,19 +386,22 @@ class ModelRunner:
         # requests (and logits rows, at most one each) in buckets growing 4x, capped at max_num_seqs' bucket
         nr = min(_bucket(len(plan.requests), 8, 4), self.n_out)
         if self.batch_invariant:
-            # one shape per step kind whatever the batch: the block-table width sets how many keys the indexer
-            # scores and selects from, so it must not follow the longest neighbour; the rows, requests and width fix
-            # every op's shapes. A prompt step (prompt tokens only) has the prompt rows, a decode step (no prompt
-            # token) the decode rows: each token is computed in the one shape of its kind (scheduler docstring)
+            # the block-table width sets how many keys the indexer scores and selects from, so it must not follow
+            # the longest neighbour; the width and requests are fixed for both kinds. A prompt step (prompt tokens
+            # only) has the prompt rows; a decode step (no prompt token) the power-of-two bucket of its rows, from 8
+            # up to the decode rows (kernels.registry.decode_step_rows): its kernels' choices and launch configs are
+            # the decode kind's at every bucket, and its XLA products run at the decode rows (kernels.registry doc).
+            # Each token is computed in a step of its kind (scheduler docstring)
             width, nr = self.pages_per_seq, self.n_out
             if 0 < plan.prompt_rows < plan.num_rows:
                 raise RuntimeError(f"a batch-invariant step of {plan.prompt_rows} prompt tokens and "
-                                   f"{plan.num_rows - plan.prompt_rows} others: the kinds have one shape each and "
-                                   "never share a step (the scheduler should keep them apart)")
-            t = self.invariant_rows[0 if plan.prompt_rows else 1]
-            if plan.num_rows > t:
+                                   f"{plan.num_rows - plan.prompt_rows} others: the kinds never share a step (the "
+                                   "scheduler should keep them apart)")
+            most = self.invariant_rows[0 if plan.prompt_rows else 1]
+            if plan.num_rows > most:
                 raise RuntimeError(f"a batch-invariant {'prompt' if plan.prompt_rows else 'decode'} step of "
-                                   f"{plan.num_rows} rows, over its {t} (the scheduler's budget should cap it)")
+                                   f"{plan.num_rows} rows, over its {most} (the scheduler's budget should cap it)")
+            t = most if plan.prompt_rows else registry.decode_step_rows(plan.num_rows, most)
         return t, width, nr
 
     def table_inputs(self, plan: StepPlan, t: int, nr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -30,15 +30,16 @@ the whole prompt was cached). Preemption and abort release a request's hold; cac
 Batch-invariant mode (`invariant_rows=(prompt rows, decode rows)`, from `Engine(batch_invariant=True)`): a step
 is of one of two kinds and never mixes them. A prompt step computes prompt tokens only (positions below
 `len(prompt)`: chunks of prompts being prefilled, admissions), a decode step everything else (decode rows, and
-after a preemption the recompute of the request's generated tokens); the runner pads each kind to its own fixed
-row count. So every token is computed in a step of the one shape it was first computed in, also when it is
-recomputed after a preemption: a recompute runs the prompt part in prompt steps and the generated part in decode
-steps. When both kinds have work the kinds alternate step by step (neither starves: a decode request waits at
-most one prompt step, as it waits for a mixed step in the default mode); otherwise the kind that has work runs.
-Prefix caching there indexes and matches only pages that lie wholly within a request's prompt (computed in
-prompt steps, as a miss would compute them: a page of generated tokens, such as an earlier answer that a later
-chat turn repeats in its prompt, was computed in decode steps), and a match leaves at least the prompt's last
-token to compute, so an admission always has prompt rows.
+after a preemption the recompute of the request's generated tokens); the runner pads a prompt step to the prompt
+rows and a decode step to the power-of-two bucket of its rows up to the decode rows, whose kernels compute a row
+alike at every bucket (glm_dsa.serving.runner.ModelRunner.step_shapes). So every token is computed in a step of the
+kind it was first computed in, also when it is recomputed after a preemption: a recompute runs the prompt part in
+prompt steps and the generated part in decode steps. When both kinds have work the kinds alternate step by step (neither
+starves: a decode request waits at most one prompt step, as it waits for a mixed step in the default mode); otherwise
+the kind that has work runs. Prefix caching there indexes and matches only pages that lie wholly within a request's
+prompt (computed in prompt steps, as a miss would compute them: a page of generated tokens, such as an earlier answer
+that a later chat turn repeats in its prompt, was computed in decode steps), and a match leaves at least the prompt's
+last token to compute, so an admission always has prompt rows.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from .. import registry
 from ..moe.tiles import sort_pairs
 from .config import BLOCK, PREFILL, PREFILL_SWIGLU, Fp8GemmConfig
 from .reference import FP8, group_layout, quantize_rows
@@ -191,6 +192,7 @@ def routed_experts(x, experts, weights, wg, wu, wd, *, wg_scale, wu_scale, wd_sc
         raise ValueError(f"moe: impl 'mosaic' does not support these inputs: {why}")
     t, k = experts.shape
     up, down = expert_configs(layout, t if config_rows is None else config_rows, k, wg.shape[0])
+    registry.launch("moe_mosaic", (layout, up_config or up, down_config or down))
     return routed_experts_w8a8(x, experts, weights, wg, wu, wg_scale, wu_scale, wd, wd_scale,
                                up_config=up_config or up, down_config=down_config or down,
                                impl="mosaic_interpret" if interpret else "mosaic")

@@ -37,8 +37,9 @@ class Fp8LinearConfig:
             raise ValueError(f"Fp8LinearConfig: num_stages {self.num_stages!r} must be an int >= 1")
 
 
-#: The widest row count that takes the decode-step tiles of `default_config` (batch-invariant mode's decode steps:
-#: `registry.INVARIANT_STEP_ROWS` rows, real or padding).
+#: The widest row count that takes the 128 x 128 split-K tiles of `default_config` (made for batch-invariant decode
+#: steps when they all had `registry.INVARIANT_STEP_ROWS` rows; those now choose for `registry.config_rows`, 64, at
+#: every row bucket, and the default mode's linears of 64+ rows dequantise: no model step takes this branch now).
 STEP_ROWS = 256
 
 
@@ -49,16 +50,15 @@ def default_config(t: int, n: int, k: int, form: str = "w8a16", itemsize: int = 
     Decode-sized rows (t <= 64) stream the weight: 16..64-row tiles, 64 output columns, K split until about two
     programs per SM.
 
-    Up to `STEP_ROWS` rows (batch-invariant mode's 256-row decode steps, where most rows may be padding but every
-    row costs the same in a GEMM): 128 x 128 tiles, K split until about one program per SM. The bytes that decide
-    this shape (W = K x N weight bytes, e4m3; x bf16): every program reads its weight tile and all the rows' x tile
-    for its K range, so the weight is read cdiv(T, bm) times and x N / bn times, together (T / bm + 2T / bn) W from
-    L2 to the SMs (HBM sees W about once: the row blocks of one weight tile are adjacent programs, grid axis 0
-    fastest), and split-K adds k_split x T x N float32 partials written and summed (8 k_split T N bytes). At
-    T = 256: 64 x 64 tiles (the t <= 64 shape) read 4 W + 8 W = 12 W, 128 x 128 tiles 2 W + 4 W = 6 W (at B = 32
-    the default mode's 32 x 64 tiles read W + W), and one program per SM instead of two halves the partials (o_proj,
-    N 6144 K 16384: 2 splits, 12.6 MB; q_b, 16384 outputs: none). 128 x 128 is the prefill tile (float32
-    accumulator of 64 registers a thread at 8 warps); wider tiles (128 x 256: 4 W) would hold twice that.
+    Up to `STEP_ROWS` rows (where most rows may be padding but every row costs the same in a GEMM): 128 x 128 tiles, K
+    split until about one program per SM. The bytes that decide this shape (W = K x N weight bytes, e4m3; x bf16): every
+    program reads its weight tile and all the rows' x tile for its K range, so the weight is read cdiv(T, bm) times and
+    x N / bn times, together (T / bm + 2T / bn) W from L2 to the SMs (HBM sees W about once: the row blocks of one
+    weight tile are adjacent programs, grid axis 0 fastest), and split-K adds k_split x T x N float32 partials written
+    and summed (8 k_split T N bytes). At T = 256: 64 x 64 tiles (the t <= 64 shape) read 4 W + 8 W = 12 W, 128 x 128
+    tiles 2 W + 4 W = 6 W (at B = 32 the default mode's 32 x 64 tiles read W + W), and one program per SM instead of two
+    halves the partials (o_proj, N 6144 K 16384: 2 splits, 12.6 MB; q_b, 16384 outputs: none). 128 x 128 is the prefill
+    tile (float32 accumulator of 64 registers a thread at 8 warps); wider tiles (128 x 256: 4 W) would hold twice that.
 
     Larger t takes 128 x 128 tensor-core tiles without a K split. float32 rows take 32-wide K steps (shared
     memory)."""

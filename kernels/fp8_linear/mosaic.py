@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from .. import registry
 from ..fp8_gemm import grouped_matmul, quantize_rows
 from ..fp8_gemm.config import BLOCK, Fp8GemmConfig
 
@@ -86,6 +87,7 @@ def _weight(w_q, w_scale, w_layout: str, n_mult: int):
 
 def _config(layout: str, t: int, config_rows, config, swiglu: bool) -> Fp8GemmConfig:
     cfg = config or linear_config(layout, t if config_rows is None else config_rows, swiglu)
+    registry.launch("fp8_linear_mosaic", cfg)
     if not isinstance(cfg, Fp8GemmConfig) or cfg.swiglu != swiglu:
         raise ValueError(f"fp8_linear mosaic: config must be an Fp8GemmConfig with swiglu={swiglu}, got {cfg!r}")
     return cfg

@@ -13,7 +13,8 @@ with s_w gathered per output column ((n_offset + n) // 128; one scalar when the 
 W8A8 activations are quantised before the kernel by XLA (one fused pass; quantising inside would redo it for
 every column block). k_split > 1 writes float32 partials [k_split, T, N] summed by XLA (decode: enough programs
 to stream the weight at HBM speed). Rows, columns and K past the operands are masked (ragged 128-blocks, tiny
-widths); the unmasked block loads are used where the shapes allow.
+widths); the unmasked block loads are used where the shapes allow, except that a batch-invariant decode step
+masks its rows at every row bucket (one kernel body at all of them).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .. import registry
 from ..common.fp8_formats import FP8, WEIGHT_BLOCK, block_count, load_e4m3, quantize_activation_blocks
+from ..common.ordered import ordered_sum
 from ..common.triton_common import MASKED_ROW, col_range, dot, with_options
 from .config import Fp8LinearConfig, cdiv, default_config  # noqa: F401 (default_config: read from here)
 
@@ -120,13 +123,13 @@ def fp8_matmul(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0, 
     kn = w_layout == "kn"
     n = w_q.shape[1] if kn else w_q.shape[0]
     k_blocks = w_scale.shape[0] if kn else w_scale.shape[1]
-    # the config of the op's own rows, not `registry.config_rows` (batch-invariant decode steps' fixed 64): a GEMM
-    # does the same work for a padding row as for a real one, and what it costs is how often the tiles read the
-    # weight and the rows (`default_config`: 12 W from L2 with 64-row tiles at 256 rows, 6 W with the step tiles).
-    # At one static T the config is one, so a row's K order (steps, splits summed in split order) is the same
-    # wherever it sits and whatever the other rows hold.
-    cfg = config or default_config(t, n, k, form, jnp.dtype(x.dtype).itemsize)
-    cfg = with_options(cfg, overrides, "fp8_linear")
+    # the config of `registry.config_rows`: the op's rows, or in a batch-invariant decode step the fixed
+    # INVARIANT_CONFIG_ROWS whatever the step's bucket (8 to 256 rows), since the split-K (chosen from the rows) sets
+    # the order a row's K partials are summed in, and the tile shape the MMA instruction. At one config a row's K
+    # order (steps, splits summed in split order) is the same wherever it sits, whatever the other rows hold and
+    # whatever the bucket.
+    cfg = config or default_config(registry.config_rows(t), n, k, form, jnp.dtype(x.dtype).itemsize)
+    cfg = registry.launch("fp8_linear", with_options(cfg, overrides, "fp8_linear"))
     bm, bn, bk, ks = cfg.bm, cfg.bn, cfg.bk, cfg.k_split
     static = isinstance(n_offset, int) and isinstance(k_offset, int)
     shift = k_offset % bk if static else None
@@ -134,7 +137,13 @@ def fp8_matmul(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0, 
     total = cdiv((shift if static else bk - 1) + k, bk)
     steps = cdiv(total, ks)
     mask_k = not (static and shift == 0 and k % bk == 0 and steps * ks == total)
-    mask_m, mask_n = t % bm != 0, n % bn != 0
+    # a batch-invariant decode step takes the row-masked body at every bucket, also where its rows fill whole row
+    # blocks (64 rows and up at the decode kind's 64-row tiles): masked and plain loads and stores are different
+    # kernel code, which Triton compiles to different programs that need not round a row alike. With the masks
+    # from t alone the buckets of 8 to 32 rows ran one kernel and those from 64 another (on an H100 a request's
+    # logprobs parted between the two groups a few decode steps in)
+    mask_m = t % bm != 0 or registry.invariant_decode_rows() is not None
+    mask_n = n % bn != 0
     n_scalar_scale = static and n_offset == 0 and bn <= WEIGHT_BLOCK
     if static and block_count(k, k_offset) != k_blocks:
         raise ValueError(f"fp8_linear triton: scale grid {tuple(w_scale.shape)} does not cover K {k} from offset "
@@ -173,4 +182,4 @@ def fp8_matmul(x, w_q, w_scale, *, form: str = "w8a16", n_offset=0, k_offset=0, 
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret, name=f"fp8_linear_{form}" + ("_split_k" if split else ""),
     )(*inputs)
-    return y.sum(0).astype(x.dtype) if split else y
+    return ordered_sum(y, 0).astype(x.dtype) if split else y  # the splits in split order

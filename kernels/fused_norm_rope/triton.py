@@ -648,6 +648,7 @@ def fused_norm_rope_cache_triton(q_c, kv_c, positions, slot_mapping, q_norm_w, k
     # an option given as None keeps the config's value
     cfg = with_options(config or default_config(registry.config_rows(T), mla_fp8 or idx_fp8),
                        {k: v for k, v in overrides.items() if v is not None}, "fused_norm_rope")
+    registry.launch("fused_norm_rope", cfg)
     if (mla_fp8 or idx_fp8) and cfg.cache_rows < FP8_MIN_CACHE_ROWS:
         raise ValueError(f"fused_norm_rope triton: cache_rows {cfg.cache_rows} with an FP8 cache; it needs "
                          f"cache_rows >= {FP8_MIN_CACHE_ROWS} (1-row FP8 launches segfault in Triton's compiler on "

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .. import registry
 from ..common.triton_common import with_options
 from . import select_width_supported
 from .config import TopkConfig
@@ -245,7 +246,8 @@ def topk_select(scores, kv_lens, topk: int, width: int | None = None, *, config:
     why = select_width_supported(s)
     if why or k < 1:
         raise ValueError(f"topk_select: {why or f'top-k of {k} < 1'}")
-    cfg = with_options(config or TopkConfig(), {k_: v for k_, v in overrides.items() if v is not None}, "topk")
+    cfg = registry.launch("topk_select", with_options(config or TopkConfig(),
+                                                      {k_: v for k_, v in overrides.items() if v is not None}, "topk"))
     if cfg.two_pass(s, k) and _stop == 4:
         return _chunked_select(scores, kv_lens, k, s, cfg, interpret)
     pos, val = _select_call(scores, kv_lens, k, s, cfg.num_warps, cfg.sort, interpret, _stop)

@@ -213,7 +213,8 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
     `interpret`: run under the Pallas interpreter."""
     t, h, di = q.shape
     s = block_tables.shape[1] * block_size
-    cfg = config or default_config(registry.config_rows(t), s, k_cache.dtype)
+    rows = registry.config_rows(t)  # the op's rows, or a batch-invariant decode step's fixed count at every bucket
+    cfg = config or default_config(rows, s, k_cache.dtype)
     # an option given as None keeps the config's value
     cfg = with_options(cfg, {k: v for k, v in overrides.items() if v is not None}, "indexer")
     block_t = cfg.block_t
@@ -246,9 +247,11 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
 
     def per_row(token_req, kv_lens, q, weights):
         if cfg.block_n == 0 or f32:
+            registry.launch("indexer_scores", (cfg, block_s, 0))
             return call(functools.partial(_scores_kernel, **opts), token_req, kv_lens, q, weights, rows=None,
                         width=block_s, n_prog=n_blk, name=name)
-        block_n = min(cfg.block_n or loop_block_n(t, s, block_s), n_blk * block_s)
+        block_n = min(cfg.block_n or loop_block_n(rows, s, block_s), n_blk * block_s)
+        registry.launch("indexer_scores", (cfg, block_s, block_n))
         return call(functools.partial(_scores_loop_kernel, fp8_dot=cfg.fp8_dot, **opts), token_req, kv_lens, q,
                     weights, rows=None, width=block_n, n_prog=-(-s // block_n), name=name + "_loop")
 
@@ -261,6 +264,7 @@ def indexer_scores_triton(q, weights, k_cache, token_req, kv_lens, block_tables,
             kv_lens = jnp.pad(kv_lens, (0, pad))
             q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
             weights = jnp.pad(weights, ((0, pad), (0, 0)))
+        registry.launch("indexer_scores_rows", (cfg, block_s, block_t))
         out = call(functools.partial(_scores_rows_kernel, **opts), token_req, kv_lens, q, weights, rows=block_t,
                    width=block_s, n_prog=n_blk, name=name + "_rows")
         return out if t_pad == rows else out[:rows]

@@ -84,7 +84,8 @@ def merge_partials_triton(o, lse, *, config: MergeConfig | None = None, interpre
     if why:
         raise ValueError(f"lse_merge triton: {why}")
     n, t, h, r = o.shape
-    cfg = with_options(config or default_config(registry.config_rows(t), h, r), overrides, "lse_merge")
+    cfg = registry.launch("lse_merge", with_options(config or default_config(registry.config_rows(t), h, r), overrides,
+                                                    "lse_merge"))
     bh, br = _largest_pow2_divisor(h, cfg.block_h), _largest_pow2_divisor(r, cfg.block_r)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(

@@ -5,15 +5,14 @@ a column block and consecutive tiles of one expert find its weight block in L2:
   up:   h[tile rows, n-block] = silu(x[tokens] @ gate_e) * (x[tokens] @ up_e), the x rows gathered by token;
   down: y[pair, d-block] = w_pair * (h[tile rows] @ down_e), stored at each row's (token, j) pair index.
 Empty tiles (first row -1) do no work, so a decode step reads only the weights of the experts it uses.
-The combine y[T, k, D].sum(1) is one XLA reduction outside. A pair whose expert id is outside [0, n_exp) (a
-padding row's) is in no tile (`tile_plan`), so neither kernel computes it, and the combine takes 0 for it.
-Widths that are not a multiple of the blocks (a tiny model's expert slice under TP: I = 4..8) take 16-wide
-blocks whose columns past the width are masked: loads read zeros there (so those h columns are exactly 0) and
-stores skip them. Launch configs are `MoEConfig`s (`default_config` picks one per shape).
-FP8 experts (W8A16): the same kernels read e4m3 blocks, convert them to x.dtype in registers (exact) and scale
-each K step's float32 partial by its 128-block's scale (K steps of at most 128 stay in one block; a width slice
-starting mid-block shifts the down kernel's steps onto the block boundaries). The bf16 kernels are traced
-unchanged when no scales are given.
+The combine y[T, k, D] summed over k is one XLA pass outside (`ordered_sum`: the pairs in routing order). A pair
+whose expert id is outside [0, n_exp) (a padding row's) is in no tile (`tile_plan`), so neither kernel computes it, and
+the combine takes 0 for it. Widths that are not a multiple of the blocks (a tiny model's expert slice under TP: I =
+4..8) take 16-wide blocks whose columns past the width are masked: loads read zeros there (so those h columns are
+exactly 0) and stores skip them. Launch configs are `MoEConfig`s (`default_config` picks one per shape). FP8 experts
+(W8A16): the same kernels read e4m3 blocks, convert them to x.dtype in registers (exact) and scale each K step's float32
+partial by its 128-block's scale (K steps of at most 128 stay in one block; a width slice starting mid-block shifts the
+down kernel's steps onto the block boundaries). The bf16 kernels are traced unchanged when no scales are given.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 from .. import registry
 from ..common import fp8_formats
 from ..common.fp8_formats import FP8, WEIGHT_BLOCK as FP8_BLOCK, load_e4m3, quantize_activation_blocks
+from ..common.ordered import ordered_sum
 from ..common.triton_common import MASKED_ROW, col_range, div_rn, dot, gather, with_options
 from .tiles import routed_pairs, tile_plan
 from .config import MoEConfig, block_width, default_config, word_form  # noqa: F401 (read from here)
@@ -492,7 +492,7 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
                              f"boundaries; got {cfg} and i_offset {i_offset}")
         wg, wu = (jax.lax.bitcast_convert_type(w.reshape(n_exp, d, i // 2, 2), jnp.uint16) for w in (wg, wu))
         wd = jax.lax.bitcast_convert_type(wd.reshape(n_exp, i, d // 2, 2), jnp.uint16)
-    tile = cfg.tile
+    tile = registry.launch("moe", cfg).tile
     src, tile_expert = tile_plan(experts, n_exp, tile)
     n_tiles = tile_expert.shape[0]
     pair_w = jnp.where(src >= 0, weights.reshape(-1).astype(jnp.float32)[jnp.maximum(src, 0)], 0.0)
@@ -548,7 +548,7 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
             out_shape=[part, part],
             compiler_params=params, interpret=interpret, name="moe_up_split_k",
         )(*args)
-        h = jax.nn.silu(g.sum(0)) * u.sum(0)
+        h = jax.nn.silu(ordered_sum(g, 0)) * ordered_sum(u, 0)  # the splits in split order
         if act:  # h is quantised from its out_dtype values: XLA may drop a convert pair inside the fusion
             h = _round_to(h, out_dtype)  # (excess precision), so round explicitly, as the up kernel's store does
         h = h.astype(out_dtype)
@@ -578,4 +578,4 @@ def grouped_swiglu(x, experts, weights, wg, wu, wd, *, config: MoEConfig | None 
     # the down kernel writes the rows of the pairs in tiles only: an unrouted pair's row (an expert id outside
     # [0, n_exp), in no tile: `tile_plan`) is never written, so it is selected away, not summed
     y = jnp.where(routed_pairs(experts, n_exp)[..., None], y.astype(jnp.float32).reshape(t, k, d), 0.0)
-    return y.sum(1)
+    return ordered_sum(y, 1)  # a token's k pairs in routing order

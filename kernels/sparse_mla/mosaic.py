@@ -817,6 +817,7 @@ def sparse_mla_mosaic(q, cache, indices, *, scale: float, kv_lora_rank: int,
                                       share_p=overrides.get("share_p", True) is not False)
     if overrides:
         config = dataclasses.replace(config, **overrides)
+    registry.launch("sparse_mla_mosaic", config)
     hooks = hooks or Hooks()
     if hooks.fp8_producer != "full" and cache.dtype != jnp.uint8:
         raise ValueError(f"sparse_mla_mosaic: hooks fp8_producer {hooks.fp8_producer!r} leaves out part of the "

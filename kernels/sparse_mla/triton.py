@@ -215,7 +215,8 @@ def sparse_mla_triton(q, cache, indices, *, scale: float, kv_lora_rank: int, con
     k = indices.shape[1]
     cfg = config or default_config(registry.config_rows(t), h, k, fp8, jnp.dtype(cache.dtype).itemsize)
     # an option given as None keeps the config's value
-    cfg = with_options(cfg, {k: v for k, v in overrides.items() if v is not None}, "sparse_mla")
+    cfg = registry.launch("sparse_mla", with_options(cfg, {k: v for k, v in overrides.items() if v is not None},
+                                                     "sparse_mla"))
     bh = cfg.block_h
     h_pad = max(16, -(-h // bh) * bh)
     bh = min(bh, h_pad)

@@ -139,7 +139,7 @@ def test_random_fp8_caches_hold_valid_rows():
 def test_batch_invariant_cost_rows(tmp_path, monkeypatch):
     """`bench --batch-invariant-cost` at tiny sizes (the step rows lowered: 8192-row prompt steps take seconds on a
     CPU): a prefill row and a decode row per batch, each with both modes' times, their ratio and the acceptance
-    limit where there is one; the batch-invariant decode step it times is padded to the decode rows."""
+    limit where there is one; the batch-invariant decode step it times is padded to the bucket of its rows."""
     import argparse
 
     from glm_dsa.serving import benchmark
@@ -173,5 +173,7 @@ def test_batch_invariant_cost_rows(tmp_path, monkeypatch):
     assert d32["ratio"] == d32["invariant_ms"] / d32["default_ms"] and d32["context"] == 24
     assert (pre["limit"], d32["limit"]) == (1.15, 1.10) and isinstance(d32["within_limit"], bool)
     assert benchmark._cost_row("decode", 1.0, 2.0, 1)["limit"] is None  # B = 1: no acceptance line
-    # 32 rows at the context's pages (one of 64 tokens) in the default mode, the decode rows in batch-invariant mode
-    assert timed == [(False, (32, 1, 32)), (True, (64, 1, 32))]
+    # 32 rows at the context's pages (one of 64 tokens) in both modes: in batch-invariant mode the bucket of 32 rows
+    # (of 8 to the decode rows, 64), and the block-table width of max_model_len
+    assert timed == [(False, (32, 1, 32)), (True, (32, 1, 32))]
+    assert rec["decode_buckets"] == [8, 16, 32, 64] and d32["invariant_rows"] == 32

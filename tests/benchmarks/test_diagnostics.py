@@ -61,9 +61,9 @@ def test_forms_are_refused_where_they_do_not_apply():
 
 
 def test_scripts_are_there():
-    assert set(SCRIPTS) == {"diag_indexer_parts", "diag_launch_gap", "fp8_gemm_configs", "multi_turn_schedule",
-                            "probe_indexer_mosaic", "probe_moe_fp8", "probe_sparse_mla_mosaic", "profile_kernels",
-                            "row_invariance", "padding_rows_mla"}
+    assert set(SCRIPTS) == {"diag_indexer_parts", "diag_launch_gap", "fp8_gemm_configs", "invariant_xla_audit",
+                            "multi_turn_schedule", "probe_indexer_mosaic", "probe_moe_fp8", "probe_sparse_mla_mosaic",
+                            "profile_kernels", "row_invariance", "padding_rows_mla"}
 
 
 def test_fp8_gemm_configs_reads_back_a_printed_log():

@@ -38,8 +38,10 @@ def _actual(cfg, parallel, rows, requests, *, kv_cache_dtype, quantization, dtyp
     pages = CONTEXT // BLOCK
     caches = allocate_caches(cfg, (pages * requests + 1) * parallel.dcp, BLOCK, cache_dtype(kv_cache_dtype, dtype),
                              kv_cache_dtype=kv_cache_dtype)
-    req = np.repeat(np.arange(requests, dtype=np.int32), rows // requests)
-    pos = (np.full(rows, CONTEXT - 1, np.int32) if rows == requests else np.arange(rows, dtype=np.int32))
+    decode = rows <= requests  # a decode row per request (batch-invariant decode buckets may be fewer rows)
+    req = np.arange(rows, dtype=np.int32) if decode else np.repeat(np.arange(requests, dtype=np.int32),
+                                                                   rows // requests)
+    pos = np.full(rows, CONTEXT - 1, np.int32) if decode else np.arange(rows, dtype=np.int32)
     tables = 1 + np.arange(requests * pages, dtype=np.int32).reshape(requests, pages)
     slots = tables[req, pos // BLOCK] * BLOCK + pos % BLOCK
     batch = StepBatch(*(jnp.asarray(a) for a in (np.zeros(rows, np.int32), pos, slots, req, tables,
@@ -82,21 +84,26 @@ def test_table_is_what_the_step_dispatches(case):
 
 
 def test_batch_invariant_table_is_what_the_step_dispatches():
-    """Batch-invariant mode's table (`--batch-invariant`: a prompt step and a decode step, here of 256 and 32 rows
-    of 32 requests) is what the whole model's step dispatches in that mode, the step's padded rows naming its kind
-    (`StepOptions.invariant_prompt_rows`). FP8 weights and cache at GLM-5.2's attention geometry: the prompt step
-    takes the default mode's prefill choices at its shape (dequantised FP8 linears and experts, the row-block
-    indexer scores, the select top-k, launch configs for its rows), the decode step the fixed per-row ones."""
+    """Batch-invariant mode's table (`--batch-invariant`: a prompt step and a decode step at each bucket, here of
+    256 rows and 8, 16 and 32 rows, of 32 requests) is what the whole model's step dispatches in that mode, the
+    step's padded rows naming its kind (`StepOptions.invariant_prompt_rows`); every decode bucket lists the same.
+    FP8 weights and cache at GLM-5.2's attention geometry: the prompt step takes the default mode's prefill choices at
+    its shape (dequantised FP8 linears and experts, the row-block indexer scores, the select top-k, launch configs for
+    its rows), the decode step the fixed per-row ones."""
     cfg, parallel, kv, quant, dtype = CASES["heads fp8 weights and cache, tp 2"]
     kw = dict(kv_cache_dtype=kv, quantization=quant, dtype=dtype)
     table = dispatch_table(cfg, parallel=parallel, batch_invariant=True, invariant_rows=(256, 32), context=CONTEXT,
                            block_size=BLOCK, **kw)
-    options = StepOptions(impl="auto", batch_invariant=True, invariant_prompt_rows=256)
-    (prompt, _, _), (decode, _, _) = classes = invariant_shape_classes(256, 32)
-    assert {r["shape"] for r in table} == {prompt, decode}
+    options = StepOptions(impl="auto", batch_invariant=True, invariant_prompt_rows=256, invariant_decode_rows=32)
+    classes = invariant_shape_classes(256, 32)
+    assert [rows for _, rows, _ in classes] == [256, 8, 16, 32]
+    (prompt, _, _), (decode, _, _) = classes[0], classes[-1]
+    assert {r["shape"] for r in table} == {label for label, _, _ in classes}
     listed = {label: {(r["rule"], r["choice"]) for r in table if r["shape"] == label} for label, _, _ in classes}
     for label, rows, requests in classes:
         assert listed[label] == _actual(cfg, parallel, rows, requests, options=options, **kw), label
+        if label != prompt:
+            assert listed[label] == listed[decode], label
     default = _actual(cfg, parallel, 256, 1, **kw)  # the default mode's prefill chunk of 256 rows
     assert listed[prompt] == default
     chosen = {(r["shape"], r["rule"]): r["choice"] for r in table}
@@ -108,8 +115,8 @@ def test_batch_invariant_table_is_what_the_step_dispatches():
                                                      "indexer.scores_form", "topk.auto", "launch_rows")} == {
         "moe.fp8_form": "w8a8", "fp8_linear.model_form": "fp8_linear", "indexer.auto": "triton",
         "indexer.scores_form": "per_row", "topk.auto": "triton", "launch_rows": "fixed"}
-    # the engine's own shapes: a prompt step of 8192 rows, a decode step of 256
-    assert [rows for _, rows, _ in invariant_shape_classes()] == [8192, 256]
+    # the engine's own shapes: a prompt step of 8192 rows, decode steps of 8 to 256
+    assert [rows for _, rows, _ in invariant_shape_classes()] == [8192, 8, 16, 32, 64, 128, 256]
 
 
 def test_cli_prints_the_table(capsys):
@@ -120,6 +127,7 @@ def test_cli_prints_the_table(capsys):
     assert main(["info", "--kernels", "--preset", "tiny", "--batch-invariant"]) == 0
     out = capsys.readouterr().out
     assert "invariant prompt T=8192" in out and "invariant decode T=256" in out and "prefill T=" not in out
+    assert "invariant decode T=8 " in out
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -7,12 +7,15 @@ On the CPU this tiny float32 model's numbers do not move with the step's shape: 
 comparisons, and so did steps of 16 to 8192 rows against 256 (checked when the two step kinds came in). So the
 bitwise comparisons here cannot see a token computed in the wrong shape; what guards that is structural: every
 executed step is recorded (`_Steps`) and must hold prompt tokens only, padded to the prompt rows, or no prompt
-token, padded to the decode rows, also when a preempted request is recomputed. The GPU tests
-(tests/serving/test_gpu_batch_invariance.py) compare numbers where shapes do change them, with the default
-mode's differences as the negative control. The engines here run steps of `ROWS` (the defaults, 8192 and 256
-rows, cost more on a CPU; `test_default_step_rows` runs them once). The engines run the xla impls (the CPU's),
-which take the same forms in both step kinds; `test_prompt_steps_on_the_kernels` runs the GPU's Triton kernels
-interpreted, where the prompt steps take the prefill forms (kernels.registry: the rules' `invariant_prompt`)."""
+token, padded to the power-of-two bucket of its rows up to the decode rows (`registry.decode_step_rows`), also
+when a preempted request is recomputed; that a decode step computes a row alike at every bucket (the same rule
+choices and launch configs, kernel bodies and XLA program, XLA's products at the decode rows) is checked by
+tracing, in tests/model/test_invariant_buckets.py. The GPU tests (tests/serving/test_gpu_batch_invariance.py)
+compare numbers where shapes do change them, with the default mode's differences as the negative control. The
+engines here run steps of `ROWS` (the defaults, 8192 and 256 rows, cost more on a CPU; `test_default_step_rows`
+runs them once). The engines run the xla impls (the CPU's), which take the same forms in both step kinds;
+`test_prompt_steps_on_the_kernels` runs the GPU's Triton kernels interpreted, where the prompt steps take the
+prefill forms (kernels.registry: the rules' `invariant_prompt`)."""
 
 import collections
 import functools
@@ -26,7 +29,7 @@ from kernels import registry
 
 CFG = configs.tiny
 NEW = 5  # decode steps compared
-ROWS = (64, 16)  # the prompt and decode step rows of the engines here (Engine invariant_step_rows)
+ROWS = (64, 16)  # the prompt and most decode step rows of the engines here (Engine invariant_step_rows)
 
 
 def _prompts(seed, lengths):
@@ -48,7 +51,7 @@ def _engine(ckpt, invariant: bool, max_num_batched_tokens: int, num_pages: int |
 class _Steps:
     """Records every step `eng` executes: its padded rows and, per row, (request id, position, whether the token
     is a prompt token). `check` asserts the two kinds: a step of prompt tokens only has the prompt rows, a step of
-    no prompt token the decode rows."""
+    no prompt token the bucket of its rows (8, 16, ... up to the decode rows), never a mix."""
 
     def __init__(self, eng):
         self.eng, self.steps = eng, []
@@ -69,10 +72,18 @@ class _Steps:
 
     def check(self, rows):
         assert self.steps
+        buckets = registry.decode_buckets(rows[1])
         for t, step in self.steps:
             kinds = {prompt for _, _, prompt in step}
             assert len(kinds) == 1, f"a step mixes prompt tokens and others: {step}"
-            assert t == (rows[0] if kinds == {True} else rows[1]), (t, step)
+            if kinds == {True}:
+                assert t == rows[0], (t, step)
+            else:  # the smallest bucket that holds its rows
+                assert t in buckets and len(step) <= t and not [b for b in buckets if len(step) <= b < t], (t, step)
+
+    def decode_rows(self) -> set:
+        """The padded rows of the decode steps recorded."""
+        return {t for t, step in self.steps if not any(p for _, _, p in step)}
 
     def computed(self) -> collections.Counter:
         """How often each (request id, position, whether a prompt token) was computed."""
@@ -123,6 +134,22 @@ def test_a_request_is_bitwise_the_same_alone_and_in_batches(ckpt):
             eng.scheduler.max_num_batched_tokens = 16
         steps.check(ROWS)
         assert max(sum(1 for _, _, p in s if p) for _, s in steps.steps) == min(mbt, ROWS[0])
+
+
+def test_decode_buckets_alone_and_in_a_larger_batch(ckpt):
+    """Alone, the target's decode steps are of the smallest bucket (8 rows); beside 11 others of 12 rows, the next
+    (16, the decode rows here): the same tokens and logprobs."""
+    eng = glm_dsa.load(ckpt, dtype="float32", max_model_len=64, block_size=4, max_num_seqs=16, progress=False,
+                       max_num_batched_tokens=64, batch_invariant=True, invariant_step_rows=ROWS)
+    others = OTHERS + _prompts(102, [5, 11, 8, 15])
+    with _Steps(eng) as steps:
+        alone = _run(eng, [TARGET], 0)
+    assert steps.decode_rows() == {8}
+    steps.check(ROWS)
+    with _Steps(eng) as steps:
+        assert _same(_run(eng, others[:6] + [TARGET] + others[6:], 6), alone)
+    assert 16 in steps.decode_rows()
+    steps.check(ROWS)
 
 
 def test_the_same_after_a_preemption(ckpt):
@@ -204,7 +231,7 @@ def test_default_step_rows(ckpt):
     with _Steps(eng) as steps:
         assert _same(_run(eng, OTHERS[:2] + [TARGET], 2), alone)
     steps.check(rows)
-    assert {t for t, _ in steps.steps} == set(rows)
+    assert {t for t, _ in steps.steps} == {rows[0], 8}  # 3 decode rows: the smallest bucket
 
 
 def test_flag_is_checked_and_reaches_the_steps(ckpt):

@@ -1,13 +1,13 @@
 """On the GPU: batch-invariant mode at the bench preset's widths (4 layers), bf16 and FP8 weights, bf16 and
 fp8_ds_mla caches. A target prompt (longer than index_topk, so the indexer's selection is sparse) alone against
 the same prompt in batches of 8, 32 and 128 random others at three row positions, with max_num_batched_tokens
-100, 512, 2048 and 8192 (prompt steps of 8192 rows, decode steps of 256, whatever the chunk), under a page budget
-that forces preemption (the recompute's prompt in prompt steps, its generated tokens in decode steps), and as a
-chat's next turn with the first turn's prompt pages found in the prefix cache against computed: every one of 64
-decode steps' logprobs (and their top alternatives) bitwise equal, and the prefill's last-token logprobs (the
-first sampled token's, from a prompt step). Every run computes its prompts (the prefix cache emptied first) but
-the hit. The default mode is the negative control: its differences are printed (`-s`), not asserted. bf16
-weights of the bench preset take ~70 GB: an H200 (or GLM_DSA_TEST_GPU_LAYERS=2 on an 80 GB card).
+100, 512, 2048 and 8192 (prompt steps of 8192 rows, decode steps in buckets of 8 to 256 rows, whatever the
+chunk), under a page budget that forces preemption (the recompute's prompt in prompt steps, its generated tokens
+in decode steps), and as a chat's next turn with the first turn's prompt pages found in the prefix cache against
+computed: every one of 64 decode steps' logprobs (and their top alternatives) bitwise equal, and the prefill's
+last-token logprobs (the first sampled token's, from a prompt step). Every run computes its prompts (the prefix cache
+emptied first) but the hit. The default mode is the negative control: its differences are printed (`-s`), not asserted.
+bf16 weights of the bench preset take ~70 GB: an H200 (or GLM_DSA_TEST_GPU_LAYERS=2 on an 80 GB card).
 
 Each case builds its own engines (an engine takes most of the free memory for its cache), so run with a persistent
 compilation cache, which lets an engine skip the compiles of an earlier one of the same shapes:

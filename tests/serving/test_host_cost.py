@@ -159,12 +159,17 @@ def test_prefix_cached_chats_compile_no_step_in_the_loop_after_warmup_steps():
 
 
 def test_warmup_steps_covers_batch_invariant_steps():
+    """Batch-invariant mode: warmup_steps compiles the prompt rows and every decode bucket a step of at most
+    max_rows rows pads to (8 up to the decode rows), so a generate compiles no step of its own; here its decode
+    steps of 3 requests are the 8-row bucket, under the decode rows (32)."""
     from glm_dsa.serving.engine import Engine
     from glm_dsa.model.random_init import init_params
     eng = Engine(CFG, init_params(CFG, seed=0, dtype="float32"), dtype="float32", max_model_len=64, block_size=4,
-                 max_num_seqs=4, max_num_batched_tokens=64, batch_invariant=True, invariant_step_rows=(32, 8))
-    assert eng.runner.serving_shapes(64) == [(8, eng.pages_per_seq, 8), (32, eng.pages_per_seq, 8)]
-    assert eng.warmup_steps() == 2
+                 max_num_seqs=4, max_num_batched_tokens=64, batch_invariant=True, invariant_step_rows=(64, 32))
+    width, nr = eng.pages_per_seq, 8
+    assert eng.runner.serving_shapes(64) == [(8, width, nr), (16, width, nr), (32, width, nr), (64, width, nr)]
+    assert eng.runner.serving_shapes(12) == [(8, width, nr), (16, width, nr), (64, width, nr)]
+    assert eng.warmup_steps() == 4
     rng = np.random.default_rng(2)
     eng.generate([rng.integers(0, CFG.vocab_size, n).tolist() for n in (5, 40, 9)], 4, stop_token_ids=[])
-    assert eng.runner.serve_step._cache_size() == 2
+    assert eng.runner.serve_step._cache_size() == 4

@@ -194,21 +194,24 @@ def _l2_reads(calls, t: int, k: int, n: int, itemsize: int = 2) -> float:
 
 
 @pytest.mark.parametrize("n,k", [(2048, 6144), (576, 6144), (16384, 2048), (6144, 16384)])  # q_a, kv_a, q_b, o_proj
-def test_invariant_decode_step_reads_the_weight_through_wide_row_tiles(n, k):
-    """A batch-invariant decode step (`registry.INVARIANT_STEP_ROWS` rows, mostly padding at small batches) runs the
-    FP8 linears at 256 rows; its launch covers them in at most two row blocks of 128-column tiles, so the tiles read
-    at most 6x the weight's bytes (64-row tiles, the decode-sized configs' shape: 12x), and no split is finer than
-    one program per SM (the float32 partials are 8 k_split T N bytes)."""
+def test_invariant_decode_steps_launch_one_config_at_every_bucket(n, k):
+    """Batch-invariant decode steps are padded to row buckets (8 to `registry.INVARIANT_STEP_ROWS`): the FP8 linear
+    launches one config at every bucket, the decode-sized one of `registry.INVARIANT_CONFIG_ROWS` rows (its tiles and
+    split-K set the MMA instruction and the order a row's K partials are summed in, so they must not follow the
+    bucket); at small buckets its grid is the default mode's at those rows but for the row tile (64 rows), so the
+    tiles read the weight once; a 256-row bucket (over 128 requests) reads it 4 times."""
     from kernels import registry
-    t = registry.INVARIANT_STEP_ROWS
     s = jax.ShapeDtypeStruct
-    args = (s((t, k), jnp.bfloat16), s((k, n), jnp.float8_e4m3fn), s((k // 128, -(-n // 128)), jnp.float32))
-    with registry.deciding_for("gpu"), registry.batch_invariant(rows=t):
-        calls = triton_calls(lower_for_gpu(functools.partial(fp8_linear_triton.fp8_matmul, w_layout="kn"), *args))
-    ragged = -(-n // 128) * 128 / n  # kv_a's 576 outputs take 5 column blocks of 128
-    assert _l2_reads(calls, t, k, n) <= 6.0 * ragged + 1e-9, [(c.name, c.grid) for c in calls]
-    row_blocks, col_blocks, splits = calls[0].grid
-    assert row_blocks <= 2 and (splits == 1 or row_blocks * col_blocks * splits // 2 < 132)
+    configs = set()
+    for t in registry.decode_buckets():
+        args = (s((t, k), jnp.bfloat16), s((k, n), jnp.float8_e4m3fn), s((k // 128, -(-n // 128)), jnp.float32))
+        with registry.deciding_for("gpu"), registry.batch_invariant(rows=t), registry.record_launches() as log:
+            calls = triton_calls(lower_for_gpu(functools.partial(fp8_linear_triton.fp8_matmul, w_layout="kn"), *args))
+        configs.update(cfg for _, cfg in log)
+        row_blocks, col_blocks, splits = calls[0].grid
+        assert row_blocks == -(-t // 64)
+        assert _l2_reads(calls, t, k, n) <= (3.0 if t <= 64 else 12.0) * (-(-n // 64) * 64 / n) + 1e-9
+    assert configs == {fp8_linear_triton.default_config(registry.INVARIANT_CONFIG_ROWS, n, k)}
 
 
 # ------------------------------------------------------------------------------ GPU (native Triton)
