@@ -392,7 +392,7 @@ def _tma_producer(cache_ref, idx_ref, k_tiled, k_rows, k_ready, k_free, idx_smem
     """One TMA per (row, 64-column chunk): 9 x 64 single-thread issues per tile, each arriving on `k_ready`.
     slot_source "smem": the slot ids are read by plain loads (the generic proxy) and their buffer refilled by TMA
     (the async proxy) two tiles later, which the PTX memory model orders only through a proxy fence between the
-    two: under share_p consumer 0's `commit_smem` each tile; the plain schedule has none on the device."""
+    two: the producer's `commit_smem` (fence.proxy.async.shared::cta) after its reads, before the refill."""
     def fill(i, _):
         b = lax.rem(i, 2)
 
@@ -401,6 +401,7 @@ def _tma_producer(cache_ref, idx_ref, k_tiled, k_rows, k_ready, k_free, idx_smem
             plgpu.barrier_wait(k_free.at[b])
         base = (tile0 + i) * BLOCK_K
         if config.slot_source == "smem":
+            plgpu.commit_smem()  # the reads of idx_smem[b] (tile i - 2's ids) before the TMA rewrites it
             plgpu.copy_gmem_to_smem(idx_ref.at[t, pl.ds(base, BLOCK_K)], idx_smem.at[b], idx_bar.at[b])
             plgpu.barrier_wait(idx_bar.at[b])
 
