@@ -3,11 +3,11 @@ machine; nothing runs).
 
 A decode step of batch-invariant mode is padded to the power-of-two bucket of its rows, and a row must come out
 bitwise the same at every bucket. This prints, for each two neighbouring buckets of --rows,
-`glm_dsa.debug.invariant_audit.differences` of the traced serving steps: rule decisions and launch configs, kernel
+`glm_dsa.serving.invariant_audit.differences` of the traced serving steps: rule decisions and launch configs, kernel
 bodies (masked against plain loads, block shapes, compiler params), the XLA program around the kernels (its
-optimisation barriers) and products or reductions across rows at the bucket's rows; then, with --row-reductions,
-the per-row reductions outside the kernels whose shapes follow the bucket (an RMSNorm's sum over the hidden width:
-allowed by the check, listed for a look at what XLA compiles them to on a GPU):
+optimisation barriers), products or reductions across rows at the bucket's rows, and order-dependent reductions of
+a row there (an RMSNorm's sum over the hidden width); then, with --row-reductions, every per-row reduction outside
+the kernels whose shapes follow the bucket (the exact ones, max and min, are allowed by the check):
 
     PYTHONPATH=. python3 benchmarks/diagnostics/invariant_xla_audit.py --preset heads --rows 32,64,128,256
 
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         ap.error(f"--rows: two or more row counts >= 1, got {args.rows!r}")
 
     from glm_dsa import configs
-    from glm_dsa.debug import invariant_audit
+    from glm_dsa.serving import invariant_audit
 
     cfg = configs.get(args.preset)
     programs = {t: invariant_audit.trace_decode_step(
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
             print(f"  {line}")
         if args.row_reductions:
             for line in invariant_audit.row_reductions(programs[a], programs[b]):
-                print(f"  per-row (allowed): {line}")
+                print(f"  per-row: {line}")
     return 1 if differ else 0
 
 

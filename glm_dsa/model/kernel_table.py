@@ -21,7 +21,7 @@ DECODE_ROWS = (1, 32, 128)
 PREFILL_ROWS = (2048,)
 
 
-def _trimmed(config):
+def trimmed(config):
     """`config` with the fewest layers that still hold each kind (dense, MoE, indexer-owning and indexer-sharing):
     every layer of a kind makes the same decisions, so the table traces one of each."""
     kinds = list(zip(config.indexer_types, config.mlp_layer_types))
@@ -30,7 +30,7 @@ def _trimmed(config):
                                mlp_layer_types=config.mlp_layer_types[:n])
 
 
-def _abstract_step_inputs(config, parallel, *, rows: int, requests: int, context: int, block_size: int,
+def abstract_step_inputs(config, parallel, *, rows: int, requests: int, context: int, block_size: int,
                           kv_cache_dtype: str, dtype, quantization):
     """ShapeDtypeStructs of (params, caches, batch) for one step of `rows` rows of `requests` requests."""
     from glm_dsa.model.random_init import init_params
@@ -60,20 +60,20 @@ def step_decisions(config, *, parallel=None, rows: int, requests: int, context: 
                    decode_rows: int | None = None) -> list:
     """The `kernels.registry.Decision`s of one `glm_dsa.step` (impl "auto") over `rows` rows of `requests`
     requests with `context` tokens of room each, decided for `platform`; traced only (`jax.eval_shape`), nothing
-    runs. `trim`: trace one layer of each kind (`_trimmed`) instead of the whole model. `batch_invariant`: the
+    runs. `trim`: trace one layer of each kind (`trimmed`) instead of the whole model. `batch_invariant`: the
     step in batch-invariant mode, a prompt step from `prompt_rows` rows (`StepOptions.invariant_prompt_rows`), a
     decode step's kind of at most `decode_rows` rows (`StepOptions.invariant_decode_rows`)."""
     from glm_dsa.model.options import StepOptions
     from glm_dsa.model.step import resolve_parallel, step
 
-    cfg = _trimmed(config) if trim else config
+    cfg = trimmed(config) if trim else config
     parallel = resolve_parallel(parallel, cfg)
     if jax.device_count() < parallel.tp:
         raise ValueError(f"the dispatch table of -tp {parallel.tp} traces the step on {parallel.tp} devices; jax sees "
                          f"{jax.device_count()} (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count="
                          f"{parallel.tp} JAX_PLATFORMS=cpu)")
     with registry.deciding_for(platform):  # the cache sized as the engine sizes it there
-        args = _abstract_step_inputs(cfg, parallel, rows=rows, requests=requests, context=context,
+        args = abstract_step_inputs(cfg, parallel, rows=rows, requests=requests, context=context,
                                      block_size=block_size, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
                                      quantization=quantization)
     options = StepOptions(impl="auto", batch_invariant=batch_invariant,

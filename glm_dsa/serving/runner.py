@@ -88,7 +88,7 @@ def _change_tables_packed(tables, packed, *, layout: host_buffer.Layout):
     return _change_tables(tables, resets, updates)
 
 
-def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32,
+def serving_step(params, caches, tables, rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32,
                 prev_ids, *, config, parallel, options, n_out: int, block_size: int, width: int, greedy: bool,
                 logprobs: bool = False, with_logits: bool = False):
     """One serving step: update the device block table, run the model step, sample each logits row; returns the
@@ -137,11 +137,11 @@ def _serve_step(params, caches, tables, rows, plan_rows, table_updates, table_re
 
 
 def _serve_step_packed(params, caches, tables, packed, prev_ids, *, layout: host_buffer.Layout, **kw):
-    """`_serve_step` with its host inputs in one uint32 buffer (`host_buffer.pack` of the int32 `rows` [4, T],
+    """`serving_step` with its host inputs in one uint32 buffer (`host_buffer.pack` of the int32 `rows` [4, T],
     `plan_rows` [R], `table_updates` [3, T], `table_resets` [S + 1], `samp_u32` [5, L] and `samp_f32` [2, L]), so
     a step makes one host-to-device transfer instead of six; `layout` (static) is the pack's."""
     rows, plan_rows, updates, resets, samp_u32, samp_f32 = host_buffer.unpack(packed, layout)
-    return _serve_step(params, caches, tables, rows, plan_rows, updates, resets, samp_u32, samp_f32, prev_ids, **kw)
+    return serving_step(params, caches, tables, rows, plan_rows, updates, resets, samp_u32, samp_f32, prev_ids, **kw)
 
 
 def _bucket(n: int, minimum: int, factor: int = 2) -> int:
@@ -226,7 +226,7 @@ class ModelRunner:
                                   donate_argnums=(1,))
         self.n_out = _bucket(self.max_num_seqs, 8)  # a serving step samples at most one row per running request
         # the block table of the running requests (scheduler table rows 0..max_num_seqs-1; the last row stays
-        # page 0 for padding), on the device: steps send only its changes (see `_serve_step`)
+        # page 0 for padding), on the device: steps send only its changes (see `serving_step`)
         self.replicated = NamedSharding(self.mesh, P())
         self.tables = jax.device_put(np.zeros((self.max_num_seqs + 1, self.pages_per_seq), np.int32),
                                      self.replicated)
@@ -338,7 +338,7 @@ class ModelRunner:
         self._launch(packed, layout, width=width, greedy=greedy, logprobs=logprobs)
 
     def _padding_rows(self, t: int, nr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`_serve_step`'s row and sampling host arrays (rows, samp_u32, samp_f32) of a step of `t` rows and `nr`
+        """`serving_step`'s row and sampling host arrays (rows, samp_u32, samp_f32) of a step of `t` rows and `nr`
         requests, all padding: rows at position -1 (write nothing, route nowhere) with src -1 and request 0,
         greedy sampling rows. `execute` fills a plan's part in."""
         rows = np.zeros((4, t), np.int32)
@@ -349,7 +349,7 @@ class ModelRunner:
         return rows, su, sf
 
     def _padding_tables(self, t: int, nr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`_serve_step`'s block-table host arrays (plan_rows, table_updates, table_resets) of a step of `t` rows
+        """`serving_step`'s block-table host arrays (plan_rows, table_updates, table_resets) of a step of `t` rows
         and `nr` requests, all padding: requests reading the all-zero last table row, table updates outside the
         table, no resets. `table_inputs` fills a plan's part in."""
         plan_rows = np.full(nr, self.max_num_seqs, np.int32)
@@ -405,7 +405,7 @@ class ModelRunner:
         return t, width, nr
 
     def table_inputs(self, plan: StepPlan, t: int, nr: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The block-table inputs of a plan's step (see `_serve_step`): the requests' table rows int32 [nr], the
+        """The block-table inputs of a plan's step (see `serving_step`): the requests' table rows int32 [nr], the
         entries it changes int32 [3, t] and the rows it clears int32 [max_num_seqs + 1].
 
         A step adds at most one page per row it computes, except that a request admitted on cached prefix pages
@@ -441,7 +441,7 @@ class ModelRunner:
         """Build a scheduler plan's step inputs on the host and launch the fused serving step; returns the device
         ids (without waiting for them). What is built does not depend on the requests' lengths: rows, logits
         rows and block-table changes only. When a sampled request asks for logprobs the result is the tuple (ids,
-        logprob, top ids, top logprobs) of device arrays (see `_serve_step`). `dry` (warmup): the static shapes
+        logprob, top ids, top logprobs) of device arrays (see `serving_step`). `dry` (warmup): the static shapes
         already compiled; a step of one of them is not launched (zeros stand for its ids), a new one is run and
         added. Sets `last_h2d_bytes` and `launch_s`."""
         self.launch_s = 0.0

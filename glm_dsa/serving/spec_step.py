@@ -128,7 +128,7 @@ def draw_drafts(logits, keys, temperature, top_p, all_greedy: bool = False):
 def spec_serve_step(params, mtp_params, caches, mtp_caches, tables, draft_probs, rows, plan_rows, table_updates,
                     table_resets, vrows, gmeta, samp_u32, samp_f32, *, config, parallel, impl, k: int,
                     block_size: int, width: int, greedy: bool = False, with_logits: bool = False):
-    """One speculative serving step (the MTP counterpart of `runner._serve_step`, whose block-table arguments it
+    """One speculative serving step (the MTP counterpart of `runner.serving_step`, whose block-table arguments it
     shares): the target over the step's rows, acceptance per sampling request, the nextn layer over every row,
     then k - 1 chained draft rows per request.
 

@@ -4,10 +4,11 @@ decode steps for a GPU at every bucket:
 - every rule's decision (`registry.record`) and every kernel launch config (`registry.record_launches`: tiles,
   split counts, split-K) is the same at each bucket, at GLM-5.2's widths (the bench preset: FP8 weights,
   fp8_ds_mla cache), so a row's reduction order in the kernels is the kind's;
-- the serving decode step (`glm_dsa.debug.invariant_audit`, the heads preset) is one program at each two
+- the serving decode step (`glm_dsa.serving.invariant_audit`, the heads preset) is one program at each two
   neighbouring buckets: the same kernel bodies, the same XLA program around them (as many optimisation barriers),
-  no product or reduction across rows at the bucket's rows outside the kernels (those over the step's rows run at
-  the decode rows, `glm_dsa.model.linear.at_decode_rows`, since XLA picks their algorithm by shape).
+  no product or reduction across rows, and no order-dependent reduction of a row (an RMSNorm's sum), at the
+  bucket's rows outside the kernels (those run at the decode rows, `glm_dsa.model.linear.at_decode_rows`, since XLA
+  compiles them by shape: on an H100 the RMSNorms at the bucket's rows parted a row between buckets).
 The default mode is the negative control for both (its choices and products follow the rows). A launch config
 chosen from the bucket's rows again (e.g. the FP8 linear's split-K from its own rows), a kernel body that changes
 with the rows (the FP8 linear's row mask) or a product left at the bucket's rows fails here."""
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 from glm_dsa import configs
-from glm_dsa.debug import invariant_audit
+from glm_dsa.serving import invariant_audit
 from glm_dsa.model import linear
 from glm_dsa.model.kernel_table import step_decisions
 from kernels import registry
@@ -65,7 +66,7 @@ def test_rule_decisions_and_launch_configs_are_the_same_at_every_decode_bucket()
 @pytest.fixture(scope="module")
 def serving_steps():
     """The serving decode step (FP8 weights, fp8_ds_mla cache, the `heads` preset: GLM-5.2's attention geometry at
-    hidden 1024) traced for a GPU at every bucket (`glm_dsa.debug.invariant_audit`)."""
+    hidden 1024) traced for a GPU at every bucket (`glm_dsa.serving.invariant_audit`)."""
     return {t: invariant_audit.trace_decode_step(configs.heads, t) for t in BUCKETS}
 
 
@@ -74,8 +75,9 @@ def test_serving_decode_step_is_one_program_at_every_bucket(serving_steps):
     (`invariant_audit.differences`): the same rule decisions and launch configs, the same kernels with the same
     bodies (numbers aside that count rows: a ref's, a row mask's bound), the same XLA program around them with as
     many optimisation barriers, and no product or reduction across rows outside the kernels at the bucket's rows.
-    Fails at 32 -> 64 with the FP8 linear kernel's row mask taken from its rows (its plain body from 64 rows on)
-    and at 128 -> 256 with `at_decode_rows` leaving out its barriers at the kind's most rows."""
+    Fails at 32 -> 64 with the FP8 linear kernel's row mask taken from its rows (its plain body from 64 rows on),
+    at 128 -> 256 with `at_decode_rows` leaving out its barriers at the kind's most rows, and at 8 -> 16 with the
+    decoder's RMSNorms at the bucket's rows (`layers._row_norm` as plain `rms_norm`)."""
     first = serving_steps[BUCKETS[0]]
     xla, kernels = first.parts
     names = {invariant_audit.kernel_name(e) for e in kernels}

@@ -3,7 +3,7 @@
 Batch-invariant mode pads a decode step to the power-of-two bucket of its rows (`kernels.registry.decode_buckets`),
 and a row must come out bitwise the same at every bucket. Shapes do not move numbers on a CPU, so what can be
 checked here is that the program a GPU would compile computes a row alike at each bucket: `trace_decode_step`
-traces the serving step (`glm_dsa.serving.runner._serve_step`: block-table changes, the model step, sampling) of a
+traces the serving step (`glm_dsa.serving.runner.serving_step`: block-table changes, the model step, sampling) of a
 decode step of T rows for a GPU, abstractly (`jax.make_jaxpr` while `kernels.registry.deciding_for("gpu")`: the
 rules decide as on a GPU and the Pallas kernels' bodies are traced, nothing is lowered or run), and
 `differences(a, b)` lists what parts two buckets' programs:
@@ -18,11 +18,13 @@ rules decide as on a GPU and the Pallas kernels' bodies are traced, nothing is l
   launch configs are compared exactly above;
 - the XLA program around the kernels: the same primitives in the same order, among them the same number of
   optimisation barriers (`glm_dsa.model.linear.at_decode_rows` puts its products between two);
-- every floating-point reduction outside the kernels whose shape follows the bucket and whose order XLA could
-  choose by that shape: a dot_general (cuBLAS picks tiles and split-K by M), or a reduction over an axis that
-  follows the bucket. A reduction over a row's own axes (an RMSNorm's sum over the hidden width) is allowed here:
-  XLA's reduction emitter sets a row's schedule (threads along the row, vector width) from the reduced width, not
-  the row count; `row_reductions` lists them, for a look at what XLA compiles them to on a GPU.
+- every floating-point reduction outside the kernels whose shape follows the bucket and whose result can depend
+  on its order: a dot_general (cuBLAS picks tiles and split-K by M), a sum or product over an axis that follows the
+  bucket, and also one over a row's own axes (an RMSNorm's sum over the hidden width). The last were allowed here
+  at first, on the reasoning that XLA's reduction emitter schedules a row by the reduced width alone; on an H100 a
+  row's RMSNorm at the 64-row bucket parted from the same row at 8-32 rows (BENCHMARKS.md, batch-invariant mode's
+  cost), and the model now runs them at the decode rows too (`glm_dsa.model.layers._row_norm`). Exact ones (max,
+  min, argmax, argmin: one result in any order) are allowed; `row_reductions` lists the per-row ones there are.
 What a trace cannot see (XLA's own fusion and algorithm choices when it compiles the program) is what
 tests/serving/test_gpu_batch_invariance.py checks on a GPU.
 
@@ -52,6 +54,9 @@ KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map")
 #: others); max and min included, though exact, so that a reduction across rows is always named
 REDUCTIONS = ("dot_general", "reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "cumsum", "cumprod",
               "cumlogsumexp", "cummax", "cummin", "argmax", "argmin")
+#: the REDUCTIONS whose result does not depend on the order of their operands (floating-point max and min are
+#: exact): allowed over a row's own axes at the bucket's rows
+EXACT_REDUCTIONS = ("reduce_max", "reduce_min", "cummax", "cummin", "argmax", "argmin")
 
 # kernel parameters left out of the comparison: a cost hint for XLA's scheduler (it counts the flops of T rows),
 # metadata for profiles
@@ -79,16 +84,16 @@ def trace_decode_step(config, rows: int, *, requests: int = 8, context: int = 20
                       prompt_rows: int | None = None, decode_rows: int | None = None, quantization="fp8",
                       kv_cache_dtype: str = "fp8_ds_mla", dtype="bfloat16", batch_invariant: bool = True,
                       trim: bool = True, platform: str = "gpu") -> StepProgram:
-    """The serving step (`_serve_step`, greedy) of a decode step padded to `rows` rows, traced for `platform` with
+    """The serving step (`serving_step`, greedy) of a decode step padded to `rows` rows, traced for `platform` with
     impl "auto", in batch-invariant mode of (`prompt_rows`, `decode_rows`) (default the engine's,
     `runner.check_invariant_rows`) unless `batch_invariant` is False; `requests` block-table rows of `context`
     tokens' pages each, as the runner sets them (its n_out and max_num_seqs). `trim`: one layer of each kind
-    (`kernel_table._trimmed`)."""
-    from glm_dsa.model.kernel_table import _abstract_step_inputs, _trimmed
+    (`kernel_table.trimmed`)."""
+    from glm_dsa.model.kernel_table import abstract_step_inputs, trimmed
     from glm_dsa.model.step import resolve_parallel
-    from glm_dsa.serving.runner import _serve_step, check_invariant_rows, step_options
+    from glm_dsa.serving.runner import serving_step, check_invariant_rows, step_options
 
-    cfg = _trimmed(config) if trim else config
+    cfg = trimmed(config) if trim else config
     parallel = resolve_parallel(None, cfg)
     invariant_rows = None
     if batch_invariant:
@@ -99,7 +104,7 @@ def trace_decode_step(config, rows: int, *, requests: int = 8, context: int = 20
     options = step_options("auto", invariant_rows)
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     with registry.deciding_for(platform), registry.record() as log, registry.record_launches() as launches:
-        params, caches, batch = _abstract_step_inputs(cfg, parallel, rows=rows, requests=requests, context=context,
+        params, caches, batch = abstract_step_inputs(cfg, parallel, rows=rows, requests=requests, context=context,
                                                       block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                                                       dtype=dtype, quantization=quantization)
         pages = batch.block_tables.shape[1]
@@ -108,7 +113,7 @@ def trace_decode_step(config, rows: int, *, requests: int = 8, context: int = 20
         args = (params, caches, i32((requests + 1, pages)), i32((4, rows)), i32((requests,)), i32((3, rows)),
                 i32((requests + 1,)), jax.ShapeDtypeStruct((5, requests), jnp.uint32),
                 jax.ShapeDtypeStruct((2, requests), jnp.float32), i32((requests,)))
-        fn = functools.partial(_serve_step, config=cfg, parallel=parallel, options=options, n_out=requests,
+        fn = functools.partial(serving_step, config=cfg, parallel=parallel, options=options, n_out=requests,
                                block_size=block_size, width=pages, greedy=True)
         jaxpr = jax.make_jaxpr(fn)(*args)
     return StepProgram(rows, jaxpr, [(d.rule, d.choice, d.step_kind) for d in log],
@@ -258,7 +263,7 @@ def _bucket_reductions(a: StepProgram, b: StepProgram) -> tuple[list[str], list[
 
 def row_reductions(a: StepProgram, b: StepProgram) -> list[str]:
     """The floating-point reductions outside the kernels over a row's own axes whose shape follows the bucket
-    (allowed by `differences`, see the module doc)."""
+    (`differences` allows the exact ones, `EXACT_REDUCTIONS`; see the module doc)."""
     return _bucket_reductions(a, b)[1]
 
 
@@ -325,5 +330,8 @@ def differences(a: StepProgram, b: StepProgram) -> list[str]:
         out.append(f"XLA program: {len(xa)} against {len(xb)} equations, first difference #{i}: {at(xa)} at "
                    f"{a.rows} against {at(xb)} at {b.rows}")
     else:
-        out += [f"reduction over the bucket's rows: {line}" for line in _bucket_reductions(a, b)[0]]
+        crossing, per_row = _bucket_reductions(a, b)
+        out += [f"reduction over the bucket's rows: {line}" for line in crossing]
+        out += [f"order-dependent reduction of a row at the bucket's rows: {line}" for line in per_row
+                if line.split(" ", 1)[0] not in EXACT_REDUCTIONS]
     return out
