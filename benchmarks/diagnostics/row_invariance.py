@@ -3,12 +3,12 @@ cost).
 
 Batch-invariant mode pads a decode step to the power-of-two bucket of its rows (8 to
 `kernels.registry.INVARIANT_STEP_ROWS`), which needs every op to give a row the same bits at each bucket (padding
-every decode step to 256 rows instead cost 1.66x the default mode's step at B = 32). This diagnostic asks which
-ops do: one target decode row (its token, position and context pages fixed) is computed in steps of T rows for
-each T of --rows (each a decode step of a kind of at most 256 rows: its XLA products at 256), the other rows other
-requests' decode rows, from the same random weights and caches. Per T it reports whether the target's logits are
-bitwise those of the first T, and per layer the first intermediate of `glm_dsa.debug.trace` (model order) whose
-target row differs:
+every decode step to 256 rows instead cost 1.34x the default mode's step at B = 32 on an H100). This diagnostic
+asks which ops do: one target decode row (its token, position and context pages fixed) is computed in steps of T
+rows for each T of --rows (each a decode step of a kind of at most 256 rows: its XLA products at 256), the other
+rows other requests' decode rows, from the same random weights and caches. Per T it reports whether the target's
+logits are bitwise those of the first T, and per layer the first intermediate of `glm_dsa.debug.trace` (model
+order) whose target row differs:
 
     PYTHONPATH=. python3 benchmarks/diagnostics/row_invariance.py --preset bench --quantization fp8 \\
         --rows 8,32,128,256 --out rows.json

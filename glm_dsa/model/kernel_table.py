@@ -31,7 +31,7 @@ def trimmed(config):
 
 
 def abstract_step_inputs(config, parallel, *, rows: int, requests: int, context: int, block_size: int,
-                          kv_cache_dtype: str, dtype, quantization):
+                         kv_cache_dtype: str, dtype, quantization):
     """ShapeDtypeStructs of (params, caches, batch) for one step of `rows` rows of `requests` requests."""
     from glm_dsa.model.random_init import init_params
     from glm_dsa.model.layers import StepBatch
@@ -74,8 +74,8 @@ def step_decisions(config, *, parallel=None, rows: int, requests: int, context: 
                          f"{parallel.tp} JAX_PLATFORMS=cpu)")
     with registry.deciding_for(platform):  # the cache sized as the engine sizes it there
         args = abstract_step_inputs(cfg, parallel, rows=rows, requests=requests, context=context,
-                                     block_size=block_size, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
-                                     quantization=quantization)
+                                    block_size=block_size, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
+                                    quantization=quantization)
     options = StepOptions(impl="auto", batch_invariant=batch_invariant,
                           invariant_prompt_rows=prompt_rows if batch_invariant else None,
                           invariant_decode_rows=decode_rows if batch_invariant else None)

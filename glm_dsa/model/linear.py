@@ -97,7 +97,8 @@ def at_decode_rows(fn, *xs):
     program at D rows, free to fuse and order `fn` with its neighbours as it would not at the other buckets).
     Elsewhere (the default mode, prompt steps: one static shape each) `fn(*xs)` as it is. The model's XLA products
     over a step's rows go through here (the bf16 linears of `apply`, the indexer's head weights, the router and its
-    top-k, the absorbed query and value products); the kernels' own products have launch configs fixed for the
+    top-k, the absorbed query and value products), and so do the decoder's RMSNorms (`layers._row_norm`: XLA
+    compiles a row's sum by the whole shape too); the kernels' own products have launch configs fixed for the
     kind (`kernels.registry.config_rows`)."""
     most = registry.invariant_decode_rows()
     if most is None:

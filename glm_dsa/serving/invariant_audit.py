@@ -105,8 +105,8 @@ def trace_decode_step(config, rows: int, *, requests: int = 8, context: int = 20
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     with registry.deciding_for(platform), registry.record() as log, registry.record_launches() as launches:
         params, caches, batch = abstract_step_inputs(cfg, parallel, rows=rows, requests=requests, context=context,
-                                                      block_size=block_size, kv_cache_dtype=kv_cache_dtype,
-                                                      dtype=dtype, quantization=quantization)
+                                                     block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                                                     dtype=dtype, quantization=quantization)
         pages = batch.block_tables.shape[1]
         # tables [S + 1, pages], rows [4, T], plan_rows [R], table_updates [3, T], table_resets [S + 1], samp_u32
         # [5, R], samp_f32 [2, R], prev_ids [n_out], with S = R = n_out = requests
@@ -246,10 +246,11 @@ def _reductions(program: StepProgram) -> list:
     return out
 
 
-def _bucket_reductions(a: StepProgram, b: StepProgram) -> tuple[list[str], list[str]]:
-    """(the reductions whose order can follow the bucket, the per-row reductions whose shape does), each as a line
-    'primitive shapes at a -> at b, where'. Assumes the two XLA programs have the same primitives in order."""
-    crossing, per_row = [], []
+def _bucket_reductions(a: StepProgram, b: StepProgram) -> tuple[list[str], list[str], list[str]]:
+    """(the reductions whose order can follow the bucket, the order-dependent per-row reductions whose shape does,
+    the exact per-row ones whose shape does: `EXACT_REDUCTIONS`), each as a line 'primitive shapes at a -> at b,
+    where'. Assumes the two XLA programs have the same primitives in order."""
+    crossing, per_row, exact = [], [], []
     for (ea, axes), (eb, _) in zip(_reductions(a), _reductions(b)):
         sa = [tuple(v.aval.shape) for v in ea.invars]
         sb = [tuple(v.aval.shape) for v in eb.invars]
@@ -257,14 +258,18 @@ def _bucket_reductions(a: StepProgram, b: StepProgram) -> tuple[list[str], list[
             continue
         moving = {i for i, (x, y) in enumerate(zip(sa[0], sb[0])) if x != y} if len(sa[0]) == len(sb[0]) else {-1}
         line = f"{ea.primitive.name} {sa} at {a.rows} -> {sb} at {b.rows}, {_where(ea)}"
-        (crossing if axes is None or moving & set(axes) or -1 in moving else per_row).append(line)
-    return crossing, per_row
+        if axes is None or moving & set(axes) or -1 in moving:
+            crossing.append(line)
+        else:
+            (exact if ea.primitive.name in EXACT_REDUCTIONS else per_row).append(line)
+    return crossing, per_row, exact
 
 
 def row_reductions(a: StepProgram, b: StepProgram) -> list[str]:
     """The floating-point reductions outside the kernels over a row's own axes whose shape follows the bucket
     (`differences` allows the exact ones, `EXACT_REDUCTIONS`; see the module doc)."""
-    return _bucket_reductions(a, b)[1]
+    _, per_row, exact = _bucket_reductions(a, b)
+    return per_row + exact
 
 
 def _first_difference(xs: list, ys: list) -> int | None:
@@ -330,8 +335,7 @@ def differences(a: StepProgram, b: StepProgram) -> list[str]:
         out.append(f"XLA program: {len(xa)} against {len(xb)} equations, first difference #{i}: {at(xa)} at "
                    f"{a.rows} against {at(xb)} at {b.rows}")
     else:
-        crossing, per_row = _bucket_reductions(a, b)
+        crossing, per_row, _ = _bucket_reductions(a, b)
         out += [f"reduction over the bucket's rows: {line}" for line in crossing]
-        out += [f"order-dependent reduction of a row at the bucket's rows: {line}" for line in per_row
-                if line.split(" ", 1)[0] not in EXACT_REDUCTIONS]
+        out += [f"order-dependent reduction of a row at the bucket's rows: {line}" for line in per_row]
     return out

@@ -89,8 +89,8 @@ def _change_tables_packed(tables, packed, *, layout: host_buffer.Layout):
 
 
 def serving_step(params, caches, tables, rows, plan_rows, table_updates, table_resets, samp_u32, samp_f32,
-                prev_ids, *, config, parallel, options, n_out: int, block_size: int, width: int, greedy: bool,
-                logprobs: bool = False, with_logits: bool = False):
+                 prev_ids, *, config, parallel, options, n_out: int, block_size: int, width: int, greedy: bool,
+                 logprobs: bool = False, with_logits: bool = False):
     """One serving step: update the device block table, run the model step, sample each logits row; returns the
     sampled ids padded to `n_out`, the caches and the table.
 

@@ -52,10 +52,13 @@ def _skip_unless_room(weights):
     the process's later cases without room too."""
     import jax
 
-    import checkpoints
+    from checkpoints import param_specs
+    from checkpoints.quantization import fp8_plan
+    from glm_dsa.model.placement import param_bytes_per_device
+    from glm_dsa.model.step import resolve_parallel
 
-    itemsize = 1 if weights == "fp8" else 2
-    need = sum(int(np.prod(spec.shape)) * itemsize for spec in dict(checkpoints.param_specs(CFG)).values())
+    plan = fp8_plan(param_specs(CFG), "fp8" if weights == "fp8" else None, lambda spec: False)  # as init_params
+    need = param_bytes_per_device(CFG, resolve_parallel(None, CFG), dtype="bfloat16", plan=plan)
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
     if limit is not None and need * 1.15 > limit:
         pytest.skip(f"{weights} weights of {CFG.num_hidden_layers} layers take {need / 1e9:.1f} GB of the device's "
