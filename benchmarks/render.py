@@ -149,7 +149,6 @@ TABLES = {
         ("case", "case"), ("tile", lambda r: f"{r['config']['tile_m']} x {r['config']['tile_n']}"),
         ("stages", lambda r: r["config"]["stages"]), ("compute WGs", lambda r: r["config"]["compute_wgs"]),
         ("m_sub", lambda r: r["config"]["m_sub"]), ("swap AB", lambda r: r["config"]["swap_ab"]),
-        ("K pair", lambda r: r["config"].get("k_pair", False)), ("cluster", lambda r: r["config"].get("cluster_n", 1)),
         ("status", "status"), ("wall ms", "wall_ms"), ("device ms", "dev_ms"), ("GEMM ms", "gemm_ms"),
         ("TFLOP/s (GEMM)", "tflops_gemm"), ("rel. error", lambda r: r.get("check", {}).get("rel_fro")),
         ("smem over limit, Mosaic (repo) bytes",

@@ -90,16 +90,6 @@ def config_list() -> list[tuple[str, dict]]:
         ("up_fused", C(**sw, stages=3)),  # PREFILL_SWIGLU
         ("down", C(**tn128, stages=4)),  # PREFILL (expert_configs' down)
         ("up_unfused", C(**tn128, stages=4)),  # PREFILL over N = 2I
-        # two K blocks a step: a warpgroup's promotion of one block under its own wgmma of the next
-        ("down", C(**tn128, stages=2, k_pair=True)),
-        ("up_unfused", C(**tn128, stages=2, k_pair=True)),
-        # a cluster of two CTAs on one row tile: the row tile multicast (L2 reads it once for the pair)
-        ("down", C(**tn128, stages=4, cluster_n=2)),
-        ("up_unfused", C(**tn128, stages=4, cluster_n=2)),
-        ("down", C(**tn128, stages=2, k_pair=True, cluster_n=2)),
-        ("up_unfused", C(**tn128, stages=2, k_pair=True, cluster_n=2)),
-        ("down", C(tile_m=64, tile_n=128, compute_wgs=1, stages=3, k_pair=True)),
-        ("up_unfused", C(tile_m=64, tile_n=128, compute_wgs=1, stages=3, k_pair=True)),
         # the bigger tiles: 2 accumulators of 64 x 128 a warpgroup, like the fused kernel
         ("up_unfused", C(**tm256, stages=3)),
         ("up_unfused", C(**tn256, stages=3)),
@@ -148,8 +138,7 @@ def unchecked(**kw) -> Fp8GemmConfig:
 
 def short(c: Fp8GemmConfig) -> str:
     s = f"tm{c.tile_m} tn{c.tile_n} s{c.stages} wgs{c.compute_wgs} msub{c.m_sub}"
-    return s + (" swap" if c.swap_ab else "") + (" kpair" if c.k_pair else "") + (
-        f" cl{c.cluster_n}" if c.cluster_n > 1 else "")
+    return s + (" swap" if c.swap_ab else "")
 
 
 def mosaic_smem(c: Fp8GemmConfig) -> int | None:

@@ -30,12 +30,7 @@ class Fp8GemmConfig:
     epilogue stores silu(gate) * up, [M, N]. A tile's `tile_n` weight rows are half gate rows, half the matching up
     rows: 128 + 128 (swap_ab False, tile_n 256), or 64 + 64 per compute warpgroup (swap_ab, tile_n 128 x
     compute_wgs, tile_m <= 128: two running accumulators of 64 x tile_m).
-    stages: pipeline steps in flight in shared memory (the producer warpgroup's TMA ring).
-    k_pair: two K blocks a pipeline step. Each compute warpgroup issues the second block's wgmma before it promotes
-    the first block's partial (wgmma wait_group 1), so its own promotion runs under its tensor work instead of only
-    under the other warpgroup's; the promotions keep their order (block 2k, then 2k + 1), so the result is the
-    same. Two 64 x 128 partials live beside the running accumulator: tiles of one wgmma a K block (m_sub x
-    tile_n / 128 = 1), not swap_ab; K a multiple of 256."""
+    stages: K blocks in flight in shared memory (the producer warpgroup's TMA ring)."""
     tile_m: int = 128
     tile_n: int = 128
     stages: int = 4
@@ -43,8 +38,6 @@ class Fp8GemmConfig:
     swap_ab: bool = False
     m_sub: int = 1
     swiglu: bool = False
-    k_pair: bool = False
-    cluster_n: int = 1
 
     def __post_init__(self):
         for name in ("tile_m", "tile_n", "stages", "compute_wgs", "m_sub"):
@@ -77,12 +70,6 @@ class Fp8GemmConfig:
             if self.swiglu and self.tile_n != 2 * BLOCK:
                 raise ValueError(f"Fp8GemmConfig: swiglu needs tile_n 256 (a gate block and its up block), got "
                                  f"{self.tile_n}")
-        if self.k_pair and (self.swap_ab or self.m_sub * self.n_sub != 1):
-            raise ValueError(f"Fp8GemmConfig: k_pair takes one wgmma a K block (swap_ab False, m_sub x tile_n / 128 "
-                             f"= 1: two partials beside the running accumulator), got {self}")
-        if self.cluster_n not in (1, 2) or (self.cluster_n == 2 and self.swap_ab):
-            raise ValueError(f"Fp8GemmConfig.cluster_n must be 1 or 2 (2: not swap_ab), got {self.cluster_n} "
-                             f"(swap_ab {self.swap_ab})")
         if self.smem_bytes() > SMEM_LIMIT:
             raise ValueError(f"Fp8GemmConfig {self}: {self.smem_bytes()} bytes of shared memory, over {SMEM_LIMIT}")
 
@@ -90,11 +77,6 @@ class Fp8GemmConfig:
     def n_operands(self) -> int:
         """Weight operands: 2 (gate, up) for swiglu, else 1."""
         return 2 if self.swiglu else 1
-
-    @property
-    def k_step(self) -> int:
-        """K blocks a pipeline step: 2 for k_pair, else 1."""
-        return 2 if self.k_pair else 1
 
     @property
     def operand_rows(self) -> int:
@@ -124,24 +106,22 @@ class Fp8GemmConfig:
         (jax/_src/pallas/mosaic_gpu/lowering.py, `_run_scoped_resource_estimator` and `Resources`) rounds each
         shared-memory allocation up to SMEM_ALIGNMENT (1024) bytes and adds them; the launch
         (jax/experimental/mosaic/gpu/core.py, `_smem_tree_size`) puts the mbarriers, MBARRIER_BYTES (8) each,
-        after that scratch. With S = min(stages, k_blocks / k_step) (`emit_pipeline_warp_specialized` shrinks its
-        ring to the K steps there are; without k_blocks S = stages, a bound from above for K below stages steps)
-        and k = k_step:
+        after that scratch. With S = min(stages, k_blocks) (`emit_pipeline_warp_specialized` shrinks its ring to
+        the K steps there are; without k_blocks S = stages, a bound from above for K below stages blocks):
           the pipeline's TMA ring (`get_allocations`: one [S, block] buffer per in_spec), each rounded up:
-            e4m3 rows: S x tile_m x 128 k bytes; each weight operand's e4m3 rows: S x operand_rows x 128 k;
-            activation scales: S x 4 sa_w k, each operand's weight scales S x 4 sw_w k (`scale_block_widths`);
+            e4m3 rows: S x tile_m x 128 bytes; each weight operand's e4m3 rows: S x operand_rows x 128;
+            activation scales: S x 4 sa_w, each operand's weight scales S x 4 sw_w (`scale_block_widths`);
           the store tiles, [compute_wgs, *out_tile()] of the output dtype, rounded up;
           the pipeline's barriers: one produced and one consumed barrier per stage, 2 S x 8 bytes, not rounded.
         Nothing else: the wgmma accumulators are registers (`plgpu.ACC`), the kernel has no reduction (which
         would reserve Mosaic's reduction scratch) and no TMEM. benchmarks/diagnostics/fp8_gemm_configs.py records
         Mosaic's own count (`mosaic.lowered_smem_bytes`) beside this one; tests/kernels/fp8_gemm checks the two
         are equal."""
-        s = self.stages if k_blocks is None else max(1, min(self.stages, k_blocks // self.k_step))
-        ks = self.k_step
+        s = self.stages if k_blocks is None else max(1, min(self.stages, k_blocks))
         sa_w, sw_w = scale_block_widths(self)
         r, c = self.out_tile()
-        scratch = [s * self.tile_m * BLOCK * ks, *[s * self.operand_rows * BLOCK * ks] * self.n_operands,
-                   s * sa_w * 4 * ks, *[s * sw_w * 4 * ks] * self.n_operands, self.compute_wgs * r * c * out_itemsize]
+        scratch = [s * self.tile_m * BLOCK, *[s * self.operand_rows * BLOCK] * self.n_operands, s * sa_w * 4,
+                   *[s * sw_w * 4] * self.n_operands, self.compute_wgs * r * c * out_itemsize]
         return sum(_align(b, SMEM_ALIGNMENT) for b in scratch) + 2 * s * MBARRIER_BYTES
 
 

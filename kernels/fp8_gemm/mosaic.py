@@ -14,13 +14,6 @@ running float32 accumulator (the promotion that keeps fp8 wgmma's short accumula
 compute warpgroups interleave: one scales while the other's wgmma runs. The epilogue stores bf16 (or float32)
 through shared memory by TMA. Tiles whose group is -1 store zeros and read nothing.
 
-k_pair: a pipeline step carries two K blocks; a compute warpgroup issues both blocks' wgmmas into two partials
-and promotes the first while the second runs (wgmma wait_group 1), then the second: the same promotions in the
-same order, its own scaling under its own tensor work.
-
-cluster_n 2: two CTAs of a cluster take neighbouring column tiles of one row tile, and the row tile's TMA is
-split between them and multicast to both, so L2 serves it once for the pair.
-
 swap_ab (decode): the weight rows go on wgmma's M side (64 per compute warpgroup) and the few activation rows of
 a group on its N side (8..256), so the tensor core is not 3/4 idle on a 16-row tile; the kernel writes out^T.
 
@@ -78,23 +71,19 @@ def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int
     e4m3 = _tile_transforms(BLOCK, FP8)
     sa_w, sw_w = scale_block_widths(cfg)
 
-    ks = cfg.k_step
-
     def make_pipeline(body, compute_context):
-        # per step of ks K blocks: the a (rows) tile [tile_m, 128 ks], each weight operand's tile
-        # [operand_rows, 128 ks], s_a^T runs [ks, sa_w], each operand's s_w runs [ks, sw_w]
+        # a (rows) tile [tile_m, 128], each weight operand's tile [operand_rows, 128], s_a^T run [1, sa_w], each
+        # operand's s_w run [1, sw_w]
         return plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(k_blocks // ks,),
+            grid=(k_blocks,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((cfg.tile_m, BLOCK * ks), lambda k: (0, k), transforms=e4m3,
-                                memory_space=plgpu.SMEM,
-                                collective_axes=("cluster",) if cfg.cluster_n > 1 else ()),  # multicast
-                *[plgpu.BlockSpec((w_rows, BLOCK * ks), lambda k: (0, k), transforms=e4m3, memory_space=plgpu.SMEM)
+                plgpu.BlockSpec((cfg.tile_m, BLOCK), lambda k: (0, k), transforms=e4m3, memory_space=plgpu.SMEM),
+                *[plgpu.BlockSpec((w_rows, BLOCK), lambda k: (0, k), transforms=e4m3, memory_space=plgpu.SMEM)
                   for _ in range(n_w)],
-                plgpu.BlockSpec((ks, sa_w), lambda k: (k, 0), memory_space=plgpu.SMEM),
-                *[plgpu.BlockSpec((ks, sw_w), lambda k: (k, 0), memory_space=plgpu.SMEM) for _ in range(n_w)],
+                plgpu.BlockSpec((1, sa_w), lambda k: (k, 0), memory_space=plgpu.SMEM),
+                *[plgpu.BlockSpec((1, sw_w), lambda k: (k, 0), memory_space=plgpu.SMEM) for _ in range(n_w)],
             ],
             wg_axis="wg",
             num_compute_wgs=wgs,
@@ -150,40 +139,14 @@ def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int
         def zeros():
             return plgpu.layout_cast(jnp.zeros((out_r, out_c), f32), plgpu.Layout.WGMMA)
 
-        cn = cfg.cluster_n
-
-        @plgpu.nd_loop((m_tiles * n_tiles // cn,), collective_axes="sm")
+        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
         def _tiles(info: plgpu.NDLoopInfo):
             (lin,) = info.index
-            # a cluster's CTAs: one row tile, neighbouring column tiles
-            m_idx, n_idx = lin // (n_tiles // cn), lin % (n_tiles // cn) * cn
-            if cn > 1:
-                n_idx = n_idx + lax.axis_index("cluster")
+            m_idx, n_idx = lin // n_tiles, lin % n_tiles
             g = group_ref[m_idx]
 
             def compute_context(run):
                 store_all(run(tuple(zeros() for _ in range(cfg.m_sub * n_sub))), m_idx, n_idx)
-
-            def paired_body(_, a_smem, w_smem, sa_smem, sw_smem, accs):
-                """k_pair: K blocks 2k and 2k + 1 into two partials; the first promoted while the second's wgmma
-                runs (wait_group 1), then the second (wait_group 0), in that order, as `body` would."""
-                sas = [plgpu.load(sa_smem.at[h, my_rows(0)], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-                       for h in range(2)]
-                scales = [sas[h] * sw_smem[h, 0] for h in range(2)]
-
-                def mma(p0, p1):
-                    for h, p in enumerate((p0, p1)):
-                        plgpu.wgmma(p, a_smem.at[my_rows(0), pl.ds(h * BLOCK, BLOCK)],
-                                    w_smem.at[:, pl.ds(h * BLOCK, BLOCK)].transpose((1, 0)))
-                        if h == 0:
-                            plgpu.commit_smem()  # the scale loads above against the slot's refill: see `body`
-                    acc = accs[0]
-                    for h, p in enumerate((p0, p1)):
-                        part = plgpu.wgmma_accumulator_load(p, wait_n=1 - h)
-                        acc = acc + part * lax.broadcast_in_dim(scales[h], (out_r, out_c), [0])
-                    return acc
-
-                return (pl.run_scoped(mma, plgpu.ACC((out_r, out_c), f32), plgpu.ACC((out_r, out_c), f32)),)
 
             def body(_, a_smem, *rest):
                 w_smems, sa_smem, sw_smems, accs = rest[:n_w], rest[n_w], rest[n_w + 1:2 * n_w + 1], rest[-1]
@@ -231,8 +194,7 @@ def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int
 
             @pl.when(g >= 0)
             def _busy():
-                make_pipeline(paired_body if cfg.k_pair else body, compute_context)(
-                    *operands(m_idx, n_idx, g), allocations=allocs)
+                make_pipeline(body, compute_context)(*operands(m_idx, n_idx, g), allocations=allocs)
 
             @pl.when((g < 0) & (wg < wgs))
             def _empty():
@@ -256,9 +218,8 @@ def _run(a_q, a_scale, w_qs, w_scales, tile_group, *, config, out_dtype, interpr
     kernel = plgpu.kernel(
         functools.partial(_kernel, config=config, m_tiles=m_tiles, n_tiles=n_tiles, k_blocks=kb),
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        grid=(min(SM_COUNT, m_tiles * n_tiles) // config.cluster_n,),
+        grid=(min(SM_COUNT, m_tiles * n_tiles),),
         grid_names=("sm",),
-        **(dict(cluster=(config.cluster_n,), cluster_names=("cluster",)) if config.cluster_n > 1 else {}),
         num_threads=config.compute_wgs + 1,
         thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -316,10 +277,9 @@ def check_operands(a_q, a_scale, w_q, w_scale, tile_group, config: Fp8GemmConfig
                          f"{a_q.shape}, {', '.join(str(w.shape) for w in w_qs)}")
     m, k = a_q.shape
     g, n, _ = w0.shape
-    if k % (BLOCK * config.k_step) or n % (config.operand_rows * config.cluster_n) or m % config.tile_m:
-        raise ValueError(f"fp8 grouped matmul: K = {k} must be a multiple of {BLOCK * config.k_step}, N = {n} of "
-                         f"{config.operand_rows * config.cluster_n} (the weight rows of an operand in a tile x "
-                         f"cluster_n), M = {m} of tile_m "
+    if k % BLOCK or n % config.operand_rows or m % config.tile_m:
+        raise ValueError(f"fp8 grouped matmul: K = {k} must be a multiple of {BLOCK}, N = {n} of "
+                         f"{config.operand_rows} (the weight rows of an operand in a tile), M = {m} of tile_m "
                          f"{config.tile_m}")
     want = (g, n // BLOCK, k // BLOCK)
     if a_scale.shape != (m, k // BLOCK) or any(s.shape != want for s in w_ss):

@@ -76,7 +76,7 @@ def test_fp8_gemm_configs_reads_back_a_printed_log():
            "7.595 ms  434.3 TF/s err rel_fro 1.7e-03 rel_max 2.0e-03 (compile and first run 1.35 s)\n"
            "[ 2/3] up_fused    tm128 tn256 s4 wgs2 msub1        INVALID: repo smem 233536 (over by 1088), mosaic "
            "233536 (over by 1088); Fp8GemmConfig Fp8GemmConfig(tile_m=128, tile_n=256, stages=4, compute_wgs=2, "
-           "swap_ab=False, m_sub=1, swiglu=True, k_pair\n"
+           "swap_ab=False, m_sub=1, swiglu=True): 23353\n"
            "[ 3/3] e2e_unfused tm128 tn128 s4 wgs2 msub1        wall   5.199 ms  634.5 TF/s dev   5.248 gemm   "
            "4.485 ms  735.4 TF/s (compile and first run 0.86 s)\n")
     head, rows = fc.rows_from_log(log)

@@ -154,8 +154,6 @@ INTERPRETED = {
     "prefill_128": (Fp8GemmConfig(tile_m=128, tile_n=128, stages=2), [130, 0, 1], 128, jnp.float32),
     "prefill_256": (Fp8GemmConfig(tile_m=128, tile_n=256, stages=2), [3, 60], 256, jnp.float32),
     "prefill_m_sub2": (Fp8GemmConfig(tile_m=256, tile_n=128, stages=2, m_sub=2), [257, 1], 128, jnp.float32),
-    "prefill_k_pair": (Fp8GemmConfig(tile_m=128, tile_n=128, stages=2, k_pair=True), [130, 0, 1], 128, jnp.float32),
-    "prefill_cluster2": (Fp8GemmConfig(tile_m=128, tile_n=128, stages=2, cluster_n=2), [130, 0, 1], 256, jnp.float32),
     "prefill_swiglu": (Fp8GemmConfig(tile_m=128, tile_n=256, stages=2, swiglu=True), [129, 0, 2], 128,
                        jnp.bfloat16),
     "decode_swap16": (Fp8GemmConfig(tile_m=16, tile_n=128, stages=2, swap_ab=True), [1, 0, 17, 5, 0], 128,
@@ -189,23 +187,12 @@ def test_interpreted_kernel_has_no_race_when_the_ring_wraps(name, mosaic_races):
     (`commit_smem`) each compute warpgroup issues before it releases the stage; without it the detector reports
     a race on the scale buffers in every layout."""
     cfg, sizes, n, dtype = INTERPRETED[name]
-    a_q, s_a, w_q, s_w, tg, rg = make_problem(5, sizes, n, (cfg.stages + 1) * 128 * cfg.k_step, cfg.tile_m,
+    a_q, s_a, w_q, s_w, tg, rg = make_problem(5, sizes, n, (cfg.stages + 1) * 128, cfg.tile_m,
                                               operands=cfg.n_operands)
     out, races = mosaic_races(lambda: fp8_gemm.grouped_matmul(a_q, s_a, *weights_of(cfg, w_q, s_w), tg,
                                                               impl="mosaic_interpret", config=cfg, out_dtype=dtype))
     assert not races
     assert rel_err(out, oracle_out(cfg, a_q, s_a, w_q, s_w, rg)) < (1e-6 if dtype == jnp.float32 else 4e-3)
-
-
-def test_interpreted_k_pair_is_the_unpaired_kernel_bit_for_bit():
-    """Two K blocks a step promote in the same order as one: the same bits as the unpaired tile, over three steps
-    through a ring of two."""
-    paired = Fp8GemmConfig(tile_n=128, stages=2, k_pair=True)
-    a_q, s_a, w_q, s_w, tg, rg = make_problem(9, [130, 0, 1], 128, 6 * 128, 128, zero_blocks=True)
-    run = functools.partial(fp8_gemm.grouped_matmul, a_q, s_a, w_q[0], s_w[0], tg, impl="mosaic_interpret",
-                            out_dtype=jnp.float32)
-    np.testing.assert_array_equal(np.asarray(run(config=paired)),
-                                  np.asarray(run(config=dataclasses.replace(paired, k_pair=False))))
 
 
 GLM = {  # (rows, N, K, groups, config): GLM-5.2 gate+up / down, prefill at TP = 1 and decode at TP = 8
@@ -297,10 +284,6 @@ LOWERED_SMEM = {  # name: (config kwargs, output dtype, K blocks)
     "prefill_swiglu_4_stages": (dict(tile_n=256, stages=4, swiglu=True), jnp.bfloat16, 8),  # rejected
     "prefill_256_6_stages": (dict(tile_n=256, stages=6), jnp.bfloat16, 8),  # rejected
     "prefill_m_sub2": (dict(tile_m=256, stages=3, m_sub=2), jnp.bfloat16, 8),
-    "prefill_k_pair": (dict(stages=2, k_pair=True), jnp.bfloat16, 8),
-    "prefill_k_pair_3_stages": (dict(stages=3, k_pair=True), jnp.bfloat16, 8),  # rejected
-    "k_pair_ring_shrunk_to_k": (dict(stages=2, k_pair=True), jnp.float32, 2),  # 2 K blocks: 1 step
-    "prefill_cluster2": (dict(cluster_n=2), jnp.bfloat16, 8),
     "one_wg": (dict(tile_m=64, tile_n=256, stages=5, compute_wgs=1, swiglu=True), jnp.float32, 8),
     "decode": (dict(tile_m=16, stages=6, swap_ab=True), jnp.bfloat16, 8),
     "decode_tm8_f32": (dict(tile_m=8, stages=6, swap_ab=True), jnp.float32, 8),
@@ -354,16 +337,6 @@ def test_configs_and_operands_are_checked():
         Fp8GemmConfig(tile_m=16, tile_n=128, swap_ab=True, swiglu=True)
     with pytest.raises(ValueError, match="tile_m up to 128"):
         Fp8GemmConfig(tile_m=256, tile_n=256, stages=2, swap_ab=True, swiglu=True)
-    for kw in (dict(tile_n=256), dict(tile_m=16, swap_ab=True), dict(tile_m=256, m_sub=2)):
-        with pytest.raises(ValueError, match="k_pair takes one wgmma a K block"):
-            Fp8GemmConfig(stages=2, k_pair=True, **kw)
-    with pytest.raises(ValueError, match="cluster_n must be 1 or 2"):
-        Fp8GemmConfig(tile_m=16, swap_ab=True, cluster_n=2)
-    a_q, s_a, w_q, s_w, tg, _ = make_problem(0, [4], 128, 384, 128)
-    with pytest.raises(ValueError, match="K = 384 must be a multiple of 256"):
-        fp8_gemm.grouped_matmul(a_q, s_a, w_q[0], s_w[0], tg, config=Fp8GemmConfig(stages=2, k_pair=True))
-    with pytest.raises(ValueError, match="N = 128 of 256"):
-        fp8_gemm.grouped_matmul(a_q, s_a, w_q[0], s_w[0], tg, config=Fp8GemmConfig(cluster_n=2))
     a_q, s_a, w_q, s_w, tg, _ = make_problem(0, [4], 128, 256, 16, operands=2)
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         fp8_gemm.grouped_matmul(a_q.astype(jnp.bfloat16), s_a, w_q[0], s_w[0], tg, config=fp8_config.DECODE)
@@ -503,9 +476,6 @@ GPU_CASES = {
     "prefill_128": (fp8_config.PREFILL, [300, 0, 1, 129, 64, 0, 7], 512, 6144),
     "prefill_256": (Fp8GemmConfig(tile_n=256, stages=3), [1, 200, 0, 128, 33], 512, 2048),
     "prefill_m_sub2": (Fp8GemmConfig(tile_m=256, tile_n=128, stages=3, m_sub=2), [300, 0, 1, 256], 256, 6144),
-    "prefill_k_pair": (Fp8GemmConfig(stages=2, k_pair=True), [300, 0, 1, 129, 64, 0, 7], 512, 6144),
-    "prefill_cluster2": (Fp8GemmConfig(cluster_n=2), [300, 0, 1, 129, 64, 0, 7], 512, 6144),
-    "prefill_k_pair_cluster2": (Fp8GemmConfig(stages=2, k_pair=True, cluster_n=2), [300, 0, 1, 129], 512, 2048),
     "prefill_swiglu": (fp8_config.PREFILL_SWIGLU, [200, 0, 1, 128], 256, 6144),
     "decode_swap16": (fp8_config.DECODE, [1, 0, 3, 17, 0, 2, 40, 1], 256, 6144),
     "decode_swap8": (Fp8GemmConfig(tile_m=8, tile_n=128, stages=6, swap_ab=True), [1, 0, 2, 9, 1], 512, 2048),
@@ -530,9 +500,6 @@ def test_gpu_kernel_matches_oracle(name):
     print(f"{name}: largest error / bound {worst:.3g}, relative error {rel:.3g}")
     assert not np.asarray(out)[rg < 0].any()
     np.testing.assert_array_equal(np.asarray(out), np.asarray(run(out_dtype=jnp.float32)))
-    if cfg.k_pair:  # the same promotions in the same order as the unpaired tile
-        np.testing.assert_array_equal(np.asarray(out), np.asarray(run(
-            out_dtype=jnp.float32, config=dataclasses.replace(cfg, k_pair=False, stages=2 * cfg.stages))))
     bf = np.asarray(run(out_dtype=jnp.bfloat16).astype(jnp.float32), np.float64)
     assert np.all(np.abs(bf - np.asarray(out, np.float64)) <= 2.0 ** -8 * np.abs(np.asarray(out, np.float64)))
 
