@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..common.mosaic_common import MBARRIER_BYTES, SMEM_ALIGNMENT, smem_align  # noqa: F401 (read from here)
+
 WGMMA_M = 64  # rows of one warpgroup's wgmma
 BLOCK = 128  # the FP8 scale block; every K step is one block
 SMEM_LIMIT = 232448  # shared memory one CTA may take on Hopper (Mosaic GPU's max_smem_bytes)
-SMEM_ALIGNMENT = 1024  # bytes: Mosaic GPU rounds each shared-memory allocation up to this (pallas mosaic_gpu core.py)
-MBARRIER_BYTES = 8  # one mbarrier (jax.experimental.mosaic.gpu.utils.MBARRIER_BYTES)
 TMA_SMEM_ALIGN = 128  # bytes: a TMA's shared-memory address must be a multiple of this
 SCALE_REPEAT = TMA_SMEM_ALIGN // 4  # float32 copies of each weight scale: one stage's block is whole 128 bytes
 SWAP_SWIGLU_MAX_M = 128  # swap_ab + swiglu: two running 64 x tile_m accumulators and a partial per warpgroup
@@ -122,7 +122,7 @@ class Fp8GemmConfig:
         r, c = self.out_tile()
         scratch = [s * self.tile_m * BLOCK, *[s * self.operand_rows * BLOCK] * self.n_operands, s * sa_w * 4,
                    *[s * sw_w * 4] * self.n_operands, self.compute_wgs * r * c * out_itemsize]
-        return sum(_align(b, SMEM_ALIGNMENT) for b in scratch) + 2 * s * MBARRIER_BYTES
+        return sum(smem_align(b) for b in scratch) + 2 * s * MBARRIER_BYTES
 
 
 def _align(n: int, to: int) -> int:

@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ..common import mosaic_common
 from .config import BLOCK, SCALE_REPEAT, SMEM_LIMIT, WGMMA_M, Fp8GemmConfig, scale_block_widths
 from .reference import FP8
 
@@ -230,28 +231,18 @@ def _run(a_q, a_scale, w_qs, w_scales, tile_group, *, config, out_dtype, interpr
 
 def lowered_smem_bytes(config: Fp8GemmConfig, out_dtype=jnp.bfloat16, k_blocks: int = 8) -> int:
     """Mosaic GPU's own count of the kernel's shared memory (bytes a CTA): the kernel lowered for CUDA (no device
-    needed) with `k_blocks` K blocks under an artificial limit of 0 bytes, whose error names the count (the figure
-    does not depend on M, N or G). `config` may be one that `Fp8GemmConfig` rejects, built without its checks.
-    ValueError when the lowering fails otherwise."""
-    import re
-
-    from jax.experimental.mosaic.gpu import core as mgpu_core
+    needed) with `k_blocks` K blocks (`mosaic_common.lowered_smem_bytes`; the figure does not depend on M, N or G).
+    `config` may be one that `Fp8GemmConfig` rejects, built without its checks. ValueError when the lowering fails
+    otherwise."""
     g, k = 2, k_blocks * BLOCK
     m, n = 2 * config.tile_m, 2 * config.operand_rows
     S = jax.ShapeDtypeStruct
     w, ws = S((g, n, k), FP8), S((g, n // BLOCK, k // BLOCK), jnp.float32)
     args = (S((m, k), FP8), S((m, k // BLOCK), jnp.float32), (w,) * config.n_operands, (ws,) * config.n_operands,
             S((m // config.tile_m,), jnp.int32))
-    try:
-        with mgpu_core.artificial_shared_memory_limit(0):
-            _run.trace(*args, config=config, out_dtype=jnp.dtype(out_dtype), interpret=False).lower(
-                lowering_platforms=("cuda",))
-    except Exception as e:  # noqa: BLE001  the expected exit: over the limit of 0 bytes
-        hit = re.search(r"smem_bytes=(\d+)", str(e))
-        if hit:
-            return int(hit.group(1))
-        raise ValueError(f"fp8 grouped matmul: lowering {config} for CUDA failed: {type(e).__name__}: {e}") from e
-    raise ValueError(f"fp8 grouped matmul: lowering {config} under a shared-memory limit of 0 did not fail")
+    return mosaic_common.lowered_smem_bytes(
+        lambda: _run.trace(*args, config=config, out_dtype=jnp.dtype(out_dtype), interpret=False).lower(
+            lowering_platforms=("cuda",)), f"fp8 grouped matmul {config}")
 
 
 def operand_list(w, name: str, config: Fp8GemmConfig) -> tuple:

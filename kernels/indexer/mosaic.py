@@ -37,7 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..common import fp8_formats
-from ..common.mosaic_common import wait_async_copies
+from ..common.mosaic_common import MBARRIER_BYTES, smem_align, wait_async_copies
+from ..common.mosaic_common import lowered_smem_bytes as lowered_count
 from .config import SM_COUNT, MosaicIndexerConfig  # noqa: F401 (read from here)
 from .stages import scores_then_topk
 
@@ -47,6 +48,9 @@ ROW_BYTES = fp8_formats.index_row_bytes(DI)  # a cache row: 128 e4m3 and a float
 TILE_BYTES = BLOCK_K * ROW_BYTES  # one tile's cache rows: a contiguous run of 8448 bytes
 TMA_ROWS, TMA_COLS = TILE_BYTES // 256, 256  # the run as a TMA box (each box dimension at most 256)
 SMEM_LIMIT = 232448  # shared memory one CTA may take on the H200 (Mosaic GPU's max_smem_bytes)
+# shared memory Pallas reserves for cross-warp reductions (the sum over heads): CompilerParams' default, which
+# `_run` keeps
+_REDUCTION_SCRATCH = plgpu.CompilerParams.reduction_scratch_bytes
 
 
 def _tile_transforms():
@@ -60,10 +64,28 @@ def heads_padded(h: int) -> int:
 
 
 def shared_memory_bytes(h: int, config: MosaicIndexerConfig) -> int:
-    """Shared memory of one CTA: the buffered key tiles and their scales, the staging buffers of copy "tma", the
-    query tile, barriers (an allowance)."""
-    staging = config.in_flight * TILE_BYTES if config.copy == "tma" else 0
-    return config.stages * TILE_BYTES + staging + heads_padded(h) * DI + 1024  # a key buffer + scales: a tile
+    """Shared memory of one CTA for `h` query heads, as Mosaic GPU counts it (`_run`'s scratch, jax 0.11.2): each
+    buffer rounded up to SMEM_ALIGNMENT (the query tile, the buffered key tiles, their scales, copy "tma"'s staging
+    buffers), the reduction scratch Pallas keeps for the kernel's sum over heads (`_REDUCTION_SCRATCH`), and
+    MBARRIER_BYTES a barrier (the query's, a ready and a free one a stage, one a staging buffer).
+    tests/kernels/indexer checks it against Mosaic's own count."""
+    buffers = [heads_padded(h) * DI, config.stages * BLOCK_K * DI, config.stages * BLOCK_K * 4]
+    barriers = 1 + 2 * config.stages
+    if config.copy == "tma":
+        buffers.append(config.in_flight * TILE_BYTES)
+        barriers += config.in_flight
+    return sum(map(smem_align, buffers)) + _REDUCTION_SCRATCH + MBARRIER_BYTES * barriers
+
+
+def lowered_smem_bytes(h: int, config: MosaicIndexerConfig) -> int:
+    """Mosaic GPU's own count of the kernel's shared memory for `h` heads (`mosaic_common.lowered_smem_bytes`: the
+    kernel lowered for CUDA at a small shape, no device needed)."""
+    t, pages = 2, 4
+    S = jax.ShapeDtypeStruct
+    args = (S((t, h, DI), jnp.bfloat16), S((t, h), jnp.float32), S((pages * BLOCK_K, ROW_BYTES), jnp.uint8),
+            S((t,), jnp.int32), S((t,), jnp.int32), S((t, pages), jnp.int32))
+    return lowered_count(lambda: _run.trace(*args, block_size=BLOCK_K, config=config, interpret=False).lower(
+        lowering_platforms=("cuda",)), f"Mosaic indexer {config}")
 
 
 def supports(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int, interpret: bool = False,

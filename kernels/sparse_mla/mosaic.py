@@ -41,7 +41,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .. import registry
 from ..common import fp8_formats
 from ..lse_merge import merge_partials, merge_splits
-from ..common.mosaic_common import wait_async_copies
+from ..common.mosaic_common import MBARRIER_BYTES, smem_align, wait_async_copies
+from ..common.mosaic_common import lowered_smem_bytes as lowered_count
 from .config import BLOCK_K, LAUNCH_REGISTERS, MosaicSparseMLAConfig  # noqa: F401 (read from here)
 from .config import mosaic_default_config as default_config
 
@@ -77,10 +78,6 @@ SMEM_LIMIT = 232448
 # Mosaic GPU's reduction scratch (CompilerParams.reduction_scratch_bytes default). The kernel's reductions are
 # along S rows, inside a warp (shuffles), so the share_p schedule, which needs the room, sets it to 0.
 _REDUCTION_SCRATCH = 2048
-# Bytes beyond the scratch buffers and the reduction scratch that `shared_memory_bytes` counts (barriers,
-# alignment), calibrated on the one measurement there is: share_p at R + Dr = 576, with the slot tiles and the
-# default reduction scratch, asked Mosaic for 233544 bytes
-_SMEM_OVERHEAD = 3144 - _REDUCTION_SCRATCH
 
 
 def _slot_tiles(config: MosaicSparseMLAConfig) -> bool:
@@ -95,14 +92,31 @@ def _reduction_scratch(config: MosaicSparseMLAConfig) -> int:
 
 
 def shared_memory_bytes(width: int, config: MosaicSparseMLAConfig) -> int:
-    """Shared memory a CTA of the native kernel takes for cache rows of `width` bf16 columns: the q tile, the
-    double-buffered K tile, the slot tiles (slot_source "smem"), with `share_p` the shared P tile and its row
-    statistics, and Mosaic GPU's reduction scratch (none with share_p)."""
-    q = HEADS * width * 2
-    k = 2 * BLOCK_K * width * 2
-    slots = 2 * BLOCK_K * 4 if _slot_tiles(config) else 0
-    shared_p = (HEADS * BLOCK_K * 2 + 2 * HEADS * 4) if config.share_p else 0
-    return q + k + slots + shared_p + _reduction_scratch(config) + _SMEM_OVERHEAD
+    """Shared memory a CTA of the native kernel takes for cache rows of `width` bf16 columns, as Mosaic GPU counts
+    `_run`'s scratch (jax 0.11.2): each buffer rounded up to SMEM_ALIGNMENT (the q tile, the double-buffered K tile
+    (one union of its tiled and row views), the slot tiles (slot_source "smem"), with `share_p` the shared P tile
+    and its row statistics), Mosaic GPU's reduction scratch (none with share_p) and MBARRIER_BYTES a barrier (q's,
+    a ready and a free one a K buffer, one a slot tile, share_p's two). tests/kernels/sparse_mla checks it against
+    Mosaic's own count."""
+    buffers = [HEADS * width * 2, 2 * BLOCK_K * width * 2]
+    barriers = 1 + 2 + 2
+    if _slot_tiles(config):
+        buffers.append(2 * BLOCK_K * 4)
+        barriers += 2
+    if config.share_p:
+        buffers += [HEADS * BLOCK_K * 2, 2 * HEADS * 4]
+        barriers += 2
+    return sum(map(smem_align, buffers)) + _reduction_scratch(config) + MBARRIER_BYTES * barriers
+
+
+def lowered_smem_bytes(width: int, config: MosaicSparseMLAConfig, kv_lora_rank: int = 512) -> int:
+    """Mosaic GPU's own count of the native kernel's shared memory for a bf16 cache of `width` columns
+    (`mosaic_common.lowered_smem_bytes`: the kernel lowered for CUDA at a small shape, no device needed)."""
+    S = jax.ShapeDtypeStruct
+    args = (S((2, HEADS, width), jnp.bfloat16), S((4 * BLOCK_K, width), jnp.bfloat16), S((2, 2 * BLOCK_K), jnp.int32))
+    return lowered_count(lambda: jax.jit(functools.partial(
+        _run, scale=0.1, kv_lora_rank=kv_lora_rank, config=config, interpret=False, return_partials=True,
+        hooks=Hooks())).trace(*args).lower(lowering_platforms=("cuda",)), f"sparse MLA Mosaic {config}")
 
 
 def supports(q, cache, indices, *, kv_lora_rank: int, interpret: bool = False, **_) -> str | None:

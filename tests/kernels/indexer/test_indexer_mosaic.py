@@ -171,6 +171,16 @@ def test_shapes_it_does_not_take_are_refused_by_name():
                              copy="rows", stages=4, in_flight=3)
 
 
+@pytest.mark.parametrize("h,kw", [(32, {}), (64, dict(stages=8, in_flight=16)), (20, dict(stages=4, consumers=2)),
+                                  (64, dict(copy="rows", stages=4, in_flight=2))])
+def test_shared_memory_bytes_is_what_mosaic_lowering_counts(h, kw):
+    """`shared_memory_bytes` (what `supports` holds against the limit) against the count Mosaic GPU's own lowering
+    computes for the kernel (lowered for CUDA on the CPU): equal, for both copy forms, padded heads and two
+    consumers."""
+    cfg = MosaicIndexerConfig(**kw)
+    assert indexer_mosaic.shared_memory_bytes(h, cfg) == indexer_mosaic.lowered_smem_bytes(h, cfg)
+
+
 def test_auto_rule():
     """Off the GPU "xla"; on one, "mosaic" for decode rows of an FP8 cache it takes, "triton" for prefill rows
     (the row-block kernel reads a key tile once for 16 rows), a bf16 cache, pages of 16, or Triton launch options."""

@@ -401,17 +401,22 @@ def test_gpu_register_splits_change_no_value(fp8, consumer, follower, producer):
 
 def test_shared_memory_estimate_and_refusal():
     """The native kernel's shared memory, by hand: at GLM-5's 576 columns q is 73728 bytes and the two K tiles
-    147456; share_p adds P (8192) and its statistics (512) and drops Mosaic's 2048-byte reduction scratch; the slot
-    tiles (512) come only with slot_source "smem"; 1096 bytes of barriers and alignment. Mosaic asked for 233544
-    bytes for share_p with the slot tiles and the reduction scratch (= 231496 + 2048), over the H200's 232448; the
-    layout now fits. A config over the limit is refused by name before any lowering (here 640-column rows)."""
+    147456; share_p adds P (8192) and its statistics (512, a 1024-byte allocation) and drops Mosaic's 2048-byte
+    reduction scratch; the slot tiles (512, a 1024-byte allocation) come only with slot_source "smem"; 8 bytes a
+    barrier (5, + 2 with share_p, + 2 with the slot tiles). Each equals what Mosaic GPU's lowering counts (lowered
+    for CUDA on the CPU), and so does a 640-column row, over the H200's 232448 bytes. A config over the limit is
+    refused by name before any lowering."""
     mk = sparse_mla_mosaic.MosaicSparseMLAConfig
     assert mk().share_p  # the default schedule (BENCHMARKS.md, sparse MLA)
-    assert sparse_mla_mosaic.shared_memory_bytes(576, mk(share_p=False)) == 73728 + 147456 + 2048 + 1096
-    assert sparse_mla_mosaic.shared_memory_bytes(576, mk(share_p=True)) == 73728 + 147456 + 8192 + 512 + 1096
-    assert sparse_mla_mosaic.shared_memory_bytes(576, mk(share_p=True, slot_source="smem")) == 233544 - 2048
+    cases = {(576, mk(share_p=False)): 73728 + 147456 + 2048 + 5 * 8,
+             (576, mk(share_p=True)): 73728 + 147456 + 8192 + 1024 + 7 * 8,
+             (576, mk(share_p=True, slot_source="smem")): 73728 + 147456 + 1024 + 8192 + 1024 + 9 * 8,
+             (640, mk(share_p=False)): 81920 + 163840 + 2048 + 5 * 8}
+    for (width, cfg), want in cases.items():
+        assert sparse_mla_mosaic.shared_memory_bytes(width, cfg) == want, (width, cfg)
+        assert sparse_mla_mosaic.lowered_smem_bytes(width, cfg) == want, (width, cfg)
     assert sparse_mla_mosaic.shared_memory_bytes(576, mk(share_p=True)) <= sparse_mla_mosaic.SMEM_LIMIT
     z = jnp.zeros
-    with pytest.raises(ValueError, match="248904 bytes of shared memory.*share_p=False.*640 columns.*232448"):
+    with pytest.raises(ValueError, match="247848 bytes of shared memory.*share_p=False.*640 columns.*232448"):
         sparse_mla_mosaic.sparse_mla_mosaic(z((1, 64, 640), jnp.bfloat16), z((64, 640), jnp.bfloat16),
                                             z((1, 64), jnp.int32), scale=0.1, kv_lora_rank=512, share_p=False)
