@@ -10,6 +10,7 @@ from typing import Any, Callable
 # (jax/_src/pallas/mosaic_gpu/core.py), MBARRIER_BYTES an mbarrier (jax/experimental/mosaic/gpu/utils.py)
 SMEM_ALIGNMENT = 1024
 MBARRIER_BYTES = 8
+SMEM_LIMIT = 232448  # shared memory one CTA may take on Hopper (H100, H200: Mosaic GPU's max_smem_bytes)
 
 
 def smem_align(n: int) -> int:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..common.mosaic_common import MBARRIER_BYTES, SMEM_ALIGNMENT, smem_align  # noqa: F401 (read from here)
+from ..common.mosaic_common import MBARRIER_BYTES, SMEM_LIMIT, smem_align  # noqa: F401 (SMEM_LIMIT read from here)
 
 WGMMA_M = 64  # rows of one warpgroup's wgmma
 BLOCK = 128  # the FP8 scale block; every K step is one block
-SMEM_LIMIT = 232448  # shared memory one CTA may take on Hopper (Mosaic GPU's max_smem_bytes)
 TMA_SMEM_ALIGN = 128  # bytes: a TMA's shared-memory address must be a multiple of this
 SCALE_REPEAT = TMA_SMEM_ALIGN // 4  # float32 copies of each weight scale: one stage's block is whole 128 bytes
 SWAP_SWIGLU_MAX_M = 128  # swap_ab + swiglu: two running 64 x tile_m accumulators and a partial per warpgroup

@@ -36,9 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ..common import fp8_formats
-from ..common.mosaic_common import MBARRIER_BYTES, smem_align, wait_async_copies
-from ..common.mosaic_common import lowered_smem_bytes as lowered_count
+from ..common import fp8_formats, mosaic_common
+from ..common.mosaic_common import MBARRIER_BYTES, SMEM_LIMIT, smem_align, wait_async_copies
 from .config import SM_COUNT, MosaicIndexerConfig  # noqa: F401 (read from here)
 from .stages import scores_then_topk
 
@@ -47,7 +46,6 @@ DI = 128  # key width the kernel takes: one 128-byte swizzle row of e4m3
 ROW_BYTES = fp8_formats.index_row_bytes(DI)  # a cache row: 128 e4m3 and a float32 scale, 132 bytes
 TILE_BYTES = BLOCK_K * ROW_BYTES  # one tile's cache rows: a contiguous run of 8448 bytes
 TMA_ROWS, TMA_COLS = TILE_BYTES // 256, 256  # the run as a TMA box (each box dimension at most 256)
-SMEM_LIMIT = 232448  # shared memory one CTA may take on the H200 (Mosaic GPU's max_smem_bytes)
 # shared memory Pallas reserves for cross-warp reductions (the sum over heads): CompilerParams' default, which
 # `_run` keeps
 _REDUCTION_SCRATCH = plgpu.CompilerParams.reduction_scratch_bytes
@@ -84,8 +82,9 @@ def lowered_smem_bytes(h: int, config: MosaicIndexerConfig) -> int:
     S = jax.ShapeDtypeStruct
     args = (S((t, h, DI), jnp.bfloat16), S((t, h), jnp.float32), S((pages * BLOCK_K, ROW_BYTES), jnp.uint8),
             S((t,), jnp.int32), S((t,), jnp.int32), S((t, pages), jnp.int32))
-    return lowered_count(lambda: _run.trace(*args, block_size=BLOCK_K, config=config, interpret=False).lower(
-        lowering_platforms=("cuda",)), f"Mosaic indexer {config}")
+    return mosaic_common.lowered_smem_bytes(
+        lambda: _run.trace(*args, block_size=BLOCK_K, config=config, interpret=False).lower(
+            lowering_platforms=("cuda",)), f"Mosaic indexer {config}")
 
 
 def supports(q, weights, k_cache, token_req, kv_lens, block_tables, *, block_size: int, interpret: bool = False,

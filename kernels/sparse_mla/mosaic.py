@@ -39,10 +39,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .. import registry
-from ..common import fp8_formats
+from ..common import fp8_formats, mosaic_common
 from ..lse_merge import merge_partials, merge_splits
-from ..common.mosaic_common import MBARRIER_BYTES, smem_align, wait_async_copies
-from ..common.mosaic_common import lowered_smem_bytes as lowered_count
+from ..common.mosaic_common import MBARRIER_BYTES, SMEM_LIMIT, smem_align, wait_async_copies
 from .config import BLOCK_K, LAUNCH_REGISTERS, MosaicSparseMLAConfig  # noqa: F401 (read from here)
 from .config import mosaic_default_config as default_config
 
@@ -73,11 +72,9 @@ class Hooks:
                              f"{self.fp8_producer!r}")
 
 
-# Shared memory one CTA may take on the H200, as Mosaic GPU reports it (max_smem_bytes)
-SMEM_LIMIT = 232448
 # Mosaic GPU's reduction scratch (CompilerParams.reduction_scratch_bytes default). The kernel's reductions are
 # along S rows, inside a warp (shuffles), so the share_p schedule, which needs the room, sets it to 0.
-_REDUCTION_SCRATCH = 2048
+_REDUCTION_SCRATCH = plgpu.CompilerParams.reduction_scratch_bytes
 
 
 def _slot_tiles(config: MosaicSparseMLAConfig) -> bool:
@@ -114,7 +111,7 @@ def lowered_smem_bytes(width: int, config: MosaicSparseMLAConfig, kv_lora_rank: 
     (`mosaic_common.lowered_smem_bytes`: the kernel lowered for CUDA at a small shape, no device needed)."""
     S = jax.ShapeDtypeStruct
     args = (S((2, HEADS, width), jnp.bfloat16), S((4 * BLOCK_K, width), jnp.bfloat16), S((2, 2 * BLOCK_K), jnp.int32))
-    return lowered_count(lambda: jax.jit(functools.partial(
+    return mosaic_common.lowered_smem_bytes(lambda: jax.jit(functools.partial(
         _run, scale=0.1, kv_lora_rank=kv_lora_rank, config=config, interpret=False, return_partials=True,
         hooks=Hooks())).trace(*args).lower(lowering_platforms=("cuda",)), f"sparse MLA Mosaic {config}")
 

@@ -272,8 +272,9 @@ def test_smem_bytes_is_mosaics_count_on_the_h100(kw, mosaic_bytes):
 def test_smem_constants_are_mosaics():
     from jax._src.pallas.mosaic_gpu import core as gpu_core
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    assert fp8_config.SMEM_ALIGNMENT == gpu_core.SMEM_ALIGNMENT
-    assert fp8_config.MBARRIER_BYTES == mgpu_utils.MBARRIER_BYTES
+    from kernels.common import mosaic_common
+    assert mosaic_common.SMEM_ALIGNMENT == gpu_core.SMEM_ALIGNMENT
+    assert mosaic_common.MBARRIER_BYTES == mgpu_utils.MBARRIER_BYTES
 
 
 LOWERED_SMEM = {  # name: (config kwargs, output dtype, K blocks)
