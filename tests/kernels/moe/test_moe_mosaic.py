@@ -1,7 +1,8 @@
 """The MoE impl "mosaic" / FP8 form "w8a8_mosaic" (kernels/fp8_gemm/experts.py through kernels/moe): routed FP8
 experts through the Mosaic GPU W8A8 grouped GEMM (SwiGLU fused), against a float64 numpy oracle of the W8A8 rule
-(SPEC §11), both tile layouts; where the registry's rules pick it (GPU only, and only where `moe.MOSAIC_ROWS` or
-GLM_DSA_MOE_MOSAIC names the row class), in the rule and in a traced model step; what it refuses.
+(SPEC §11), both tile layouts, each row's result bitwise independent of the other rows; where the registry's rules
+pick it (GPU only, and only where `moe.MOSAIC_ROWS` or GLM_DSA_MOE_MOSAIC names the row class), in the rule and in a
+traced model step; what it refuses.
 
 On CPU the kernels run under the Mosaic GPU interpreter at tiny shapes; the gpu tests run them natively."""
 
@@ -235,6 +236,38 @@ def test_padding_rows_reach_no_group(name):
     kept = dest[real].ravel()  # every real pair on its own row, in a tile of its expert
     assert len(set(kept.tolist())) == kept.size and np.all(kept < rows)
     np.testing.assert_array_equal(np.asarray(tile_group)[kept // 8], np.asarray(experts)[real].ravel())
+
+
+@pytest.mark.parametrize("layout", ["grouped", "swap_ab"])
+def test_rows_do_not_depend_on_the_other_rows(layout):
+    """A group of rows (their x, experts and routing weights fixed) comes out bitwise the same in a step of T rows
+    whatever the other rows route to (skewed to two experts or spread, so the experts' tiles start and end at other
+    rows and the group's pairs share tiles with others) and wherever the group sits: each output row of both GEMMs
+    reduces over K alone, in an order fixed by the launch config (the same at a fixed T), and the glue moves rows
+    without arithmetic, then adds a token's k pair rows in j order. What batch-invariant steps need of the form: its
+    prompt steps take the grouped tiles and its decode steps the swap-AB ones (`moe.mosaic_layout`)."""
+    t, k, n_exp, d, i, rows = 24, 2, 4, 256, 128, 5
+    args, fp8 = _inputs(t, k, n_exp, d, i, seed=12)
+    x, experts, weights, *stacks = args
+    run = jax.jit(functools.partial(moe.routed_experts, impl=_MOSAIC, layout=layout, **fp8))
+
+    def place(at, seed):
+        r = np.random.default_rng(seed)
+        xs = np.asarray(r.normal(size=(t, d)) * r.uniform(0.1, 20.0, size=(t, 1)), np.float32)  # louder rows too
+        if seed % 2:  # skewed: every other row's first expert 0, its second 1
+            ex = np.tile(np.arange(k), (t, 1))
+        else:
+            ex = np.stack([r.choice(n_exp, k, replace=False) for _ in range(t)])
+        ws = r.uniform(0.1, 1.0, size=(t, k))
+        xs[at:at + rows] = np.asarray(x[:rows].astype(jnp.float32))
+        ex[at:at + rows], ws[at:at + rows] = np.asarray(experts[:rows]), np.asarray(weights[:rows])
+        return jnp.asarray(xs, x.dtype), jnp.asarray(ex, jnp.int32), jnp.asarray(ws, jnp.float32)
+
+    outs = [np.asarray(run(*place(at, seed), *stacks))[at:at + rows] for at, seed in ((0, 1), (t - rows, 2), (9, 3))]
+    for got in outs[1:]:
+        np.testing.assert_array_equal(got.view(np.uint32), outs[0].view(np.uint32))
+    want = _oracle_w8a8(x[:rows], experts[:rows], weights[:rows], *stacks, **fp8)
+    assert _rel(outs[0], want) < 2e-3
 
 
 @pytest.mark.parametrize("t,k,n_exp,tm", [(40, 4, 8, 16), (5, 2, 64, 8), (1, 1, 4, 8)])
