@@ -13,9 +13,14 @@ MBARRIER_BYTES = 8
 SMEM_LIMIT = 232448  # shared memory one CTA may take on Hopper (H100, H200: Mosaic GPU's max_smem_bytes)
 
 
+def round_up(n: int, to: int) -> int:
+    """n rounded up to a multiple of `to` (tile, block and alignment sizes)."""
+    return -(-n // to) * to
+
+
 def smem_align(n: int) -> int:
     """n bytes rounded up to Mosaic GPU's SMEM_ALIGNMENT."""
-    return -(-n // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+    return round_up(n, SMEM_ALIGNMENT)
 
 
 def lowered_smem_bytes(lower: Callable[[], Any], what: str) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..common.mosaic_common import MBARRIER_BYTES, SMEM_LIMIT, smem_align  # noqa: F401 (SMEM_LIMIT read from here)
+# SMEM_LIMIT is read from here
+from ..common.mosaic_common import MBARRIER_BYTES, SMEM_LIMIT, round_up, smem_align  # noqa: F401
 
 WGMMA_M = 64  # rows of one warpgroup's wgmma
 BLOCK = 128  # the FP8 scale block; every K step is one block
@@ -124,17 +125,13 @@ class Fp8GemmConfig:
         return sum(smem_align(b) for b in scratch) + 2 * s * MBARRIER_BYTES
 
 
-def _align(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
 def scale_block_widths(config: Fp8GemmConfig) -> tuple[int, int]:
     """float32 widths of one stage's activation-scale block and of each weight operand's scale block. Every
     stage's buffer must start on a TMA_SMEM_ALIGN boundary, so each block is a multiple of 128 bytes: the
     activation block covers tile_m scales rounded up to 32 (a decode tile of 8 rows reads 24 scales past it, from
     padding), a weight block SCALE_REPEAT copies of each of the operand's `operand_blocks` scales."""
     per = TMA_SMEM_ALIGN // 4
-    return _align(config.tile_m, per), SCALE_REPEAT * config.operand_blocks
+    return round_up(config.tile_m, per), SCALE_REPEAT * config.operand_blocks
 
 
 PREFILL = Fp8GemmConfig()

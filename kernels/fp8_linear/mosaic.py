@@ -27,6 +27,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from .. import registry
+from ..common.mosaic_common import round_up
 from ..fp8_gemm import grouped_matmul, quantize_rows
 from ..fp8_gemm.config import BLOCK, Fp8GemmConfig
 
@@ -54,15 +55,11 @@ def linear_config(layout: str, t: int, swiglu: bool = False) -> Fp8GemmConfig:
     return Fp8GemmConfig(tile_m=tm, tile_n=128, stages=6, swap_ab=True)
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 def _rows(x, k_pad: int, tile_m: int):
     """(e4m3 rows [M, k_pad], float32 scales [M, k_pad / 128], tile_group int32 [M / tile_m]): x padded with zero
     columns to k_pad and zero rows to whole tiles, quantised per row per 128 columns; every tile is group 0."""
     t, k = x.shape
-    m = _round_up(max(t, 1), tile_m)
+    m = round_up(max(t, 1), tile_m)
     if (m, k_pad) != (t, k):
         x = jnp.pad(x, ((0, m - t), (0, k_pad - k)))
     a_q, s_a = quantize_rows(x)
@@ -77,7 +74,7 @@ def _weight(w_q, w_scale, w_layout: str, n_mult: int):
         w_q, w_scale = w_q.T, w_scale.T
     n, k = w_q.shape
     nb, kb = w_scale.shape
-    n_pad, k_pad = _round_up(n, n_mult), kb * BLOCK
+    n_pad, k_pad = round_up(n, n_mult), kb * BLOCK
     if (n_pad, k_pad) != (n, k):
         w_q = jnp.pad(w_q, ((0, n_pad - n), (0, k_pad - k)))
     if n_pad // BLOCK != nb:
