@@ -208,18 +208,20 @@ def routed(run: Run, stage: str, t: int, tp: int, dims: Dims, key, quick: bool):
     triton_forms = ["dequant"] + ([] if quick else ["w8a8"]) if stage == "prefill" else ["w8a8"]
     outs = {}
 
-    def fp8_form(impl: str, form: str):
-        opts = dict(layout=layout) if form == "w8a8_mosaic" else dict(form=form)
+    def fp8_form(impl: str, form: str, up_config: Fp8GemmConfig | None = None):
+        mosaic = form == "w8a8_mosaic"
+        opts = dict(layout=layout, up_config=up_config) if mosaic else dict(form=form)
         f = jax.jit(functools.partial(moe.routed_experts, impl=impl, **opts, **fp8))
         sec = run.measure(f, x, experts, weights, wg, wu, wd)
-        outs[form] = np.asarray(f(x, experts, weights, wg, wu, wd))
+        out = np.asarray(f(x, experts, weights, wg, wu, wd))
         row = dict(base, weights="fp8", impl=impl, form=form, device_us=sec * 1e6, tflops=flops / sec / 1e12,
                    hbm_fraction=fp8_read / sec / HBM)
-        if form != "w8a8_mosaic" and "w8a8_mosaic" in outs:
-            row["rel_diff_mosaic"] = rel_diff(outs["w8a8_mosaic"], outs[form])
-        if form == "w8a8_mosaic":
+        if "w8a8_mosaic" in outs:
+            row["rel_diff_mosaic"] = rel_diff(outs["w8a8_mosaic"], out)
+        if mosaic:
             up, down = fp8_experts.expert_configs(layout, t, dims.topk, dims.experts)
-            row.update(layout=layout, config=[dataclasses.asdict(up), dataclasses.asdict(down)])
+            row.update(layout=layout, config=[dataclasses.asdict(up_config or up), dataclasses.asdict(down)])
+        outs.setdefault(form, out)
         run.emit(row)
 
     def bf16():
@@ -246,8 +248,12 @@ def routed(run: Run, stage: str, t: int, tp: int, dims: Dims, key, quick: bool):
                               else "bf16", device_us=sec * 1e6, tflops=flops / sec / 1e12,
                               hbm_fraction=used * 3 * width * d * 2 / sec / HBM))
 
-    for impl, form in [(run.kernel, "w8a8_mosaic")] + [(run.triton, f) for f in triton_forms]:
-        if run.guarded(f"{op} T={t} {impl} {form}", functools.partial(fp8_form, impl, form)):
+    # prefill: the default gate+up tile (128 + 128 weight rows) and the narrow one (64 + 64, more stages)
+    variants = [(run.kernel, "w8a8_mosaic", None)]
+    if stage == "prefill":
+        variants.append((run.kernel, "w8a8_mosaic", fp8_gemm.PREFILL_SWIGLU_NARROW))
+    for impl, form, up in variants + [(run.triton, f, None) for f in triton_forms]:
+        if run.guarded(f"{op} T={t} {impl} {form} {up or ''}", functools.partial(fp8_form, impl, form, up)):
             print("elapsed", round(run.elapsed(), 1), flush=True)
     del wg, wu, wd  # the FP8 stacks are freed before the bf16 ones are made
     run.guarded(f"{op} T={t} xla bf16", bf16)
@@ -279,7 +285,7 @@ def gemms(run: Run, stage: str, t: int, tp: int, dims: Dims, key):
     (wg, wu, wd), fp8 = experts_fp8(key, dims, width)
     experts, _, used = routing(key, t, dims)
     if stage == "prefill":
-        ups = [fp8_gemm.PREFILL_SWIGLU, Fp8GemmConfig(tile_n=256, stages=2, swiglu=True)]
+        ups = [fp8_gemm.PREFILL_SWIGLU, fp8_gemm.PREFILL_SWIGLU_NARROW]
         downs = [Fp8GemmConfig(tile_n=128, stages=4), Fp8GemmConfig(tile_n=256, stages=3),
                  Fp8GemmConfig(tile_m=256, tile_n=128, stages=3, m_sub=2)]
     else:

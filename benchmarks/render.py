@@ -142,7 +142,10 @@ TABLES = {
         ("HBM", pct("hbm_fraction")))),
     "fp8_gemm_mosaic": Table("fp8_gemm_mosaic", (
         ("op", "op"), ("weights", "weights"), ("impl", "impl"), ("form", "form"), ("rows", "rows"), ("tp", "tp"),
-        ("dims", "dims"), ("experts used", "experts_used"), ("device µs", "device_us"), ("TFLOP/s", "tflops"),
+        ("dims", "dims"), ("experts used", "experts_used"),
+        ("gate+up tile", lambda r: "{tile_m} x {tile_n}, {stages} stages".format(**r["config"][0]) if r.get("config")
+         else None),
+        ("device µs", "device_us"), ("TFLOP/s", "tflops"),
         ("HBM", pct("hbm_fraction")), ("rel. diff. from mosaic", "rel_diff_mosaic")),
         keep=lambda r: r["op"] in ("moe_prefill", "moe_decode")),
     "fp8_gemm_configs": Table("fp8_gemm_configs", (

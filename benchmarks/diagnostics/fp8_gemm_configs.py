@@ -87,9 +87,15 @@ def config_list() -> list[tuple[str, dict]]:
     tn128, tn256, tm256 = dict(tile_n=128), dict(tile_n=256), dict(tile_m=256, tile_n=128, m_sub=2)
     plan = [
         # the current defaults: the baselines
-        ("up_fused", C(**sw, stages=3)),  # PREFILL_SWIGLU
+        ("up_fused", C(**sw, stages=2)),  # PREFILL_SWIGLU
         ("down", C(**tn128, stages=4)),  # PREFILL (expert_configs' down)
         ("up_unfused", C(**tn128, stages=4)),  # PREFILL over N = 2I
+        # the narrow fused tile (64 gate + 64 up columns: the plain 128 x 128 tile's registers and shared memory)
+        ("up_fused", C(tile_n=128, swiglu=True, stages=4)),  # PREFILL_SWIGLU_NARROW
+        ("up_fused", C(tile_n=128, swiglu=True, stages=5)),
+        ("up_fused", C(tile_n=128, swiglu=True, stages=3)),
+        ("up_fused", C(tile_m=256, tile_n=128, m_sub=2, swiglu=True, stages=3)),
+        ("e2e_fused", C(tile_n=128, swiglu=True, stages=4)),
         # the bigger tiles: 2 accumulators of 64 x 128 a warpgroup, like the fused kernel
         ("up_unfused", C(**tm256, stages=3)),
         ("up_unfused", C(**tn256, stages=3)),
@@ -98,7 +104,7 @@ def config_list() -> list[tuple[str, dict]]:
         # end to end up to the down GEMM's input: the fused epilogue against the unfused GEMM + silu*mul
         ("e2e_fused", C(**sw, stages=3)),
         ("e2e_unfused", C(**tn128, stages=4)),
-        ("up_fused", C(**sw, stages=2)),
+        ("up_fused", C(**sw, stages=3)),
         ("up_fused", C(**sw, stages=4)),  # rejected: shared memory (reported)
         ("up_fused", C(tile_m=128, tile_n=256, swap_ab=True, swiglu=True, stages=3)),
         # stage counts

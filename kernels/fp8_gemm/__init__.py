@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .config import DECODE, DECODE_SWIGLU, PREFILL, PREFILL_SWIGLU, Fp8GemmConfig
+from .config import DECODE, DECODE_SWIGLU, PREFILL, PREFILL_SWIGLU, PREFILL_SWIGLU_NARROW, Fp8GemmConfig
 from .reference import (group_layout, grouped_matmul_xla, oracle, quantize_rows, quantize_rows_barrier, row_groups,
                         silu_mul)
 
@@ -36,5 +36,6 @@ def grouped_matmul(a_q, a_scale, w_q, w_scale, tile_group, *, impl: str = "xla",
     raise ValueError(f"fp8_gemm.grouped_matmul: unknown impl {impl!r} (available: {', '.join(IMPLS)})")
 
 
-__all__ = ["DECODE", "DECODE_SWIGLU", "PREFILL", "PREFILL_SWIGLU", "Fp8GemmConfig", "group_layout", "grouped_matmul",
-           "grouped_matmul_xla", "oracle", "quantize_rows", "quantize_rows_barrier", "row_groups", "silu_mul", "IMPLS"]
+__all__ = ["DECODE", "DECODE_SWIGLU", "PREFILL", "PREFILL_SWIGLU", "PREFILL_SWIGLU_NARROW", "Fp8GemmConfig",
+           "group_layout", "grouped_matmul", "grouped_matmul_xla", "oracle", "quantize_rows", "quantize_rows_barrier",
+           "row_groups", "silu_mul", "IMPLS"]

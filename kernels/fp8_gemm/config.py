@@ -28,8 +28,10 @@ class Fp8GemmConfig:
     (wgmma's N: a multiple of 8, at most 256); the kernel writes out^T and the wrapper transposes it.
     swiglu: two weight operands, gate and up (each [G, N, K], the release's [out, in] experts as stored), and the
     epilogue stores silu(gate) * up, [M, N]. A tile's `tile_n` weight rows are half gate rows, half the matching up
-    rows: 128 + 128 (swap_ab False, tile_n 256), or 64 + 64 per compute warpgroup (swap_ab, tile_n 128 x
-    compute_wgs, tile_m <= 128: two running accumulators of 64 x tile_m).
+    rows: 128 + 128 (swap_ab False, tile_n 256: two 64 x 128 wgmmas a K block), 64 + 64 (swap_ab False, tile_n
+    128: two 64 x 64 wgmmas, the plain 128 x 128 tile's registers and shared memory, so as many stages), or 64 +
+    64 per compute warpgroup (swap_ab, tile_n 128 x compute_wgs, tile_m <= 128: two running accumulators of 64 x
+    tile_m).
     stages: K blocks in flight in shared memory (the producer warpgroup's TMA ring)."""
     tile_m: int = 128
     tile_n: int = 128
@@ -64,12 +66,9 @@ class Fp8GemmConfig:
                                  f"{WGMMA_M * self.m_sub * self.compute_wgs}, got {self.tile_m}")
             if self.tile_n % BLOCK or self.tile_n > 256:
                 raise ValueError(f"Fp8GemmConfig: tile_n must be 128 or 256, got {self.tile_n}")
-            if self.m_sub * self.n_sub > 2:
-                raise ValueError(f"Fp8GemmConfig: m_sub x tile_n / 128 = {self.m_sub * self.n_sub} accumulators of "
-                                 "64 x 128 per warpgroup: at most 2 fit the registers")
-            if self.swiglu and self.tile_n != 2 * BLOCK:
-                raise ValueError(f"Fp8GemmConfig: swiglu needs tile_n 256 (a gate block and its up block), got "
-                                 f"{self.tile_n}")
+            if self.m_sub * self.tile_n > 2 * BLOCK:
+                raise ValueError(f"Fp8GemmConfig: m_sub x tile_n = {self.m_sub * self.tile_n} accumulator columns "
+                                 "per warpgroup: at most 256 (two 64 x 128 float32 accumulators) fit the registers")
         if self.smem_bytes() > SMEM_LIMIT:
             raise ValueError(f"Fp8GemmConfig {self}: {self.smem_bytes()} bytes of shared memory, over {SMEM_LIMIT}")
 
@@ -85,8 +84,9 @@ class Fp8GemmConfig:
 
     @property
     def n_sub(self) -> int:
-        """wgmmas per warpgroup, m sub-tile and K block: tile_n / 128 (swap_ab: one per weight operand)."""
-        return self.n_operands if self.swap_ab else self.tile_n // BLOCK
+        """wgmmas per warpgroup, m sub-tile and K block: tile_n / 128 (swap_ab or swiglu: one per weight
+        operand)."""
+        return self.n_operands if self.swap_ab or self.swiglu else self.tile_n // BLOCK
 
     @property
     def operand_blocks(self) -> int:
@@ -95,8 +95,11 @@ class Fp8GemmConfig:
         return self.n_sub // self.n_operands
 
     def out_tile(self) -> tuple[int, int]:
-        """One warpgroup's store tile: 64 x 128 output (swap_ab: 64 weight rows x tile_m rows of out^T)."""
-        return (WGMMA_M, self.tile_m if self.swap_ab else BLOCK)
+        """One warpgroup's store tile, which is also each wgmma's accumulator: 64 x 128 output (swiglu: 64 x the
+        operand's rows; swap_ab: 64 weight rows x tile_m rows of out^T)."""
+        if self.swap_ab:
+            return (WGMMA_M, self.tile_m)
+        return (WGMMA_M, self.operand_rows if self.swiglu else BLOCK)
 
     def smem_bytes(self, out_itemsize: int = 2, k_blocks: int | None = None) -> int:
         """Shared memory of one CTA in bytes, as Mosaic GPU counts it for the kernel (`mosaic._kernel`) with
@@ -137,4 +140,5 @@ def scale_block_widths(config: Fp8GemmConfig) -> tuple[int, int]:
 PREFILL = Fp8GemmConfig()
 DECODE = Fp8GemmConfig(tile_m=16, tile_n=128, stages=6, swap_ab=True)
 PREFILL_SWIGLU = Fp8GemmConfig(tile_n=256, stages=2, swiglu=True)  # 3 stages: 1.3-1.4x slower (H100, H200)
+PREFILL_SWIGLU_NARROW = Fp8GemmConfig(tile_n=128, stages=4, swiglu=True)  # 64 gate + 64 up columns a tile
 DECODE_SWIGLU = Fp8GemmConfig(tile_m=16, tile_n=256, stages=4, swap_ab=True, swiglu=True)

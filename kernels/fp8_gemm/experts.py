@@ -49,7 +49,8 @@ def expert_configs(layout: str, t: int, k: int, n_exp: int) -> tuple[Fp8GemmConf
 
     grouped: the named prefill configs (`config.PREFILL_SWIGLU`: 128 gate + 128 up rows a tile in 2 stages;
     `config.PREFILL`: down in 128-column tiles in 4 stages; both fit float32 outputs, and were the fastest of
-    benchmarks/diagnostics/fp8_gemm_configs.py's sweep on an H100 and an H200, BENCHMARKS.md). swap_ab: tiles of
+    benchmarks/diagnostics/fp8_gemm_configs.py's sweep on an H100 and an H200, BENCHMARKS.md;
+    `config.PREFILL_SWIGLU_NARROW`, 64 + 64 rows in 4 stages, gives the same bits and is not yet timed). swap_ab: tiles of
     about the mean rows per expert (a power of two in [8, 64]); gate+up 64 gate + 64 up rows per compute warpgroup
     in 4 stages, down 128 rows a tile in 6 (the pipeline takes no more stages than K blocks)."""
     if layout == "grouped":

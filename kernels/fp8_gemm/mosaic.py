@@ -119,8 +119,8 @@ def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int
             if swap:  # out^T [N, M]: weight rows x activation rows
                 return o_ref.at[pl.ds(n_idx * w_rows + wg * WGMMA_M, WGMMA_M),
                                 pl.ds(m_idx * cfg.tile_m, cfg.tile_m)]
-            cols = n_idx * BLOCK if cfg.swiglu else n_idx * cfg.tile_n + s * BLOCK
-            return o_ref.at[pl.ds(m_idx * cfg.tile_m + wg * wg_rows + i * WGMMA_M, WGMMA_M), pl.ds(cols, BLOCK)]
+            cols = n_idx * w_rows if cfg.swiglu else n_idx * cfg.tile_n + s * BLOCK
+            return o_ref.at[pl.ds(m_idx * cfg.tile_m + wg * wg_rows + i * WGMMA_M, WGMMA_M), pl.ds(cols, out_c)]
 
         def store(acc, window):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read out_smem
@@ -158,7 +158,7 @@ def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int
                     scale = sw_smems[j][0, b * SCALE_REPEAT]
                     if swap:
                         return (lambda i: w_smems[j].at[my_rows(i)]), scale
-                    return (lambda i: w_smems[j].at[pl.ds(b * BLOCK, BLOCK)]), scale
+                    return (lambda i: w_smems[j].at[pl.ds(b * BLOCK, out_c)]), scale
 
                 # Every read of this stage's scales, before the first wgmma: see `mma` for the fence after them.
                 ws = [weight(s) for s in range(n_sub)]

@@ -156,6 +156,9 @@ INTERPRETED = {
     "prefill_m_sub2": (Fp8GemmConfig(tile_m=256, tile_n=128, stages=2, m_sub=2), [257, 1], 128, jnp.float32),
     "prefill_swiglu": (Fp8GemmConfig(tile_m=128, tile_n=256, stages=2, swiglu=True), [129, 0, 2], 128,
                        jnp.bfloat16),
+    # 64 gate + 64 up columns a tile: N = 128 is two column tiles of one scale block
+    "prefill_swiglu_narrow": (Fp8GemmConfig(tile_m=128, tile_n=128, stages=2, swiglu=True), [129, 0, 2], 128,
+                              jnp.bfloat16),
     "decode_swap16": (Fp8GemmConfig(tile_m=16, tile_n=128, stages=2, swap_ab=True), [1, 0, 17, 5, 0], 128,
                       jnp.float32),
     "decode_swap8": (Fp8GemmConfig(tile_m=8, tile_n=128, stages=2, swap_ab=True), [1, 0, 9], 128, jnp.bfloat16),
@@ -199,6 +202,9 @@ GLM = {  # (rows, N, K, groups, config): GLM-5.2 gate+up / down, prefill at TP =
     "prefill_gate": (1024, 2048, 6144, 256, fp8_config.PREFILL),
     "prefill_down": (1024, 6144, 2048, 256, Fp8GemmConfig(tile_n=256, stages=3)),
     "prefill_gate_up_swiglu": (1024, 2048, 6144, 256, fp8_config.PREFILL_SWIGLU),
+    "prefill_gate_up_swiglu_narrow": (1024, 2048, 6144, 256, fp8_config.PREFILL_SWIGLU_NARROW),
+    "prefill_gate_up_swiglu_narrow_m_sub2": (1024, 2048, 6144, 256,
+                                             Fp8GemmConfig(tile_m=256, tile_n=128, stages=3, m_sub=2, swiglu=True)),
     "prefill_down_m_sub2": (1024, 6144, 2048, 256, Fp8GemmConfig(tile_m=256, tile_n=128, stages=3, m_sub=2)),
     "decode_gate_up_swiglu": (256, 256, 6144, 256, fp8_config.DECODE_SWIGLU),
     "decode_down": (256, 6144, 256, 256, fp8_config.DECODE),
@@ -312,7 +318,8 @@ def test_default_configs_fit():
     decode and prefill row counts) fit the shared memory with bf16 and with float32 outputs."""
     from kernels.fp8_gemm import experts
     from kernels.fp8_linear import mosaic as linear
-    cfgs = [fp8_config.PREFILL, fp8_config.DECODE, fp8_config.PREFILL_SWIGLU, fp8_config.DECODE_SWIGLU]
+    cfgs = [fp8_config.PREFILL, fp8_config.DECODE, fp8_config.PREFILL_SWIGLU, fp8_config.PREFILL_SWIGLU_NARROW,
+            fp8_config.DECODE_SWIGLU]
     for t in (1, 8, 32, 128, 512, 8192):
         for layout in ("grouped", "swap_ab"):
             cfgs += [*experts.expert_configs(layout, t, 8, 256), linear.linear_config(layout, t),
@@ -330,10 +337,10 @@ def test_configs_and_operands_are_checked():
         Fp8GemmConfig(tile_m=12, swap_ab=True)
     with pytest.raises(ValueError, match="shared memory"):
         Fp8GemmConfig(tile_n=256, stages=8)
-    with pytest.raises(ValueError, match="at most 2 fit"):
+    with pytest.raises(ValueError, match="at most 256"):
         Fp8GemmConfig(tile_m=256, tile_n=256, m_sub=2, stages=2)
-    with pytest.raises(ValueError, match="swiglu needs tile_n 256"):
-        Fp8GemmConfig(swiglu=True)
+    with pytest.raises(ValueError, match="at most 256"):
+        Fp8GemmConfig(tile_m=256, tile_n=256, m_sub=2, stages=2, swiglu=True)
     with pytest.raises(ValueError, match="swap_ab needs tile_n = 64 x compute_wgs x weight operands = 256"):
         Fp8GemmConfig(tile_m=16, tile_n=128, swap_ab=True, swiglu=True)
     with pytest.raises(ValueError, match="tile_m up to 128"):
