@@ -157,7 +157,8 @@ TABLES = {
         ("smem over limit, Mosaic (repo) bytes",
          lambda r: f"{r['over_mosaic']} ({r['over_repo']})" if r["status"] == "invalid" else None))),
     "e2e": Table("e2e", (
-        ("preset", "preset"), ("layers", "layers"), ("weights", "weights"), ("kv cache", "kv_cache"),
+        ("preset", "preset"), ("layers", "layers"), ("weights", "weights"),
+        ("FP8 experts, prefill", lambda r: r.get("fp8_experts_prefill")), ("kv cache", "kv_cache"),
         ("impl", "impl"), ("prefill batch x input", lambda r: f"{r['batch']} x {r['input_len']}" if r.get("prefill_s") else None),
         ("prefill s", "prefill_s"), ("prefill tok/s", "prefill_tokens_per_s"), ("prefill MFU", pct("prefill_mfu")),
         ("decode context", "decode_context"),

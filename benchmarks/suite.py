@@ -18,6 +18,7 @@ run writes under `--results` (default: a new temporary folder), never over the c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -141,33 +142,60 @@ def run_moe(smoke: bool, work: str) -> tuple[list[dict], dict]:
     return moe_rows(rec["rows"], impl), {"source_command": rec["command"]}
 
 
-def e2e_row(res: dict, weights: str) -> dict:
+def e2e_row(res: dict, weights: str, fp8_experts_prefill: str | None = None) -> dict:
     """An e2e.json row (DESIGN.md) of the engine benchmark's results (`glm_dsa.serving.benchmark.run_bench`, one impl):
-    prefill seconds and MFU, decode ms per step by batch size."""
+    prefill seconds and MFU, decode ms per step by batch size; `fp8_experts_prefill` names the FP8 experts' form in
+    prompt steps ("dequant" or "w8a8_mosaic"; FP8 rows of the suite, which sets it)."""
     (impl, r), = res["impls"].items()
     cfg = res["config"]
-    return {"preset": cfg["preset"], "weights": weights, "batch_invariant": False, "impl": impl,
+    extra = {} if fp8_experts_prefill is None else {"fp8_experts_prefill": fp8_experts_prefill}
+    return {"preset": cfg["preset"], "weights": weights, **extra, "batch_invariant": False, "impl": impl,
             "kv_cache": cfg["kv_cache_dtype"], "layers": res["layers"], "input_len": cfg["input_len"],
             "batch": cfg["batch"], "prefill_s": r.get("prefill_s"), "prefill_tokens_per_s": r.get("prefill_tokens_per_s"),
             "prefill_mfu": r.get("prefill_mfu"), "decode_context": cfg["decode_context"] or cfg["input_len"],
             "decode_ms": {str(b): row.get("ms_per_step") for b, row in r["decode"].items()}}
 
 
+#: The FP8 runs of the e2e area: the routed experts' form in prompt steps, and the GLM_DSA_MOE_MOSAIC value that
+#: picks it whatever `kernels.moe.MOSAIC_ROWS` says (decode steps keep the Triton W8A8 form in both).
+E2E_FP8_PREFILL = (("dequant", "none"), ("w8a8_mosaic", "prefill"))
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str):
+    """`name`=`value` in os.environ inside the block, the previous state after it (a step reads the kernel
+    switches when it is traced, and each engine traces its own)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 def run_e2e(smoke: bool, work: str) -> tuple[list[dict], dict]:
-    """Prefill and decode of the `bench` preset with random weights, bf16 and FP8 weights
-    (`glm_dsa.serving.benchmark.run_bench`, what `python -m glm_dsa bench` runs)."""
+    """Prefill and decode of the `bench` preset with random weights: bf16 weights, then FP8 weights with each prompt
+    step form of the routed experts (`E2E_FP8_PREFILL`; the second run's decode steps are the first's, so it
+    times the prefill alone) (`glm_dsa.serving.benchmark.run_bench`, what `python -m glm_dsa bench` runs)."""
     from glm_dsa.serving.benchmark import BenchConfig, run_bench
+    from kernels import moe
     if smoke:
         base = BenchConfig(preset="tiny", num_layers=2, input_len=16, output_len=2, batch=1, decode_batches=(1,),
                            impls=("auto",), stages=False)
     else:
         base = BenchConfig(preset="bench", input_len=32768, output_len=16, batch=8, decode_batches=(1, 32, 128),
                            decode_context=32768, impls=("auto",))
-    rows, runs = [], {}
-    for weights, quantization in (("bf16", None), ("fp8", "fp8")):
-        res = run_bench(dataclasses.replace(base, quantization=quantization))
-        rows.append(e2e_row(res, weights))
-        runs[weights] = res
+    res = run_bench(dataclasses.replace(base, quantization=None))
+    rows, runs = [e2e_row(res, "bf16")], {"bf16": res}
+    for n, (form, switch) in enumerate(E2E_FP8_PREFILL):
+        cfg = dataclasses.replace(base, quantization="fp8", decode_batches=base.decode_batches if n == 0 else ())
+        with _environ(moe.MOSAIC_ENV, switch):
+            res = run_bench(cfg)
+        rows.append(e2e_row(res, "fp8", form))
+        runs[f"fp8_{form}"] = res
     return rows, {"runs": runs}
 
 

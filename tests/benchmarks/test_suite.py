@@ -136,7 +136,8 @@ def test_a_smoke_run_never_writes_the_committed_results(fake_areas, capsys):
 
 def test_a_cpu_smoke_run_of_the_e2e_area(tmp_path):
     """The e2e area for real, tiny preset on CPU, through the suite's own process: a schema-valid e2e.json with a
-    bf16 and an FP8 row, each with its decode batches."""
+    bf16 row and two FP8 rows, one per prompt-step form of the experts; the first two with their decode batches,
+    the second FP8 run prefill alone. The kernel switch it sets for a run is gone after it."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "suite", "--only", "e2e", "--smoke", "--results",
@@ -145,10 +146,39 @@ def test_a_cpu_smoke_run_of_the_e2e_area(tmp_path):
     rec = json.loads((tmp_path / "e2e.json").read_text())
     check_schema(rec, "e2e")
     assert rec["command"] == "python -m benchmarks suite --only e2e --smoke"
-    assert [r["weights"] for r in rec["rows"]] == ["bf16", "fp8"]
+    assert [(r["weights"], r.get("fp8_experts_prefill")) for r in rec["rows"]] == \
+        [("bf16", None), ("fp8", "dequant"), ("fp8", "w8a8_mosaic")]
     for row in rec["rows"]:
-        assert row["preset"] == "tiny" and row["prefill_s"] > 0 and set(row["decode_ms"]) == {"1"}
-        assert all(ms > 0 for ms in row["decode_ms"].values())
+        assert row["preset"] == "tiny" and row["prefill_s"] > 0
+    for row in rec["rows"][:2]:
+        assert set(row["decode_ms"]) == {"1"} and all(ms > 0 for ms in row["decode_ms"].values())
+    assert rec["rows"][2]["decode_ms"] == {}
+
+
+def test_the_e2e_area_sets_the_experts_switch_for_each_fp8_run(monkeypatch):
+    """Each FP8 run of the e2e area traces its steps under its own GLM_DSA_MOE_MOSAIC value, and the variable is as
+    before afterwards (set or unset)."""
+    from kernels import moe
+    from glm_dsa.serving import benchmark
+    seen = []
+
+    def fake_run_bench(cfg):
+        seen.append((cfg.quantization, os.environ.get(moe.MOSAIC_ENV), cfg.decode_batches))
+        return {"impls": {"auto": {"prefill_s": 1.0, "decode": {}}}, "layers": 2,
+                "config": {"preset": "tiny", "kv_cache_dtype": "auto", "input_len": 16, "batch": 1,
+                           "decode_context": None}}
+
+    monkeypatch.setattr(benchmark, "run_bench", fake_run_bench)
+    for before in (None, "decode"):
+        if before is None:
+            monkeypatch.delenv(moe.MOSAIC_ENV, raising=False)
+        else:
+            monkeypatch.setenv(moe.MOSAIC_ENV, before)
+        seen.clear()
+        rows, _ = suite.run_e2e(True, "")
+        assert seen == [(None, before, (1,)), ("fp8", "none", (1,)), ("fp8", "prefill", ())]
+        assert [r.get("fp8_experts_prefill") for r in rows] == [None, "dequant", "w8a8_mosaic"]
+        assert os.environ.get(moe.MOSAIC_ENV) == before
 
 
 def test_moe_rows_from_the_fp8_gemm_bench():
