@@ -161,6 +161,7 @@ TABLES = {
         ("FP8 experts, prefill", lambda r: r.get("fp8_experts_prefill")), ("kv cache", "kv_cache"),
         ("impl", "impl"), ("prefill batch x input", lambda r: f"{r['batch']} x {r['input_len']}" if r.get("prefill_s") else None),
         ("prefill s", "prefill_s"), ("prefill tok/s", "prefill_tokens_per_s"), ("prefill MFU", pct("prefill_mfu")),
+        ("prefill MFU, FP8 peak", pct("prefill_mfu_fp8_peak")),
         ("decode context", "decode_context"),
         ("decode ms/step B=1", lambda r: r["decode_ms"].get("1")),
         ("B=32", lambda r: r["decode_ms"].get("32")), ("B=128", lambda r: r["decode_ms"].get("128"))),

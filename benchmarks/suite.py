@@ -152,7 +152,9 @@ def e2e_row(res: dict, weights: str, fp8_experts_prefill: str | None = None) -> 
     return {"preset": cfg["preset"], "weights": weights, **extra, "batch_invariant": False, "impl": impl,
             "kv_cache": cfg["kv_cache_dtype"], "layers": res["layers"], "input_len": cfg["input_len"],
             "batch": cfg["batch"], "prefill_s": r.get("prefill_s"), "prefill_tokens_per_s": r.get("prefill_tokens_per_s"),
-            "prefill_mfu": r.get("prefill_mfu"), "decode_context": cfg["decode_context"] or cfg["input_len"],
+            "prefill_mfu": r.get("prefill_mfu"), **({"prefill_mfu_fp8_peak": r["prefill_mfu_fp8_peak"]}
+                                                     if "prefill_mfu_fp8_peak" in r else {}),
+            "decode_context": cfg["decode_context"] or cfg["input_len"],
             "decode_ms": {str(b): row.get("ms_per_step") for b, row in r["decode"].items()}}
 
 

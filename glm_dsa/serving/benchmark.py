@@ -87,7 +87,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 @dataclasses.dataclass(frozen=True)
 class DevicePeaks:
-    """Roofline figures of a device kind: HBM bytes/s and dense bf16 FLOP/s (datasheet values).
+    """Roofline figures of a device kind: HBM bytes/s, dense bf16 and dense FP8 (e4m3) FLOP/s (datasheet values).
 
     `known` is False when the device is not in `PEAKS`: the figures are then the reference device's, and `name`
     says so, so that a percentage computed from them is read as "of the H200's roofline", not of this device's."""
@@ -95,11 +95,13 @@ class DevicePeaks:
     name: str
     hbm_bytes_per_s: float
     bf16_flops_per_s: float
+    fp8_flops_per_s: float
     known: bool = True
 
 
 #: datasheet peaks by `jax.Device.device_kind`
-PEAKS = {"NVIDIA H200": DevicePeaks("NVIDIA H200", hbm_bytes_per_s=4.8e12, bf16_flops_per_s=989e12)}
+PEAKS = {"NVIDIA H200": DevicePeaks("NVIDIA H200", hbm_bytes_per_s=4.8e12, bf16_flops_per_s=989e12,
+                                    fp8_flops_per_s=1979e12)}
 #: the device whose roofline stands in for an unknown one (DESIGN.md reports percentages of the H200 roofline)
 REFERENCE_DEVICE = "NVIDIA H200"
 
@@ -472,6 +474,8 @@ def run_bench(bc: BenchConfig, log=print) -> dict:
             r["prefill_s"] = prefill
             r["prefill_tokens_per_s"] = tokens / prefill
             r["prefill_mfu"] = flops / prefill / peaks.bf16_flops_per_s
+            if bc.quantization == "fp8":  # FP8 weights: the GEMMs that can run e4m3 x e4m3 have twice the peak
+                r["prefill_mfu_fp8_peak"] = flops / prefill / peaks.fp8_flops_per_s
             r["end_to_end_s"] = total
             r["decode_ms_per_step_e2e"] = 1e3 * eng.last_timings["decode_s"] / max(eng.last_timings["decode_steps"], 1)
             r["peak_bytes"] = peak_bytes(device)
@@ -520,7 +524,9 @@ def format_results(res: dict) -> str:
     for impl, r in res["impls"].items():
         if "prefill_s" in r:
             lines.append(f"[{impl}] prefill {r['prefill_s']:.3f} s, {r['prefill_tokens_per_s']:.0f} tok/s, "
-                         f"MFU {100 * r['prefill_mfu']:.1f}%; end-to-end {r['end_to_end_s']:.2f} s, "
+                         f"MFU {100 * r['prefill_mfu']:.1f}%"
+                         + (f" ({100 * r['prefill_mfu_fp8_peak']:.1f}% of the FP8 peak)" if "prefill_mfu_fp8_peak" in r
+                            else "") + f"; end-to-end {r['end_to_end_s']:.2f} s, "
                          f"decode {r['decode_ms_per_step_e2e']:.2f} ms/step")
         for b, row in r["decode"].items():
             if "error" in row:

@@ -222,7 +222,8 @@ def test_budgeted_sweep_minimum_and_a_shared_budget():
 
 def test_device_peaks():
     h200 = harness.device_peaks("NVIDIA H200")
-    assert (h200.hbm_bytes_per_s, h200.bf16_flops_per_s, h200.known) == (4.8e12, 989e12, True)
+    assert (h200.hbm_bytes_per_s, h200.bf16_flops_per_s, h200.fp8_flops_per_s, h200.known) == \
+        (4.8e12, 989e12, 1979e12, True)
     cpu = harness.device_peaks(jax.devices()[0])
     assert not cpu.known and cpu.name.startswith("unknown device 'cpu'")
     assert (cpu.hbm_bytes_per_s, cpu.bf16_flops_per_s) == (4.8e12, 989e12)  # the reference roofline, said so

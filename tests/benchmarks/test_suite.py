@@ -150,6 +150,10 @@ def test_a_cpu_smoke_run_of_the_e2e_area(tmp_path):
         [("bf16", None), ("fp8", "dequant"), ("fp8", "w8a8_mosaic")]
     for row in rec["rows"]:
         assert row["preset"] == "tiny" and row["prefill_s"] > 0
+    # MFU of FP8-weight runs also against the FP8 peak (the H200's 1979 TFLOP/s, twice bf16's 989)
+    assert "prefill_mfu_fp8_peak" not in rec["rows"][0]
+    for row in rec["rows"][1:]:
+        assert row["prefill_mfu_fp8_peak"] == pytest.approx(row["prefill_mfu"] * 989 / 1979)
     for row in rec["rows"][:2]:
         assert set(row["decode_ms"]) == {"1"} and all(ms > 0 for ms in row["decode_ms"].values())
     assert rec["rows"][2]["decode_ms"] == {}
