@@ -185,6 +185,36 @@ def test_the_e2e_area_sets_the_experts_switch_for_each_fp8_run(monkeypatch):
         assert os.environ.get(moe.MOSAIC_ENV) == before
 
 
+def test_the_e2e_area_runs_glm52_where_the_device_holds_it(monkeypatch):
+    """Beyond the smoke run: the bench preset's three runs, then 8 full-width GLM-5.2 layers with FP8 weights and
+    the fp8_ds_mla cache where the allocator holds 95 GB, else a line saying what was not run and why."""
+    from glm_dsa.serving import benchmark
+    from kernels import moe
+    monkeypatch.delenv(moe.MOSAIC_ENV, raising=False)
+    seen = []
+
+    def fake_run_bench(cfg):
+        seen.append((cfg.preset, cfg.num_layers, cfg.quantization, cfg.kv_cache_dtype))
+        return {"impls": {"auto": {"prefill_s": 1.0, "decode": {}}}, "layers": cfg.num_layers or 4,
+                "config": {"preset": cfg.preset, "kv_cache_dtype": cfg.kv_cache_dtype, "input_len": cfg.input_len,
+                           "batch": cfg.batch, "decode_context": cfg.decode_context}}
+
+    monkeypatch.setattr(benchmark, "run_bench", fake_run_bench)
+    bench = [("bench", None, None, "auto"), ("bench", None, "fp8", "auto"), ("bench", None, "fp8", "auto")]
+    monkeypatch.setattr(suite, "_device_bytes", lambda: 80e9)
+    rows, extra = suite.run_e2e(False, "")
+    assert seen == bench and len(rows) == 3
+    assert extra["glm52_skipped"] == ("glm52, 8 layers, FP8: not run, it needs 95 GB of device memory and the "
+                                      "allocator holds 80 GB")
+    seen.clear()
+    monkeypatch.setattr(suite, "_device_bytes", lambda: 104e9)
+    rows, extra = suite.run_e2e(False, "")
+    assert seen == bench + [("glm52", 8, "fp8", "fp8_ds_mla")] and "glm52_skipped" not in extra
+    assert (rows[-1]["preset"], rows[-1]["layers"], rows[-1]["weights"], rows[-1]["kv_cache"]) == \
+        ("glm52", 8, "fp8", "fp8_ds_mla")
+    assert rows[-1]["fp8_experts_prefill"] == ("w8a8_mosaic" if "prefill" in moe.MOSAIC_ROWS else "dequant")
+
+
 def test_moe_rows_from_the_fp8_gemm_bench():
     """bench_fp8_gemm's rows (every form's figures in one row) become one moe.json row per (weights, form, impl)."""
     fig = lambda us, f: {"us": us, "tflops": f, "pct_hbm": 50.0, "tb_s": 2.4}  # noqa: E731
