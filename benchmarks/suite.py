@@ -131,15 +131,49 @@ def moe_rows(bench_rows: list[dict], impl: str = "triton") -> list[dict]:
     return out
 
 
+def _config_label(c: dict) -> str:
+    """An Fp8GemmConfig's fields (a dict) in a few words: tile, stages, and what is not the default."""
+    words = [f"{c['tile_m']}x{c['tile_n']} s{c['stages']}"]
+    words += [w for w, on in (("swap_ab", c.get("swap_ab")), ("swiglu", c.get("swiglu")),
+                              (f"m_sub {c.get('m_sub')}", c.get("m_sub", 1) != 1),
+                              (f"{c.get('compute_wgs')} WG", c.get("compute_wgs", 2) != 2)) if on]
+    return " ".join(words)
+
+
+def mosaic_moe_rows(rec: dict) -> list[dict]:
+    """`benchmarks/bench_fp8_gemm_mosaic.py`'s record as moe.json rows: its rows (the whole routed-experts op,
+    moe_prefill / moe_decode, and the dense FP8 linears, fp8_linear, each form beside its baselines) as they are,
+    and its detail rows of the grouped GEMMs alone (op fp8_grouped_gemm, form: gate_up or down); each launch config
+    as a label (up and down for the experts)."""
+    out = []
+    for r in rec["rows"]:
+        r = dict(r)
+        if isinstance(r.get("config"), list):  # the experts' (up, down) configs
+            r["config"] = {"label": "up " + _config_label(r["config"][0]) + ", down " + _config_label(r["config"][1])}
+        out.append(r)
+    for r in rec.get("detail_rows", []):
+        if r["op"] == "fp8_grouped_gemm":
+            out.append(dict(r, weights="fp8", form=r["which"], config={"label": _config_label(r["config"])}))
+    return out
+
+
 def run_moe(smoke: bool, work: str) -> tuple[list[dict], dict]:
     """Routed experts (bf16 and FP8 grouped GEMMs) and the FP8 block-scaled linear layers against bf16 and their xla
-    forms (`benchmarks/bench_fp8_gemm.py`), at GLM-5.2 widths."""
-    from benchmarks import bench_fp8_gemm
+    forms (`benchmarks/bench_fp8_gemm.py`), at GLM-5.2 widths; then on a GPU the Mosaic W8A8 grouped GEMM's
+    experts, linears and GEMMs alone beside the current forms (`benchmarks/bench_fp8_gemm_mosaic.py`, whose own
+    `--smoke` run is tested apart: under the Mosaic interpreter it would take minutes of a CPU smoke run)."""
+    from benchmarks import bench_fp8_gemm, bench_fp8_gemm_mosaic
     impl = "triton_interpret" if smoke and _on_cpu() else "triton"
     argv = (["--impl", impl, "--batches", "1,16", "--linear", "256x384", "--moe_dims", "256,128,8", "--iters", "1",
              "--budget_s", "0"] if smoke else [])
     rec = _bench_record(bench_fp8_gemm.main, argv, work, "fp8_gemm")
-    return moe_rows(rec["rows"], impl), {"source_command": rec["command"]}
+    rows, extra = moe_rows(rec["rows"], impl), {"source_command": rec["command"]}
+    if _on_cpu():
+        print("moe: bench_fp8_gemm_mosaic.py not run on a CPU (Mosaic GPU kernels)", flush=True)
+        return rows, extra
+    mosaic = _bench_record(bench_fp8_gemm_mosaic.main, ["--smoke"] if smoke else [], work, "fp8_gemm_mosaic")
+    extra["mosaic_source_command"] = mosaic["command"]
+    return rows + mosaic_moe_rows(mosaic), extra
 
 
 def e2e_row(res: dict, weights: str, fp8_experts_prefill: str | None = None) -> dict:
@@ -291,7 +325,7 @@ run_projection = _args_run(
 AREAS = {a.name: a for a in (
     Area("attention", "sparse MLA, indexer, fused norm/RoPE/cache write kernels beside xla", 1800, run_attention,
          gpu_only=True, spawns=True),
-    Area("moe", "routed experts and FP8 GEMMs (bf16 vs FP8 weights)", 900, run_moe),
+    Area("moe", "routed experts and FP8 GEMMs (bf16 vs FP8 weights; the Mosaic W8A8 grouped GEMM)", 1800, run_moe),
     Area("e2e", "engine prefill and decode: bench preset, bf16 and FP8 weights (both FP8 prefill forms); glm52, 8 "
                 "FP8 layers", 2400, run_e2e),
     Area("serving", "continuous batching against static groups; host overhead per decode step", 900, run_serving),

@@ -234,6 +234,28 @@ def test_moe_rows_from_the_fp8_gemm_bench():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+def test_moe_rows_from_the_mosaic_bench():
+    """bench_fp8_gemm_mosaic's rows go to moe.json as they are, the experts' (up, down) configs as one label; its
+    grouped-GEMM detail rows become fp8_grouped_gemm rows named by GEMM; its other detail rows stay out."""
+    up = {"tile_m": 128, "tile_n": 256, "stages": 2, "compute_wgs": 2, "swap_ab": False, "m_sub": 1, "swiglu": True}
+    down = {"tile_m": 16, "tile_n": 128, "stages": 6, "compute_wgs": 2, "swap_ab": True, "m_sub": 1, "swiglu": False}
+    rec = {"rows": [{"op": "moe_prefill", "weights": "fp8", "impl": "mosaic", "form": "w8a8_mosaic", "rows": 8192,
+                     "tp": 1, "device_us": 13519.0, "tflops": 366.0, "hbm_fraction": 0.149, "config": [up, down]},
+                    {"op": "moe_prefill", "weights": "fp8", "impl": "triton", "form": "dequant", "rows": 8192, "tp": 1,
+                     "device_us": 24252.0, "tflops": 204.0, "hbm_fraction": 0.083}],
+           "detail_rows": [{"op": "fp8_grouped_gemm", "stage": "prefill", "which": "down", "rows": 8192, "tp": 1,
+                            "impl": "mosaic", "config": dict(down, tile_m=128, m_sub=2, compute_wgs=1, swap_ab=False),
+                            "device_us": 2300.0, "tflops": 716.0, "hbm_fraction": 0.3},
+                           {"op": "quantize_rows", "rows": 8192, "K": 6144, "impl": "xla", "device_us": 102.0}]}
+    rows = suite.mosaic_moe_rows(rec)
+    assert [r["config"] for r in rows if "config" in r] == [
+        {"label": "up 128x256 s2 swiglu, down 16x128 s6 swap_ab"}, {"label": "128x128 s6 m_sub 2 1 WG"}]
+    assert [(r["op"], r["form"], r["weights"], r["device_us"]) for r in rows] == [
+        ("moe_prefill", "w8a8_mosaic", "fp8", 13519.0), ("moe_prefill", "dequant", "fp8", 24252.0),
+        ("fp8_grouped_gemm", "down", "fp8", 2300.0)]
+    assert rec["rows"][0]["config"] == [up, down]  # the record is not changed
+
+
 # the committed results and their rendering
 
 
