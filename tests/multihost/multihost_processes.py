@@ -15,6 +15,17 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def xla_flags(devices: int, flags: str | None = None) -> str:
+    """XLA_FLAGS for a CPU process of `devices` simulated devices: `flags` (default: this process's XLA_FLAGS, e.g.
+    the test run's compile settings from scripts/test.sh) with any device count replaced by this one."""
+    kept = [f for f in (os.environ.get("XLA_FLAGS", "") if flags is None else flags).split()
+            if not f.startswith(DEVICE_COUNT_FLAG)]
+    return " ".join([*kept, f"{DEVICE_COUNT_FLAG}={devices}"])
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (for a coordinator or a server)."""
     with socket.socket() as s:
@@ -25,8 +36,7 @@ def free_port() -> int:
 def cpu_env(devices_per_process: int) -> dict:
     """The environment of one CPU process with `devices_per_process` simulated devices, the repository and this
     directory importable, unbuffered output and no debug tracebacks."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices_per_process))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE), env.get("PYTHONPATH", "")])
     env.pop("GLM_DSA_DEBUG", None)
     return env

@@ -14,7 +14,8 @@ import sys
 
 def main(argv):
     port, n, pid, devices, ckpt, out, layout = argv
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    from multihost_processes import xla_flags
+    os.environ["XLA_FLAGS"] = xla_flags(int(devices))  # the parent's compile settings, this device count
     os.environ["JAX_PLATFORMS"] = "cpu"
     from glm_dsa import distributed
     assert distributed.initialize(f"127.0.0.1:{port}", int(n), int(pid), init_timeout_s=120,

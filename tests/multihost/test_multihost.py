@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 from multihost_cases import GEN_PROMPTS, LOGIT_IDS, NEW_TOKENS  # noqa: E402
-from multihost_processes import free_port  # noqa: E402
+from multihost_processes import free_port, xla_flags  # noqa: E402
 
 #: tiny's structure (dense + MoE, full and shared indexer layers) with 8 heads, so TP = 8 splits them
 CFG = configs.tiny.replace(num_attention_heads=8)
@@ -44,7 +44,7 @@ assert len(LAYOUTS) == 1 + 2 * 2 * 2  # every combination
 def _env():
     env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE), env.get("PYTHONPATH", "")])
-    env.pop("XLA_FLAGS", None)  # each worker sets its own device count
+    env["XLA_FLAGS"] = xla_flags(1)  # each worker sets its own device count
     return env
 
 
@@ -157,7 +157,7 @@ def test_cli_generate_across_processes(ckpts, tmp_path):
     from a temporary directory: process 0 prints the single-process tokens, process 1 prints nothing."""
     port = free_port()
     env = _env()
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["XLA_FLAGS"] = xla_flags(4)
     args = ["--checkpoint", str(ckpts[0]), "--prompt-ids", "5,6,7", "--max-new-tokens", "5", "--ignore-eos",
             "--dtype", "float32", "-tp", "8", "-dcp", "4", "--coordinator-address", f"127.0.0.1:{port}",
             "--num-processes", "2"]

@@ -18,13 +18,13 @@ from glm_dsa.model.param_tree import flatten_params
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from multihost_processes import free_port  # noqa: E402
+from multihost_processes import free_port, xla_flags  # noqa: E402
 CFG = configs.tiny.replace(num_attention_heads=8)
 
 
 def _convert(src, dst, cwd):
     coordinator = f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4),
                PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, "-m", "glm_dsa", "convert", "--from", str(src), "--to", str(dst),
                                "--dtype", "float32", "--no-progress", "-tp", "8", "--coordinator-address", coordinator,

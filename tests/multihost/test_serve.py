@@ -25,7 +25,7 @@ pytest.importorskip("uvicorn")
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from multihost_processes import free_port  # noqa: E402
+from multihost_processes import free_port, xla_flags  # noqa: E402
 
 CFG = configs.tiny.replace(num_attention_heads=8)  # TP = 8 splits the heads
 LAYOUT = ["-tp", "8", "-dcp", "4"]
@@ -53,7 +53,7 @@ class Servers:
     def __init__(self, ckpt, tmp_path, heartbeat_s=10):
         self.base = f"http://127.0.0.1:{free_port()}"
         coordinator = f"127.0.0.1:{free_port()}"
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4),
                    PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         self.logs = [tmp_path / f"serve{i}.log" for i in range(2)]
         self.procs = []

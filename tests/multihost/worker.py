@@ -12,7 +12,8 @@ import sys
 
 def main(argv):
     port, n, pid, k, ckpt, out, *layouts = argv
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={k}"
+    from multihost_processes import xla_flags
+    os.environ["XLA_FLAGS"] = xla_flags(int(k))  # the parent's compile settings, this device count
     os.environ["JAX_PLATFORMS"] = "cpu"
     from glm_dsa import distributed
     assert distributed.initialize(f"127.0.0.1:{port}", int(n), int(pid), init_timeout_s=120,
