@@ -117,8 +117,30 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="bitwise reproducible requests: a request's tokens and logprobs do not depend on the rest "
                         "of the batch, its row position or prefill chunking (glm_dsa.Engine batch_invariant)")
+    p.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
+                   help="keep compiled steps in DIR (created if missing; JAX's persistent compilation cache): a "
+                        "later run of the same model, layout and step shapes loads them instead of compiling "
+                        "(a server's warm-up with FP8 weights: minutes on first start)")
     _add_parallel_flags(p)
     _add_distributed_flags(p)
+
+
+def _use_compilation_cache(args) -> None:
+    """Point JAX's persistent compilation cache at --compilation-cache-dir (every compile, however short, is kept);
+    OSError naming the flag when the folder cannot be made."""
+    path = getattr(args, "compilation_cache_dir", None)
+    if not path:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"--compilation-cache-dir {path!r}: cannot create the folder ({e.strerror or e})") from None
+    if not os.access(path, os.W_OK):
+        raise OSError(f"--compilation-cache-dir {path!r}: the folder is not writable")
+    import jax
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _add_prefix_caching_flag(p: argparse.ArgumentParser) -> None:
@@ -677,6 +699,7 @@ def _multiprocess() -> bool:
 
 def _run(args) -> int:
     try:
+        _use_compilation_cache(args)
         _start_distributed(args)
         return args.fn(args)
     except (ValueError, TypeError, OSError, NotImplementedError, ImportError, KeyError) as e:
