@@ -298,6 +298,8 @@ LOWERED_SMEM = {  # name: (config kwargs, output dtype, K blocks)
     "decode_swiglu": (dict(tile_m=16, tile_n=256, stages=4, swap_ab=True, swiglu=True), jnp.bfloat16, 8),
     "decode_swiglu_tm128": (dict(tile_m=128, tile_n=256, stages=3, swap_ab=True, swiglu=True), jnp.bfloat16, 8),
     "ring_shrunk_to_k": (dict(tile_n=256, stages=3, swiglu=True), jnp.bfloat16, 2),  # 2 K blocks: 2 stages
+    "prefill_swiglu_narrow": (dict(tile_n=128, stages=4, swiglu=True), jnp.bfloat16, 8),  # 64-column store tiles
+    "prefill_swiglu_narrow_f32": (dict(tile_n=128, stages=4, swiglu=True), jnp.float32, 8),
 }
 
 
