@@ -182,6 +182,19 @@ def test_interpreted_kernel_matches_oracle(name):
     assert not np.asarray(out.astype(jnp.float32))[rg < 0].any()
 
 
+def test_the_narrow_swiglu_tile_gives_the_wide_ones_bits():
+    """64 + 64 weight rows a tile (two 64 x 64 wgmmas) and 128 + 128 (two 64 x 128) compute each output element
+    from the same K blocks in the same order: the same float32 bits (so the same bf16 ones), so the experts may
+    take either without changing a result (batch-invariant runs included)."""
+    narrow = Fp8GemmConfig(tile_m=128, tile_n=128, stages=2, swiglu=True)
+    wide = Fp8GemmConfig(tile_m=128, tile_n=256, stages=2, swiglu=True)
+    a_q, s_a, w_q, s_w, tg, _ = make_problem(11, [129, 0, 2, 70], 256, 2 * 128, 128, zero_blocks=True, operands=2)
+    a, b = (np.asarray(fp8_gemm.grouped_matmul(a_q, s_a, *weights_of(c, w_q, s_w), tg, impl="mosaic_interpret",
+                                               config=c, out_dtype=jnp.float32)) for c in (narrow, wide))
+    np.testing.assert_array_equal(a, b)
+    assert np.abs(a).max() > 0
+
+
 @pytest.mark.parametrize("name", sorted(INTERPRETED))
 def test_interpreted_kernel_has_no_race_when_the_ring_wraps(name, mosaic_races):
     """Three K blocks through a ring of two stages, so that the producer's TMA refills slots the compute warpgroups
@@ -487,6 +500,7 @@ GPU_CASES = {
     "prefill_256": (Fp8GemmConfig(tile_n=256, stages=3), [1, 200, 0, 128, 33], 512, 2048),
     "prefill_m_sub2": (Fp8GemmConfig(tile_m=256, tile_n=128, stages=3, m_sub=2), [300, 0, 1, 256], 256, 6144),
     "prefill_swiglu": (fp8_config.PREFILL_SWIGLU, [200, 0, 1, 128], 256, 6144),
+    "prefill_swiglu_narrow": (fp8_config.PREFILL_SWIGLU_NARROW, [200, 0, 1, 128], 256, 6144),
     "decode_swap16": (fp8_config.DECODE, [1, 0, 3, 17, 0, 2, 40, 1], 256, 6144),
     "decode_swap8": (Fp8GemmConfig(tile_m=8, tile_n=128, stages=6, swap_ab=True), [1, 0, 2, 9, 1], 512, 2048),
     "decode_swap_swiglu": (fp8_config.DECODE_SWIGLU, [1, 0, 3, 17, 0, 2, 40, 1], 256, 6144),
