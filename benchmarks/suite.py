@@ -213,15 +213,10 @@ def _environ(name: str, value: str):
 
 
 #: GLM-5.2 at full width, 8 layers (3 dense, 5 MoE), FP8 weights and the fp8_ds_mla cache on one device: the
-#: e2e area runs it where the device's allocator holds GLM52_MIN_BYTES (an H200: about 104 GB at the allocator's
+#: e2e area runs it where the device's allocator has GLM52_MIN_BYTES free (an H200: about 104 GB at the allocator's
 #: default 75%; the run peaked at 86.4 GiB at B = 128), and says why not elsewhere.
 GLM52_LAYERS = 8
 GLM52_MIN_BYTES = 95e9
-
-
-def _device_bytes() -> float | None:
-    import jax
-    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
 
 
 def run_e2e(smoke: bool, work: str) -> tuple[list[dict], dict]:
@@ -230,6 +225,7 @@ def run_e2e(smoke: bool, work: str) -> tuple[list[dict], dict]:
     times the prefill alone); then, where the device holds it (`GLM52_MIN_BYTES`), `GLM52_LAYERS` full-width
     GLM-5.2 layers with FP8 weights and the fp8_ds_mla cache, the experts' forms as the rules pick them
     (`glm_dsa.serving.benchmark.run_bench`, what `python -m glm_dsa bench` runs)."""
+    from glm_dsa.model import loading
     from glm_dsa.serving.benchmark import BenchConfig, run_bench
     from kernels import moe
     if smoke:
@@ -247,19 +243,19 @@ def run_e2e(smoke: bool, work: str) -> tuple[list[dict], dict]:
         rows.append(e2e_row(res, "fp8", form))
         runs[f"fp8_{form}"] = res
     extra = {"runs": runs}
-    room = _device_bytes()
     if smoke:
-        pass
-    elif room is None or room < GLM52_MIN_BYTES:
-        held = "an unknown amount" if room is None else f"{room / 1e9:.0f} GB"
+        return rows, extra
+    room = loading.device_free_bytes()
+    if room is None or room < GLM52_MIN_BYTES:
+        free = "an unknown amount" if room is None else f"{room / 1e9:.0f} GB"
         extra["glm52_skipped"] = (f"glm52, {GLM52_LAYERS} layers, FP8: not run, it needs {GLM52_MIN_BYTES / 1e9:.0f} "
-                                  f"GB of device memory and the allocator holds {held}")
+                                  f"GB of device memory and the allocator has {free} free")
         print(extra["glm52_skipped"], flush=True)
-    else:
-        res = run_bench(dataclasses.replace(base, preset="glm52", num_layers=GLM52_LAYERS, quantization="fp8",
-                                            kv_cache_dtype="fp8_ds_mla"))
-        rows.append(e2e_row(res, "fp8", "w8a8_mosaic" if "prefill" in moe.mosaic_rows() else "dequant"))
-        runs["glm52_fp8"] = res
+        return rows, extra
+    res = run_bench(dataclasses.replace(base, preset="glm52", num_layers=GLM52_LAYERS, quantization="fp8",
+                                        kv_cache_dtype="fp8_ds_mla"))
+    rows.append(e2e_row(res, "fp8", "w8a8_mosaic" if "prefill" in moe.mosaic_rows() else "dequant"))
+    runs["glm52_fp8"] = res
     return rows, extra
 
 

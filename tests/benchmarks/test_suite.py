@@ -187,7 +187,8 @@ def test_the_e2e_area_sets_the_experts_switch_for_each_fp8_run(monkeypatch):
 
 def test_the_e2e_area_runs_glm52_where_the_device_holds_it(monkeypatch):
     """Beyond the smoke run: the bench preset's three runs, then 8 full-width GLM-5.2 layers with FP8 weights and
-    the fp8_ds_mla cache where the allocator holds 95 GB, else a line saying what was not run and why."""
+    the fp8_ds_mla cache where the allocator has 95 GB free, else a line saying what was not run and why."""
+    from glm_dsa.model import loading
     from glm_dsa.serving import benchmark
     from kernels import moe
     monkeypatch.delenv(moe.MOSAIC_ENV, raising=False)
@@ -201,13 +202,13 @@ def test_the_e2e_area_runs_glm52_where_the_device_holds_it(monkeypatch):
 
     monkeypatch.setattr(benchmark, "run_bench", fake_run_bench)
     bench = [("bench", None, None, "auto"), ("bench", None, "fp8", "auto"), ("bench", None, "fp8", "auto")]
-    monkeypatch.setattr(suite, "_device_bytes", lambda: 80e9)
+    monkeypatch.setattr(loading, "device_free_bytes", lambda: 80e9)
     rows, extra = suite.run_e2e(False, "")
     assert seen == bench and len(rows) == 3
     assert extra["glm52_skipped"] == ("glm52, 8 layers, FP8: not run, it needs 95 GB of device memory and the "
-                                      "allocator holds 80 GB")
+                                      "allocator has 80 GB free")
     seen.clear()
-    monkeypatch.setattr(suite, "_device_bytes", lambda: 104e9)
+    monkeypatch.setattr(loading, "device_free_bytes", lambda: 104e9)
     rows, extra = suite.run_e2e(False, "")
     assert seen == bench + [("glm52", 8, "fp8", "fp8_ds_mla")] and "glm52_skipped" not in extra
     assert (rows[-1]["preset"], rows[-1]["layers"], rows[-1]["weights"], rows[-1]["kv_cache"]) == \
