@@ -118,13 +118,12 @@ def has_mtp_layer(path: str | os.PathLike) -> bool:
 def device_free_bytes() -> int | None:
     """Free bytes on the first local device as it reports them (None where it does not: CPU)."""
     import jax
+
+    from .paged_cache import free_device_bytes
     try:
-        stats = jax.local_devices()[0].memory_stats()
+        return free_device_bytes(jax.local_devices()[0])
     except Exception:  # a backend without memory stats
         return None
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
 
 
 def check_fits(config: GlmDsaConfig, parallel: ParallelConfig, *, dtype, plan, mtp: bool = False,
