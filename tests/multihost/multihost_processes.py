@@ -9,8 +9,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
@@ -58,6 +56,7 @@ def run_processes(cmds: list[list[str]], cwd, timeout: float, what: str, devices
             for q in procs:
                 q.kill()
             logs = [[s[-2000:] for s in q.communicate()] for q in procs]
+            import pytest  # here, not at the top: the worker processes import this module for xla_flags
             pytest.fail(f"process {i} of {what} did not finish within {timeout} s (a stall); stdout and stderr of "
                         f"each: {logs}")
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]

@@ -44,7 +44,7 @@ assert len(LAYOUTS) == 1 + 2 * 2 * 2  # every combination
 def _env():
     env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE), env.get("PYTHONPATH", "")])
-    env["XLA_FLAGS"] = xla_flags(1)  # each worker sets its own device count
+    # XLA_FLAGS as this run has them: each worker replaces the device count with its own (`xla_flags`)
     return env
 
 
