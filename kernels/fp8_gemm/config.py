@@ -22,7 +22,8 @@ class Fp8GemmConfig:
     each compute warpgroup owns 64 x m_sub rows (tile_m = 64 x m_sub x compute_wgs) and all the tile's weight rows,
     issued as m_sub x tile_n / 128 wgmmas of 64 x 128 per K block (one weight scale each), each waited for and
     promoted before the next, so only one 64 x 128 partial is live beside the running accumulators
-    (m_sub x tile_n / 128 <= 2 of them: 128 float32 registers a thread).
+    (m_sub x tile_n / 128 <= 2 of them: 128 float32 registers a thread); partials smaller than that are issued
+    together and waited for once (`issue_together`).
     swap_ab True (decode: few rows per group): the weights sit on wgmma's M side. A CTA tile is `tile_n` weight
     rows (64 per compute warpgroup and weight operand, at most one 128-row scale block) x `tile_m` activation rows
     (wgmma's N: a multiple of 8, at most 256); the kernel writes out^T and the wrapper transposes it.
@@ -87,6 +88,16 @@ class Fp8GemmConfig:
         """wgmmas per warpgroup, m sub-tile and K block: tile_n / 128 (swap_ab or swiglu: one per weight
         operand)."""
         return self.n_operands if self.swap_ab or self.swiglu else self.tile_n // BLOCK
+
+    @property
+    def issue_together(self) -> bool:
+        """Whether a warpgroup issues the n_sub wgmmas of one m sub-tile and K block back to back and waits for them
+        once: where their partials together are at most 64 x 128 float32 (64 registers a thread, one plain
+        partial's), i.e. the narrow fused tile's two 64 x 64 and swap_ab SwiGLU's two 64 x tile_m at tile_m <= 64.
+        Wider partials (the 128 + 128 fused tile, a plain tile_n 256) are issued, waited for and promoted one at a
+        time, so only one is live beside the running accumulators. Either way each accumulator gets the same
+        products in the same order: the same bits."""
+        return self.n_sub * self.out_tile()[1] <= BLOCK
 
     @property
     def operand_blocks(self) -> int:

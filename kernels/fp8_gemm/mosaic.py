@@ -10,7 +10,10 @@ flight share a row tile in L2 and stream the group's weights. Per tile, a warp-s
 tile(s) and their scales into a ring of `stages` buffers; each compute warpgroup, per K block, loads the block's
 scales into registers, issues its wgmma into a fresh accumulator, fences the scale loads against the TMA that will
 refill the slot (`commit_smem`, while the wgmma runs), waits for the wgmma, and adds partial x (s_a * s_w) to its
-running float32 accumulator (the promotion that keeps fp8 wgmma's short accumulator to one block). The two
+running float32 accumulator (the promotion that keeps fp8 wgmma's short accumulator to one block). Where a K
+block's wgmmas have small partials (the narrow SwiGLU tile's two 64 x 64, swap-AB SwiGLU's at decode) they are
+issued back to back and waited for once (`Fp8GemmConfig.issue_together`): the tensor core gets a plain 64 x 128
+tile's work between two waits. The two
 compute warpgroups interleave: one scales while the other's wgmma runs. The epilogue stores bf16 (or float32)
 through shared memory by TMA. Tiles whose group is -1 store zeros and read nothing.
 
@@ -165,17 +168,21 @@ def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int
                 sas = [plgpu.load(sa_smem.at[0, pl.ds(0, cfg.tile_m) if swap else my_rows(i)],  # swap_ab: m_sub 1
                                   layout=plgpu.Layout.WGMMA.reduce(0 if swap else 1), optimized=False)
                        for i in range(cfg.m_sub)]
-                new = []
+                # wgmmas issued before one wait: all of an m sub-tile's where their partials are small
+                # (`Fp8GemmConfig.issue_together`), else one at a time
+                issues = [tuple(range(n_sub))] if cfg.issue_together else [(s,) for s in range(n_sub)]
+                new = [None] * (cfg.m_sub * n_sub)
                 for i in range(cfg.m_sub):
                     sa = sas[i]
-                    for s in range(n_sub):
-                        w_tile, sw = ws[s]
+                    for subs in issues:
 
-                        def mma(acc_ref, first=i == 0 and s == 0):
-                            if swap:
-                                plgpu.wgmma(acc_ref, w_tile(i), a_smem.transpose((1, 0)))
-                            else:
-                                plgpu.wgmma(acc_ref, a_smem.at[my_rows(i)], w_tile(i).transpose((1, 0)))
+                        def mma(*acc_refs, subs=subs, first=i == 0 and subs[0] == 0):
+                            for s, acc_ref in zip(subs, acc_refs):
+                                w_tile = ws[s][0]
+                                if swap:
+                                    plgpu.wgmma(acc_ref, w_tile(i), a_smem.transpose((1, 0)))
+                                else:
+                                    plgpu.wgmma(acc_ref, a_smem.at[my_rows(i)], w_tile(i).transpose((1, 0)))
                             if first:
                                 # The scales above were read by plain loads (the generic proxy); the producer's TMA
                                 # (the async proxy) refills this slot once every compute thread has arrived on the
@@ -186,11 +193,14 @@ def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int
                                 # first wgmma runs. The e4m3 tiles need none: wgmma reads them through the async
                                 # proxy, and `acc_ref[...]` waits for it (wgmma.wait_group 0) before the release.
                                 plgpu.commit_smem()
-                            return acc_ref[...]
+                            # the first read waits for every wgmma issued (wait_group 0); the others need no wait
+                            return tuple(plgpu.wgmma_accumulator_load(a, wait_n=0 if n == 0 else None)
+                                         for n, a in enumerate(acc_refs))
 
-                        part = pl.run_scoped(mma, plgpu.ACC((out_r, out_c), f32))
-                        scale = lax.broadcast_in_dim(sa * sw, (out_r, out_c), [1] if swap else [0])
-                        new.append(accs[i * n_sub + s] + part * scale)
+                        parts = pl.run_scoped(mma, *[plgpu.ACC((out_r, out_c), f32) for _ in subs])
+                        for s, part in zip(subs, parts):
+                            scale = lax.broadcast_in_dim(sa * ws[s][1], (out_r, out_c), [1] if swap else [0])
+                            new[i * n_sub + s] = accs[i * n_sub + s] + part * scale
                 return tuple(new)
 
             @pl.when(g >= 0)

@@ -195,6 +195,18 @@ def test_the_narrow_swiglu_tile_gives_the_wide_ones_bits():
     assert np.abs(a).max() > 0
 
 
+def test_small_partials_are_issued_together():
+    """A K block's wgmmas are issued back to back and waited for once where their partials together take at most
+    one 64 x 128 float32 partial's registers (the interpreted cases above run both paths), else one at a time."""
+    C = Fp8GemmConfig
+    together = [fp8_config.PREFILL, fp8_config.PREFILL_SWIGLU_NARROW, fp8_config.DECODE_SWIGLU, fp8_config.DECODE,
+                C(tile_m=64, tile_n=256, stages=2, swap_ab=True, swiglu=True)]  # 2 x 64 x 64
+    apart = [fp8_config.PREFILL_SWIGLU, C(tile_n=256, stages=2),  # 2 x 64 x 128
+             C(tile_m=128, tile_n=256, stages=2, swap_ab=True, swiglu=True)]  # 2 x 64 x 128
+    assert [c.issue_together for c in together] == [True] * len(together)
+    assert [c.issue_together for c in apart] == [False] * len(apart)
+
+
 @pytest.mark.parametrize("name", sorted(INTERPRETED))
 def test_interpreted_kernel_has_no_race_when_the_ring_wraps(name, mosaic_races):
     """Three K blocks through a ring of two stages, so that the producer's TMA refills slots the compute warpgroups
