@@ -152,7 +152,7 @@ TABLES = {
         ("case", "case"), ("tile", lambda r: f"{r['config']['tile_m']} x {r['config']['tile_n']}"),
         ("stages", lambda r: r["config"]["stages"]), ("compute WGs", lambda r: r["config"]["compute_wgs"]),
         ("m_sub", lambda r: r["config"]["m_sub"]), ("swap AB", lambda r: r["config"]["swap_ab"]),
-        ("status", "status"), ("wall ms", "wall_ms"), ("device ms", "dev_ms"), ("GEMM ms", "gemm_ms"),
+        ("chained tiles", lambda r: r["config"].get("chain", False)), ("status", "status"), ("wall ms", "wall_ms"), ("device ms", "dev_ms"), ("GEMM ms", "gemm_ms"),
         ("TFLOP/s (GEMM)", "tflops_gemm"), ("rel. error", lambda r: r.get("check", {}).get("rel_fro")),
         ("smem over limit, Mosaic (repo) bytes",
          lambda r: f"{r['over_mosaic']} ({r['over_repo']})" if r["status"] == "invalid" else None))),

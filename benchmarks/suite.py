@@ -136,7 +136,8 @@ def _config_label(c: dict) -> str:
     words = [f"{c['tile_m']}x{c['tile_n']} s{c['stages']}"]
     words += [w for w, on in (("swap_ab", c.get("swap_ab")), ("swiglu", c.get("swiglu")),
                               (f"m_sub {c.get('m_sub')}", c.get("m_sub", 1) != 1),
-                              (f"{c.get('compute_wgs')} WG", c.get("compute_wgs", 2) != 2)) if on]
+                              (f"{c.get('compute_wgs')} WG", c.get("compute_wgs", 2) != 2),
+                              ("chained", c.get("chain"))) if on]
     return " ".join(words)
 
 

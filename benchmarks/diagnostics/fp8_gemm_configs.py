@@ -92,6 +92,11 @@ def config_list() -> list[tuple[str, dict]]:
         ("up_unfused", C(**tn128, stages=4)),  # PREFILL over N = 2I
         # the narrow fused tile (64 gate + 64 up columns: the plain 128 x 128 tile's registers and shared memory)
         ("up_fused", C(tile_n=128, swiglu=True, stages=4)),  # PREFILL_SWIGLU_NARROW
+        # each CTA's tile pipelines chained (the next tile's K blocks loaded while the last tile finishes)
+        ("down", C(**tn128, stages=4, chain=True)),
+        ("up_fused", C(tile_n=128, swiglu=True, stages=4, chain=True)),
+        ("up_fused", C(**sw, stages=2, chain=True)),
+        ("up_unfused", C(**tn128, stages=4, chain=True)),
         ("up_fused", C(tile_n=128, swiglu=True, stages=5)),
         ("up_fused", C(tile_n=128, swiglu=True, stages=3)),
         ("up_fused", C(tile_m=256, tile_n=128, m_sub=2, swiglu=True, stages=3)),
@@ -144,7 +149,7 @@ def unchecked(**kw) -> Fp8GemmConfig:
 
 def short(c: Fp8GemmConfig) -> str:
     s = f"tm{c.tile_m} tn{c.tile_n} s{c.stages} wgs{c.compute_wgs} msub{c.m_sub}"
-    return s + (" swap" if c.swap_ab else "")
+    return s + (" swap" if c.swap_ab else "") + (" chain" if c.chain else "")
 
 
 def mosaic_smem(c: Fp8GemmConfig) -> int | None:
@@ -373,7 +378,7 @@ def summary(rows: list[dict]):
 
 _HEADER = re.compile(r"^device (?P<device>.+?) jax (?P<jax>\S+) dims (?P<dims>\{.*\}) configs (?P<n>\d+)")
 _LINE = re.compile(r"^\[\s*(?P<idx>\d+)/\s*(?P<n>\d+)\] (?P<case>\w+)\s+tm(?P<tm>\d+) tn(?P<tn>\d+) s(?P<s>\d+) "
-                   r"wgs(?P<wgs>\d+) msub(?P<msub>\d+)(?P<swap> swap)?\s+(?P<rest>.*)$")
+                   r"wgs(?P<wgs>\d+) msub(?P<msub>\d+)(?P<swap> swap)?(?P<chain> chain)?\s+(?P<rest>.*)$")
 _TIMED = re.compile(r"^wall\s+(?P<wall_ms>[\d.]+) ms\s+(?P<tflops_wall>[\d.]+) TF/s"
                     r"(?: dev\s+(?P<dev_ms>[\d.]+) gemm\s+(?P<gemm_ms>[\d.]+) ms\s+(?P<tflops_gemm>[\d.]+) TF/s)?"
                     r"(?: err rel_fro (?P<rel_fro>\S+) rel_max (?P<rel_max>[^\s]+?)(?P<wrong> WRONG)?)?"
@@ -401,7 +406,8 @@ def rows_from_log(text: str) -> tuple[dict, list[dict]]:
             raise ValueError("rows_from_log: a config line before the header line ('device ... jax ... dims')")
         case = m["case"]
         kw = dict(tile_m=int(m["tm"]), tile_n=int(m["tn"]), stages=int(m["s"]), compute_wgs=int(m["wgs"]),
-                  m_sub=int(m["msub"]), swap_ab=bool(m["swap"]), swiglu=case in ("up_fused", "e2e_fused"))
+                  m_sub=int(m["msub"]), swap_ab=bool(m["swap"]), swiglu=case in ("up_fused", "e2e_fused"),
+                  chain=bool(m["chain"]))
         c = unchecked(**kw)
         row = dict(case=case, config=dataclasses.asdict(c), status=None)
         rest = m["rest"]
@@ -411,7 +417,10 @@ def rows_from_log(text: str) -> tuple[dict, list[dict]]:
                 raise ValueError(f"rows_from_log: line {m['idx']}: {short(c)} is printed invalid but is accepted")
             except ValueError as e:
                 error = str(e)
-            if not error.startswith(hit["error"]) or int(hit["smem_repo"]) != c.smem_bytes():
+            # logs printed before the `chain` field existed show configs without it (an unchained config)
+            older = error.replace(", chain=False)", ")")
+            if not (error.startswith(hit["error"]) or older.startswith(hit["error"])) \
+                    or int(hit["smem_repo"]) != c.smem_bytes():
                 raise ValueError(f"rows_from_log: line {m['idx']}: the printed error or estimate is not this "
                                  f"commit's: {hit['error']!r}, {hit['smem_repo']}")
             ms = None if hit["smem_mosaic"] == "None" else int(hit["smem_mosaic"])

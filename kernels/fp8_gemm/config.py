@@ -33,7 +33,10 @@ class Fp8GemmConfig:
     128: two 64 x 64 wgmmas, the plain 128 x 128 tile's registers and shared memory, so as many stages), or 64 +
     64 per compute warpgroup (swap_ab, tile_n 128 x compute_wgs, tile_m <= 128: two running accumulators of 64 x
     tile_m).
-    stages: K blocks in flight in shared memory (the producer warpgroup's TMA ring)."""
+    stages: K blocks in flight in shared memory (the producer warpgroup's TMA ring).
+    chain: each CTA's tiles run as one chain of pipelines (`chains`): the producer loads the next tile's first K
+    blocks while the compute warpgroups finish the current tile and store it, instead of each tile's pipeline
+    filling its ring and draining it alone."""
     tile_m: int = 128
     tile_n: int = 128
     stages: int = 4
@@ -41,8 +44,11 @@ class Fp8GemmConfig:
     swap_ab: bool = False
     m_sub: int = 1
     swiglu: bool = False
+    chain: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.chain, bool):
+            raise ValueError(f"Fp8GemmConfig.chain must be a bool, got {self.chain!r}")
         for name in ("tile_m", "tile_n", "stages", "compute_wgs", "m_sub"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -98,6 +104,12 @@ class Fp8GemmConfig:
         time, so only one is live beside the running accumulators. Either way each accumulator gets the same
         products in the same order: the same bits."""
         return self.n_sub * self.out_tile()[1] <= BLOCK
+
+    def chains(self, k_blocks: int) -> bool:
+        """Whether the kernel chains a CTA's tile pipelines at K = 128 k_blocks: `chain` set and the ring's slots
+        used a whole number of times per tile (k_blocks a multiple of min(stages, k_blocks), what Pallas's
+        pipeline_state asks), so that every tile starts on slot 0; else each tile's pipeline stands alone."""
+        return self.chain and k_blocks % min(self.stages, k_blocks) == 0
 
     @property
     def operand_blocks(self) -> int:

@@ -5,7 +5,9 @@ out[r, n] = sum_kb (s_a[r, kb] * s_w[g, n // 128, kb]) * P_kb[r, n], P_kb the fl
 g the group of row r's tile (rows grouped by group in tiles of `tile_m`, `reference.group_layout`).
 
 A persistent launch (one CTA per SM) walks the (row tile, column tile) pairs, column tile fastest, so the CTAs in
-flight share a row tile in L2 and stream the group's weights. Per tile, a warp-specialised pipeline
+flight share a row tile in L2 and stream the group's weights. With `Fp8GemmConfig.chain` a CTA's tile pipelines
+run as one chain (Pallas's pipeline_state): the producer refills the ring with the next tile's K blocks while the
+compute warpgroups finish the current tile and store it. Per tile, a warp-specialised pipeline
 (`plgpu.emit_pipeline_warp_specialized`): the producer warpgroup TMA-copies each K block's e4m3 row tile, weight
 tile(s) and their scales into a ring of `stages` buffers; each compute warpgroup, per K block, loads the block's
 scales into registers, issues its wgmma into a fresh accumulator, fences the scale loads against the TMA that will
@@ -64,7 +66,8 @@ def _tile_transforms(cols: int, dtype):
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int, n_tiles: int, k_blocks: int):
+def _kernel(group_ref, ends_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int, n_tiles: int,
+            k_blocks: int):
     cfg = config
     n_w = cfg.n_operands
     w_refs, sw_refs, o_ref = refs[:n_w], refs[n_w:2 * n_w], refs[2 * n_w]
@@ -75,7 +78,7 @@ def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int
     e4m3 = _tile_transforms(BLOCK, FP8)
     sa_w, sw_w = scale_block_widths(cfg)
 
-    def make_pipeline(body, compute_context):
+    def make_pipeline(body, compute_context, state=None):
         # a (rows) tile [tile_m, 128], each weight operand's tile [operand_rows, 128], s_a^T run [1, sa_w], each
         # operand's s_w run [1, sw_w]
         return plgpu.emit_pipeline_warp_specialized(
@@ -93,6 +96,7 @@ def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int
             num_compute_wgs=wgs,
             max_concurrent_steps=cfg.stages,
             compute_context=compute_context,
+            pipeline_state=state,
         )
 
     def operands(m_idx, n_idx, g):
@@ -148,6 +152,19 @@ def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int
             (lin,) = info.index
             m_idx, n_idx = lin // n_tiles, lin % n_tiles
             g = group_ref[m_idx]
+            alone = g >= 0  # this tile's pipeline fills the ring and drains it on its own
+            chained = None
+            if cfg.chains(k_blocks):
+                # The CTA's tile pipelines as one chain (`Fp8GemmConfig.chain`): its first tile with a group fills
+                # the ring (START), the next ones find it filled by the producer while the last one computed
+                # (STEADY), and its last one waits for every slot's release (STOP). A CTA with one such tile has
+                # no chain: that tile's pipeline stands alone (a chain's state is START or STOP, not both).
+                sm = lax.axis_index("sm")
+                first, last = ends_ref[0, sm], ends_ref[1, sm]
+                alone, chained = alone & (first == last), alone & (first != last)
+                state = jnp.where(lin == first, int(plgpu.PipelinePipeline.START),
+                                  jnp.where(lin == last, int(plgpu.PipelinePipeline.STOP),
+                                            int(plgpu.PipelinePipeline.STEADY))).astype(jnp.int32)
 
             def compute_context(run):
                 store_all(run(tuple(zeros() for _ in range(cfg.m_sub * n_sub))), m_idx, n_idx)
@@ -203,8 +220,13 @@ def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int
                             new[i * n_sub + s] = accs[i * n_sub + s] + part * scale
                 return tuple(new)
 
-            @pl.when(g >= 0)
-            def _busy():
+            if chained is not None:
+                @pl.when(chained)
+                def _chained():
+                    make_pipeline(body, compute_context, state)(*operands(m_idx, n_idx, g), allocations=allocs)
+
+            @pl.when(alone)
+            def _alone():
                 make_pipeline(body, compute_context)(*operands(m_idx, n_idx, g), allocations=allocs)
 
             @pl.when((g < 0) & (wg < wgs))
@@ -214,8 +236,20 @@ def _kernel(group_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_tiles: int
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "interpret"))
-def _run(a_q, a_scale, w_qs, w_scales, tile_group, *, config, out_dtype, interpret):
+def _chain_ends(tile_group, n_tiles: int, grid: int):
+    """int32 [2, grid]: each CTA's first and last tile with a group (lin = row tile x n_tiles + column tile; CTA c
+    takes lin = c, c + grid, ...), -1 for a CTA with none: where a chained kernel's pipelines start and stop."""
+    busy = jnp.repeat(tile_group >= 0, n_tiles)
+    steps = -(-busy.size // grid)
+    busy = jnp.pad(busy, (0, steps * grid - busy.size)).reshape(steps, grid)
+    lin = jnp.arange(steps * grid, dtype=jnp.int32).reshape(steps, grid)
+    first = jnp.min(jnp.where(busy, lin, steps * grid), axis=0)
+    last = jnp.max(jnp.where(busy, lin, -1), axis=0)
+    return jnp.stack([jnp.where(first == steps * grid, -1, first), last]).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "interpret", "max_ctas"))
+def _run(a_q, a_scale, w_qs, w_scales, tile_group, *, config, out_dtype, interpret, max_ctas=SM_COUNT):
     m, k = a_q.shape
     g, n, _ = w_qs[0].shape
     kb = k // BLOCK
@@ -226,16 +260,18 @@ def _run(a_q, a_scale, w_qs, w_scales, tile_group, *, config, out_dtype, interpr
     sws = [jnp.repeat(jnp.swapaxes(s.astype(jnp.float32), 1, 2), SCALE_REPEAT, axis=2)  # [G, KB, 32 NB]
            for s in w_scales]
     out_shape = (n, m) if config.swap_ab else (m, n)
+    grid = min(max_ctas, m_tiles * n_tiles)
+    ends = _chain_ends(tile_group, n_tiles, grid) if config.chains(kb) else jnp.zeros((2, 1), jnp.int32)
     kernel = plgpu.kernel(
         functools.partial(_kernel, config=config, m_tiles=m_tiles, n_tiles=n_tiles, k_blocks=kb),
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        grid=(min(SM_COUNT, m_tiles * n_tiles),),
+        grid=(grid,),
         grid_names=("sm",),
         num_threads=config.compute_wgs + 1,
         thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    out = kernel(tile_group.astype(jnp.int32), a_q, sa_t, *w_qs, *sws)
+    out = kernel(tile_group.astype(jnp.int32), ends, a_q, sa_t, *w_qs, *sws)
     return out.T if config.swap_ab else out
 
 
@@ -293,12 +329,13 @@ def check_operands(a_q, a_scale, w_q, w_scale, tile_group, config: Fp8GemmConfig
 
 
 def grouped_matmul_mosaic(a_q, a_scale, w_q, w_scale, tile_group, *, config: Fp8GemmConfig,
-                          out_dtype=jnp.bfloat16, interpret: bool = False):
+                          out_dtype=jnp.bfloat16, interpret: bool = False, max_ctas: int = SM_COUNT):
     """out_dtype [M, N]: the W8A8 grouped product of e4m3 rows `a_q` [M, K] (float32 scales `a_scale` [M, K/128])
     with e4m3 weights `w_q` [G, N, K] (float32 block scales `w_scale` [G, N/128, K/128]); swiglu configs take
     `w_q` = (gate, up) and `w_scale` = (gate scales, up scales), each as above, and give silu(gate) * up. Row tile
     t (of config.tile_m rows) uses group tile_group[t]'s weights, and its rows are zeros where that is -1.
-    interpret: run under the Pallas Mosaic GPU interpreter (CPU tests)."""
+    interpret: run under the Pallas Mosaic GPU interpreter (CPU tests). max_ctas: CTAs launched at most (one per
+    SM of a Hopper SXM by default; a test takes fewer, so that each CTA walks several tiles)."""
     w_qs, w_ss = check_operands(a_q, a_scale, w_q, w_scale, tile_group, config)
     itemsize = jnp.dtype(out_dtype).itemsize
     need = config.smem_bytes(itemsize, a_q.shape[1] // BLOCK)
@@ -309,5 +346,7 @@ def grouped_matmul_mosaic(a_q, a_scale, w_q, w_scale, tile_group, *, config: Fp8
         raise ValueError(f"fp8 grouped matmul: {config} with {jnp.dtype(out_dtype).name} output has store-tile rows "
                          f"of {config.out_tile()[1] * itemsize} bytes, which no shared-memory swizzle takes (under "
                          f"32 bytes or a multiple of 32: swap_ab tile_m 8 or a multiple of {32 // itemsize})")
+    if not isinstance(max_ctas, int) or max_ctas < 1:
+        raise ValueError(f"fp8 grouped matmul: max_ctas must be an int >= 1, got {max_ctas!r}")
     return _run(a_q, a_scale, w_qs, w_ss, tile_group, config=config, out_dtype=jnp.dtype(out_dtype),
-                interpret=bool(interpret))
+                interpret=bool(interpret), max_ctas=max_ctas)

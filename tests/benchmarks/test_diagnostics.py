@@ -70,6 +70,7 @@ def test_fp8_gemm_configs_reads_back_a_printed_log():
     """The launch-config sweep's printed lines become the rows it writes (figures as printed); an invalid config's
     error and estimate come from Fp8GemmConfig and must match the printed ones; --start writes beside --out."""
     from benchmarks.diagnostics import fp8_gemm_configs as fc
+    from kernels.fp8_gemm import Fp8GemmConfig
     dims = dict(experts=256, topk=8, hidden=6144, width=2048, tokens=8192)
     log = (f"device NVIDIA H100 80GB HBM3 jax 0.11.2 dims {dims} configs 3\n"
            "[ 1/3] up_fused    tm128 tn256 s3 wgs2 msub1        wall   7.853 ms  420.0 TF/s dev   7.631 gemm   "
@@ -87,6 +88,10 @@ def test_fp8_gemm_configs_reads_back_a_printed_log():
     assert (rows[1]["over_repo"], rows[1]["over_mosaic"]) == (1088, 1088)
     assert rows[1]["error"].endswith("233536 bytes of shared memory, over 232448")
     assert "check" not in rows[2] and rows[2]["N"] == 4096
+    assert not any(r["config"]["chain"] for r in rows)
+    _, chained = fc.rows_from_log(log.replace("tm128 tn128 s4 wgs2 msub1       ", "tm128 tn128 s4 wgs2 msub1 chain"))
+    assert [r["config"]["chain"] for r in chained] == [False, False, True]
+    assert fc.short(Fp8GemmConfig(chain=True)).endswith(" chain")
     with pytest.raises(ValueError, match="not this commit's"):
         fc.rows_from_log(log.replace("repo smem 233536", "repo smem 233472"))
     assert fc.output_path("r/x.json", 1) == "r/x.json" and fc.output_path("r/x.json", 12) == "r/x_from12.json"

@@ -223,6 +223,52 @@ def test_interpreted_kernel_has_no_race_when_the_ring_wraps(name, mosaic_races):
     assert rel_err(out, oracle_out(cfg, a_q, s_a, w_q, s_w, rg)) < (1e-6 if dtype == jnp.float32 else 4e-3)
 
 
+CHAINED = ("prefill_128", "prefill_swiglu_narrow", "decode_swap_swiglu")
+
+
+@pytest.mark.parametrize("name", CHAINED)
+def test_chained_tiles_give_the_lone_tiles_bits(name, mosaic_races):
+    """`Fp8GemmConfig.chain`: with 2 CTAs each walks several tiles, its pipelines chained (the producer loads the
+    next tile's K blocks while the last tile finishes), beside a CTA whose one busy tile stands alone (3 CTAs) and
+    unused tiles: the oracle's result, the unchained kernel's float32 bits, and no race under the interpreter's
+    detector as the ring's slots pass from one tile to the next (4 K blocks through 2 stages)."""
+    from kernels.fp8_gemm import mosaic
+    cfg, sizes, n, _ = INTERPRETED[name]
+    a_q, s_a, w_q, s_w, tg, rg = make_problem(7, sizes, n, 4 * 128, cfg.tile_m, operands=cfg.n_operands)
+    w, ws = weights_of(cfg, w_q, s_w)
+    ref = oracle_out(cfg, a_q, s_a, w_q, s_w, rg)
+    for ctas in (2, 3):
+        run = lambda c: mosaic.grouped_matmul_mosaic(a_q, s_a, w, ws, tg, config=c, out_dtype=jnp.float32,  # noqa
+                                                     interpret=True, max_ctas=ctas)
+        chained = dataclasses.replace(cfg, chain=True)
+        assert chained.chains(4)
+        out, races = mosaic_races(lambda: run(chained))
+        assert not races
+        assert rel_err(out, ref) < 1e-6
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(run(cfg)))
+        assert not np.asarray(out)[rg < 0].any()
+
+
+def test_chain_ends_are_each_ctas_first_and_last_busy_tile():
+    """Hand-worked: 4 row tiles (the third unused), 3 column tiles, so lin 0-5 and 9-11 are busy; CTA c of 4 takes
+    lin c, c + 4, c + 8. A CTA with no busy tile gets -1 twice."""
+    from kernels.fp8_gemm import mosaic
+    ends = np.asarray(mosaic._chain_ends(jnp.array([3, 0, -1, 1], jnp.int32), 3, 4))
+    np.testing.assert_array_equal(ends, [[0, 1, 2, 3], [4, 9, 10, 11]])
+    ends = np.asarray(mosaic._chain_ends(jnp.array([0, -1, -1], jnp.int32), 1, 2))
+    np.testing.assert_array_equal(ends, [[0, -1], [0, -1]])
+
+
+def test_chains_only_where_every_tile_starts_on_slot_0():
+    C = Fp8GemmConfig
+    assert C(stages=4, chain=True).chains(16) and C(stages=4, chain=True).chains(48)
+    assert C(tile_m=16, stages=6, swap_ab=True, chain=True).chains(2)  # the ring shrinks to the 2 K blocks
+    assert not C(stages=5, chain=True).chains(16) and not C(stages=4, chain=True).chains(6)
+    assert not C(stages=4).chains(16)
+    with pytest.raises(ValueError, match="chain must be a bool"):
+        C(chain=1)
+
+
 GLM = {  # (rows, N, K, groups, config): GLM-5.2 gate+up / down, prefill at TP = 1 and decode at TP = 8
     "prefill_gate": (1024, 2048, 6144, 256, fp8_config.PREFILL),
     "prefill_down": (1024, 6144, 2048, 256, Fp8GemmConfig(tile_n=256, stages=3)),
@@ -234,6 +280,9 @@ GLM = {  # (rows, N, K, groups, config): GLM-5.2 gate+up / down, prefill at TP =
     "decode_gate_up_swiglu": (256, 256, 6144, 256, fp8_config.DECODE_SWIGLU),
     "decode_down": (256, 6144, 256, 256, fp8_config.DECODE),
     "decode_gate_tm8": (256, 512, 6144, 256, Fp8GemmConfig(tile_m=8, tile_n=128, stages=8, swap_ab=True)),
+    "prefill_down_chained": (1024, 6144, 2048, 256, Fp8GemmConfig(chain=True)),
+    "prefill_gate_up_swiglu_narrow_chained": (1024, 2048, 6144, 256,
+                                              Fp8GemmConfig(tile_n=128, stages=4, swiglu=True, chain=True)),
 }
 
 
@@ -325,6 +374,7 @@ LOWERED_SMEM = {  # name: (config kwargs, output dtype, K blocks)
     "ring_shrunk_to_k": (dict(tile_n=256, stages=3, swiglu=True), jnp.bfloat16, 2),  # 2 K blocks: 2 stages
     "prefill_swiglu_narrow": (dict(tile_n=128, stages=4, swiglu=True), jnp.bfloat16, 8),  # 64-column store tiles
     "prefill_swiglu_narrow_f32": (dict(tile_n=128, stages=4, swiglu=True), jnp.float32, 8),
+    "prefill_chained": (dict(chain=True), jnp.bfloat16, 8),  # the chain adds no shared memory
 }
 
 
