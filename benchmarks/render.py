@@ -158,7 +158,8 @@ TABLES = {
          lambda r: f"{r['over_mosaic']} ({r['over_repo']})" if r["status"] == "invalid" else None))),
     "e2e": Table("e2e", (
         ("preset", "preset"), ("layers", "layers"), ("weights", "weights"),
-        ("FP8 experts, prefill", lambda r: r.get("fp8_experts_prefill")), ("kv cache", "kv_cache"),
+        ("FP8 experts, prefill", lambda r: r.get("fp8_experts_prefill")),
+        ("FP8 linears, prefill", lambda r: r.get("fp8_linears_prefill")), ("kv cache", "kv_cache"),
         ("impl", "impl"), ("prefill batch x input", lambda r: f"{r['batch']} x {r['input_len']}" if r.get("prefill_s") else None),
         ("prefill s", "prefill_s"), ("prefill tok/s", "prefill_tokens_per_s"), ("prefill MFU", pct("prefill_mfu")),
         ("prefill MFU, FP8 peak", pct("prefill_mfu_fp8_peak")),
@@ -243,7 +244,8 @@ def _date(s: str) -> str:
 
 def _provenance(src: dict) -> str:
     command = " ".join(src["command"].split())  # one line in the table's heading
-    return f"{src['device']}, jax {src.get('jax') or '—'}, {_date(src['date'])}, commit `{src['commit']}`: `{command}`"
+    line = f"{src['device']}, jax {src.get('jax') or '—'}, {_date(src['date'])}, commit `{src['commit']}`: `{command}`"
+    return line + (f" ({src['note']})" if src.get("note") else "")
 
 
 def render_table(name: str, results: str = RESULTS) -> str:

@@ -177,13 +177,16 @@ def run_moe(smoke: bool, work: str) -> tuple[list[dict], dict]:
     return rows + mosaic_moe_rows(mosaic), extra
 
 
-def e2e_row(res: dict, weights: str, fp8_experts_prefill: str | None = None) -> dict:
+def e2e_row(res: dict, weights: str, fp8_experts_prefill: str | None = None,
+            fp8_linears_prefill: str | None = None) -> dict:
     """An e2e.json row (DESIGN.md) of the engine benchmark's results (`glm_dsa.serving.benchmark.run_bench`, one impl):
-    prefill seconds and MFU, decode ms per step by batch size; `fp8_experts_prefill` names the FP8 experts' form in
-    prompt steps ("dequant" or "w8a8_mosaic"; FP8 rows of the suite, which sets it)."""
+    prefill seconds and MFU, decode ms per step by batch size; `fp8_experts_prefill` and `fp8_linears_prefill` name
+    the FP8 routed experts' and dense linears' forms in prompt steps ("dequant" or "w8a8_mosaic"; FP8 rows of the
+    suite, which sets them)."""
     (impl, r), = res["impls"].items()
     cfg = res["config"]
-    extra = {} if fp8_experts_prefill is None else {"fp8_experts_prefill": fp8_experts_prefill}
+    extra = {k: v for k, v in (("fp8_experts_prefill", fp8_experts_prefill),
+                               ("fp8_linears_prefill", fp8_linears_prefill)) if v is not None}
     return {"preset": cfg["preset"], "weights": weights, **extra, "batch_invariant": False, "impl": impl,
             "kv_cache": cfg["kv_cache_dtype"], "layers": res["layers"], "input_len": cfg["input_len"],
             "batch": cfg["batch"], "prefill_s": r.get("prefill_s"), "prefill_tokens_per_s": r.get("prefill_tokens_per_s"),
@@ -193,8 +196,9 @@ def e2e_row(res: dict, weights: str, fp8_experts_prefill: str | None = None) -> 
             "decode_ms": {str(b): row.get("ms_per_step") for b, row in r["decode"].items()}}
 
 
-#: The FP8 runs of the e2e area: the routed experts' form in prompt steps, and the GLM_DSA_MOE_MOSAIC value that
-#: picks it whatever `kernels.moe.MOSAIC_ROWS` says (decode steps keep the Triton W8A8 form in both).
+#: The FP8 runs of the e2e area: the routed experts' and dense linears' form in prompt steps, and the value of
+#: GLM_DSA_MOE_MOSAIC and GLM_DSA_FP8_LINEAR_MOSAIC that picks it whatever the `MOSAIC_ROWS` switches say (decode
+#: steps keep the Triton forms in both).
 E2E_FP8_PREFILL = (("dequant", "none"), ("w8a8_mosaic", "prefill"))
 
 
@@ -228,7 +232,7 @@ def run_e2e(smoke: bool, work: str) -> tuple[list[dict], dict]:
     (`glm_dsa.serving.benchmark.run_bench`, what `python -m glm_dsa bench` runs)."""
     from glm_dsa.model import loading
     from glm_dsa.serving.benchmark import BenchConfig, run_bench
-    from kernels import moe
+    from kernels import fp8_linear, moe
     if smoke:
         base = BenchConfig(preset="tiny", num_layers=2, input_len=16, output_len=2, batch=1, decode_batches=(1,),
                            impls=("auto",), stages=False)
@@ -239,9 +243,9 @@ def run_e2e(smoke: bool, work: str) -> tuple[list[dict], dict]:
     rows, runs = [e2e_row(res, "bf16")], {"bf16": res}
     for n, (form, switch) in enumerate(E2E_FP8_PREFILL):
         cfg = dataclasses.replace(base, quantization="fp8", decode_batches=base.decode_batches if n == 0 else ())
-        with _environ(moe.MOSAIC_ENV, switch):
+        with _environ(moe.MOSAIC_ENV, switch), _environ(fp8_linear.MOSAIC_ENV, switch):
             res = run_bench(cfg)
-        rows.append(e2e_row(res, "fp8", form))
+        rows.append(e2e_row(res, "fp8", form, form))
         runs[f"fp8_{form}"] = res
     extra = {"runs": runs}
     if smoke:
@@ -255,7 +259,8 @@ def run_e2e(smoke: bool, work: str) -> tuple[list[dict], dict]:
         return rows, extra
     res = run_bench(dataclasses.replace(base, preset="glm52", num_layers=GLM52_LAYERS, quantization="fp8",
                                         kv_cache_dtype="fp8_ds_mla"))
-    rows.append(e2e_row(res, "fp8", "w8a8_mosaic" if "prefill" in moe.mosaic_rows() else "dequant"))
+    rows.append(e2e_row(res, "fp8", *("w8a8_mosaic" if "prefill" in m.mosaic_rows() else "dequant"
+                                       for m in (moe, fp8_linear))))
     runs["glm52_fp8"] = res
     return rows, extra
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from .. import registry
 from ..moe.tiles import sort_pairs
-from .config import BLOCK, PREFILL, PREFILL_SWIGLU, Fp8GemmConfig
+from .config import BLOCK, EXPERTS_PREFILL_DOWN, EXPERTS_PREFILL_UP, Fp8GemmConfig
 from .reference import FP8, group_layout, quantize_rows
 
 LAYOUTS = ("grouped", "swap_ab")
@@ -47,14 +47,14 @@ def _pow2_at_least(n: int) -> int:
 def expert_configs(layout: str, t: int, k: int, n_exp: int) -> tuple[Fp8GemmConfig, Fp8GemmConfig]:
     """(up config, down config) of the routed experts at T rows of k experts among n_exp.
 
-    grouped: the named prefill configs (`config.PREFILL_SWIGLU`: 128 gate + 128 up rows a tile in 2 stages;
-    `config.PREFILL`: down in 128-column tiles in 4 stages; both fit float32 outputs, and were the fastest of
-    benchmarks/diagnostics/fp8_gemm_configs.py's sweep on an H100 and an H200, BENCHMARKS.md;
-    `config.PREFILL_SWIGLU_NARROW`, 64 + 64 rows in 4 stages, gives the same bits and is not yet timed). swap_ab: tiles of
-    about the mean rows per expert (a power of two in [8, 64]); gate+up 64 gate + 64 up rows per compute warpgroup
+    grouped: `config.EXPERTS_PREFILL_UP` (64 gate + 64 up rows a tile in 4 stages, its two 64 x 64 wgmmas waited
+    for once) and `config.EXPERTS_PREFILL_DOWN` (128-column tiles in 4 stages), each CTA's tiles chained; both fit
+    float32 outputs and were the fastest of benchmarks/diagnostics/fp8_gemm_configs.py's sweep (BENCHMARKS.md). The
+    128 + 128 gate+up tile (`config.PREFILL_SWIGLU`) gives the same bits. swap_ab: tiles of about the mean rows per
+    expert (a power of two in [8, 64]); gate+up 64 gate + 64 up rows per compute warpgroup
     in 4 stages, down 128 rows a tile in 6 (the pipeline takes no more stages than K blocks)."""
     if layout == "grouped":
-        return PREFILL_SWIGLU, PREFILL
+        return EXPERTS_PREFILL_UP, EXPERTS_PREFILL_DOWN
     if layout != "swap_ab":
         raise ValueError(f"fp8_gemm experts: layout {layout!r} is not one of {LAYOUTS}")
     tm = min(64, max(8, _pow2_at_least(max(1, t * k // n_exp))))

@@ -27,7 +27,7 @@ impl "mosaic" ("mosaic_interpret" under the interpreter) runs form "w8a8" throug
 GEMM with one group (`kernels.fp8_linear.mosaic`: 128-row tiles for prefill, swap-AB tiles for decode, rule
 "fp8_linear.mosaic_layout"); the op "fp8_swiglu" (`fp8_swiglu`) is a SwiGLU MLP's gate and up as one such GEMM with
 the SwiGLU epilogue. The model's FP8 linears take them as the form "w8a8_mosaic" of the rule "fp8_linear.model_form",
-on a GPU only for the row classes named in `MOSAIC_ROWS` (none by default) or the environment's
+on a GPU only for the row classes named in `MOSAIC_ROWS` (prompt steps by default) or the environment's
 GLM_DSA_FP8_LINEAR_MOSAIC.
 """
 
@@ -208,14 +208,15 @@ MODEL_FORMS = ("dequant", "fp8_linear", "w8a8_mosaic")
 
 #: The row classes for which the rule "fp8_linear.model_form" picks "w8a8_mosaic" (the Mosaic GPU W8A8 GEMM with one
 #: group; a SwiGLU MLP's gate and up fused with the SwiGLU epilogue) on a GPU: "prefill" (DEQUANT_ROWS rows and
-#: more, else "dequant") and "decode" (fewer, else "fp8_linear", the Triton W8A16 kernel). Empty until the GPU
-#: measurements of benchmarks/bench_fp8_gemm_mosaic.py say the kernel is faster there: THE switch of the GPU default
-#: for the dense FP8 linears. The environment variable GLM_DSA_FP8_LINEAR_MOSAIC ("prefill", "decode",
+#: more, else "dequant") and "decode" (fewer, else "fp8_linear", the Triton W8A16 kernel): THE switch of the GPU
+#: default for the dense FP8 linears. "prefill": with the routed experts' prompt steps on Mosaic as well, the engine's
+#: FP8 prefill of 8 x 32K on the bench preset took 3.51 s with it against 3.66 s with "dequant" (H100,
+#: BENCHMARKS.md); decode keeps the Triton kernel (not measured faster there). The environment variable GLM_DSA_FP8_LINEAR_MOSAIC ("prefill", "decode",
 #: "prefill,decode" or "none") overrides it for a run (read when a step is traced). A switch of its own, not the
 #: routed experts' (`kernels.moe.MOSAIC_ROWS`, GLM_DSA_MOE_MOSAIC): the dense linears have other shapes (one group,
 #: the whole row count on one weight), pay a transpose of the model's [in, out] weight per call, and are measured
 #: apart, so either may turn on without the other.
-MOSAIC_ROWS: frozenset = frozenset()
+MOSAIC_ROWS: frozenset = frozenset({"prefill"})
 MOSAIC_ENV = "GLM_DSA_FP8_LINEAR_MOSAIC"
 
 
@@ -237,7 +238,7 @@ def _model_form(platform: str, x, *, impl: str, n_offset=0, k_offset=0) -> str:
     bytes, the weight bytes being the cost at decode sizes), and always under impl "xla" (the float32 reference).
     "w8a8_mosaic" (the Mosaic GPU W8A8 GEMM, one group: 128-row tiles for prefill, swap-AB tiles for decode, rule
     "fp8_linear.mosaic_layout"; a SwiGLU MLP's gate and up as one GEMM with the SwiGLU epilogue) replaces them under
-    a kernel impl on a GPU only for the row classes in `MOSAIC_ROWS` (empty: not yet measured faster) or
+    a kernel impl on a GPU only for the row classes in `MOSAIC_ROWS` (prompt steps) or
     GLM_DSA_FP8_LINEAR_MOSAIC, and only for shards starting on a 128-block boundary (offsets 0: every GLM-5.2
     shard at TP <= 8; the others keep "dequant" / "fp8_linear"). It transposes the model's [in, out] e4m3 weight
     per call (the kernel reads K-major operands) and pads widths that are not whole tiles (kv_a's 576 outputs)."""

@@ -19,7 +19,8 @@ experts stored K-major (each expert in the release's [out, in] form, the scale g
 impl="mosaic" runs FP8 K-major experts of whole blocks through the Pallas Mosaic GPU W8A8 grouped GEMM
 (kernels/fp8_gemm/experts.py: e4m3 x e4m3 wgmma, SwiGLU fused into the gate/up GEMM; "mosaic_interpret" under the
 interpreter); it is also the FP8 form "w8a8_mosaic" of the kernel impls, which the rule "moe.fp8_form" picks on a
-GPU only for the row classes named in `MOSAIC_ROWS` (none by default) or the environment's GLM_DSA_MOE_MOSAIC.
+GPU only for the row classes named in `MOSAIC_ROWS` (prompt steps by default) or the environment's
+GLM_DSA_MOE_MOSAIC.
 """
 
 from __future__ import annotations
@@ -162,11 +163,12 @@ MOSAIC_IMPLS = ("mosaic", "mosaic_interpret")
 
 #: The row classes for which the rule "moe.fp8_form" picks "w8a8_mosaic" (the Mosaic GPU W8A8 grouped GEMM,
 #: kernels/fp8_gemm) on a GPU, for FP8 K-major experts of whole blocks: "prefill" (tiles of 64+ rows per expert, else
-#: "dequant") and "decode" (else "w8a8", the Triton kernels). Empty until the GPU measurements of
-#: benchmarks/bench_fp8_gemm_mosaic.py say the kernel is faster there: THE switch of the GPU default (e.g.
-#: frozenset({"prefill"})). The environment variable GLM_DSA_MOE_MOSAIC ("prefill", "decode", "prefill,decode" or
-#: "none") overrides it for a run (read when a step is traced), so an engine benchmark can compare both forms.
-MOSAIC_ROWS: frozenset = frozenset()
+#: "dequant") and "decode" (else "w8a8", the Triton kernels): THE switch of the GPU default. "prefill": the engine's
+#: FP8 prefill of 8 x 32K on the bench preset took 3.66 s with it against 5.09 s with "dequant" (H100, BENCHMARKS.md);
+#: not "decode", where the Triton W8A8 kernels are faster (298 against 457 us at T = 32, TP = 8 shard). The
+#: environment variable GLM_DSA_MOE_MOSAIC ("prefill", "decode", "prefill,decode" or "none") overrides it for a run
+#: (read when a step is traced), so an engine benchmark can compare both forms.
+MOSAIC_ROWS: frozenset = frozenset({"prefill"})
 MOSAIC_ENV = "GLM_DSA_MOE_MOSAIC"
 
 
@@ -193,7 +195,7 @@ def _fp8_form(platform: str, t: int, k: int, n_exp: int, d: int, i: int, i_offse
     a shard starting mid-block take "w8a16" (BENCHMARKS.md, FP8 weights). "w8a8_mosaic" (the Mosaic GPU W8A8
     grouped GEMM: grouped row tiles for prefill, swap-AB tiles for decode, rule "moe.mosaic_layout") replaces
     "dequant" / "w8a8" for K-major stacks (w_layout "nk", the model's) on a GPU only for the row classes in
-    `MOSAIC_ROWS` (empty: not yet measured faster) or GLM_DSA_MOE_MOSAIC."""
+    `MOSAIC_ROWS` (prompt steps) or GLM_DSA_MOE_MOSAIC."""
     aligned = isinstance(i_offset, int) and i_offset == 0 and d % 128 == 0 and i % 128 == 0
     if not aligned:
         return "w8a16"

@@ -146,8 +146,8 @@ def test_a_cpu_smoke_run_of_the_e2e_area(tmp_path):
     rec = json.loads((tmp_path / "e2e.json").read_text())
     check_schema(rec, "e2e")
     assert rec["command"] == "python -m benchmarks suite --only e2e --smoke"
-    assert [(r["weights"], r.get("fp8_experts_prefill")) for r in rec["rows"]] == \
-        [("bf16", None), ("fp8", "dequant"), ("fp8", "w8a8_mosaic")]
+    assert [(r["weights"], r.get("fp8_experts_prefill"), r.get("fp8_linears_prefill")) for r in rec["rows"]] == \
+        [("bf16", None, None), ("fp8", "dequant", "dequant"), ("fp8", "w8a8_mosaic", "w8a8_mosaic")]
     for row in rec["rows"]:
         assert row["preset"] == "tiny" and row["prefill_s"] > 0
     # MFU of FP8-weight runs also against the FP8 peak (the H200's 1979 TFLOP/s, twice bf16's 989)
@@ -160,13 +160,15 @@ def test_a_cpu_smoke_run_of_the_e2e_area(tmp_path):
 
 
 def test_the_e2e_area_sets_the_experts_switch_for_each_fp8_run(monkeypatch):
-    """Each FP8 run of the e2e area traces its steps under its own GLM_DSA_MOE_MOSAIC value, and the variable is as
-    before afterwards (set or unset)."""
-    from kernels import moe
+    """Each FP8 run of the e2e area traces its steps under its own GLM_DSA_MOE_MOSAIC and GLM_DSA_FP8_LINEAR_MOSAIC
+    values, and the variables are as before afterwards (set or unset)."""
+    from kernels import fp8_linear, moe
     from glm_dsa.serving import benchmark
     seen = []
+    monkeypatch.delenv(fp8_linear.MOSAIC_ENV, raising=False)
 
     def fake_run_bench(cfg):
+        assert os.environ.get(fp8_linear.MOSAIC_ENV) == os.environ.get(moe.MOSAIC_ENV) or cfg.quantization is None
         seen.append((cfg.quantization, os.environ.get(moe.MOSAIC_ENV), cfg.decode_batches))
         return {"impls": {"auto": {"prefill_s": 1.0, "decode": {}}}, "layers": 2,
                 "config": {"preset": "tiny", "kv_cache_dtype": "auto", "input_len": 16, "batch": 1,
@@ -182,7 +184,8 @@ def test_the_e2e_area_sets_the_experts_switch_for_each_fp8_run(monkeypatch):
         rows, _ = suite.run_e2e(True, "")
         assert seen == [(None, before, (1,)), ("fp8", "none", (1,)), ("fp8", "prefill", ())]
         assert [r.get("fp8_experts_prefill") for r in rows] == [None, "dequant", "w8a8_mosaic"]
-        assert os.environ.get(moe.MOSAIC_ENV) == before
+        assert [r.get("fp8_linears_prefill") for r in rows] == [None, "dequant", "w8a8_mosaic"]
+        assert os.environ.get(moe.MOSAIC_ENV) == before and fp8_linear.MOSAIC_ENV not in os.environ
 
 
 def test_the_e2e_area_runs_glm52_where_the_device_holds_it(monkeypatch):
@@ -190,8 +193,9 @@ def test_the_e2e_area_runs_glm52_where_the_device_holds_it(monkeypatch):
     the fp8_ds_mla cache where the allocator has 95 GB free, else a line saying what was not run and why."""
     from glm_dsa.model import loading
     from glm_dsa.serving import benchmark
-    from kernels import moe
+    from kernels import fp8_linear, moe
     monkeypatch.delenv(moe.MOSAIC_ENV, raising=False)
+    monkeypatch.delenv(fp8_linear.MOSAIC_ENV, raising=False)
     seen = []
 
     def fake_run_bench(cfg):
@@ -213,7 +217,7 @@ def test_the_e2e_area_runs_glm52_where_the_device_holds_it(monkeypatch):
     assert seen == bench + [("glm52", 8, "fp8", "fp8_ds_mla")] and "glm52_skipped" not in extra
     assert (rows[-1]["preset"], rows[-1]["layers"], rows[-1]["weights"], rows[-1]["kv_cache"]) == \
         ("glm52", 8, "fp8", "fp8_ds_mla")
-    assert rows[-1]["fp8_experts_prefill"] == ("w8a8_mosaic" if "prefill" in moe.MOSAIC_ROWS else "dequant")
+    assert rows[-1]["fp8_experts_prefill"] == rows[-1]["fp8_linears_prefill"] == "w8a8_mosaic"  # the defaults
 
 
 def test_moe_rows_from_the_fp8_gemm_bench():

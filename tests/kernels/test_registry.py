@@ -176,15 +176,16 @@ def test_batch_invariant_decode_steps_choose_alike_for_every_row_count():
 def test_batch_invariant_prompt_steps_take_the_prefill_forms():
     """A step of at least the prompt rows (`registry.INVARIANT_PROMPT_ROWS` or the `prompt_rows` given: the step's
     static padded rows name its kind, never its data) takes the default mode's prefill choices at the same shapes
-    (GLM-5.2's MoE at 8192 rows: 128-row tiles, "dequant"; the FP8 linears dequantised; the select top-k; launch
+    (GLM-5.2's MoE at 8192 rows on a GPU: 128-row tiles, "w8a8_mosaic"; the FP8 linears "w8a8_mosaic" too; the
+    select top-k; launch
     configs for the op's rows), except the xla MoE form (always "gather") and the indexer's scores, which take the
     row-block kernel from ROW_BLOCK_MIN_T rows whatever the requests (the mode's block tables have max_num_seqs'
     rows). Each rule's choice in a prompt step is a function of the shapes it is asked about only."""
     t = registry.INVARIANT_PROMPT_ROWS
     prompt = _rule_choices(True, t, (t,))
     assert prompt == {
-        "moe.xla_form": {"gather"}, "moe.fp8_form": {"dequant"}, "moe.mosaic_layout": {"grouped"},
-        "indexer.scores_form": {"row_block"}, "fp8_linear.model_form": {"dequant"},
+        "moe.xla_form": {"gather"}, "moe.fp8_form": {"w8a8_mosaic"}, "moe.mosaic_layout": {"grouped"},
+        "indexer.scores_form": {"row_block"}, "fp8_linear.model_form": {"w8a8_mosaic"},
         "fp8_linear.mosaic_layout": {"grouped"}, "topk.auto": {"triton"}, "lse_merge.auto": {"triton"},
         "config_rows": {t}}
     # the default mode at 8192 rows: the same, but its xla form and its scores form for many requests
@@ -202,13 +203,13 @@ def test_batch_invariant_prompt_steps_take_the_prefill_forms():
     # the kind is the step's rows against the prompt rows: a tiny engine's prompt steps of 64 rows take the same
     with registry.deciding_for("gpu"), registry.batch_invariant(rows=64, prompt_rows=64), registry.record() as log:
         assert registry.invariant_step_kind() == "prompt"
-        assert registry.decide("moe.fp8_form", 8192, *GLM_MOE, w_layout="nk") == "dequant"
+        assert registry.decide("moe.fp8_form", 8192, *GLM_MOE, w_layout="nk") == "w8a8_mosaic"
         assert registry.config_rows(100) == 100
     with registry.batch_invariant(rows=63, prompt_rows=64):
         assert registry.invariant_step_kind() == "decode"
         assert registry.config_rows(100) == registry.INVARIANT_CONFIG_ROWS
     assert [(d.rule, d.choice, d.batch_invariant, d.step_kind) for d in log] == [
-        ("moe.fp8_form", "dequant", True, "prompt"), ("launch_rows", "rows", True, "prompt")]
+        ("moe.fp8_form", "w8a8_mosaic", True, "prompt"), ("launch_rows", "rows", True, "prompt")]
     assert registry.invariant_step_kind() is None
     assert [registry.step_kind(r) for r in (None, 256, 8191, 8192, 65536)] == [
         "decode", "decode", "decode", "prompt", "prompt"]

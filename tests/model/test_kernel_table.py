@@ -76,7 +76,7 @@ def test_table_is_what_the_step_dispatches(case):
         assert chosen["prefill T=64", "indexer.auto"] == "triton"
         assert chosen["prefill T=64", "indexer.scores_form"] == "row_block"
         assert chosen["decode B=1", "moe.fp8_form"] == "w8a8"
-        assert chosen["prefill T=64", "fp8_linear.model_form"] == "dequant"
+        assert chosen["prefill T=64", "fp8_linear.model_form"] == "w8a8_mosaic"  # `fp8_linear.MOSAIC_ROWS`
         assert chosen["decode B=4", "fp8_linear.model_form"] == "fp8_linear"
     else:  # float32: no Mosaic (bf16 / FP8 caches only), bf16-free weights: no FP8 forms
         assert chosen["decode B=1", "sparse_mla.auto"] == "triton"
@@ -88,8 +88,8 @@ def test_batch_invariant_table_is_what_the_step_dispatches():
     256 rows and 8, 16 and 32 rows, of 32 requests) is what the whole model's step dispatches in that mode, the
     step's padded rows naming its kind (`StepOptions.invariant_prompt_rows`); every decode bucket lists the same.
     FP8 weights and cache at GLM-5.2's attention geometry: the prompt step takes the default mode's prefill choices at
-    its shape (dequantised FP8 linears and experts, the row-block indexer scores, the select top-k, launch configs for
-    its rows), the decode step the fixed per-row ones."""
+    its shape (the Mosaic W8A8 GEMM for the FP8 linears and experts, the row-block indexer scores, the select
+    top-k, launch configs for its rows), the decode step the fixed per-row ones."""
     cfg, parallel, kv, quant, dtype = CASES["heads fp8 weights and cache, tp 2"]
     kw = dict(kv_cache_dtype=kv, quantization=quant, dtype=dtype)
     table = dispatch_table(cfg, parallel=parallel, batch_invariant=True, invariant_rows=(256, 32), context=CONTEXT,
@@ -109,7 +109,7 @@ def test_batch_invariant_table_is_what_the_step_dispatches():
     chosen = {(r["shape"], r["rule"]): r["choice"] for r in table}
     assert {rule: chosen[prompt, rule] for rule in ("moe.fp8_form", "fp8_linear.model_form", "indexer.auto",
                                                      "indexer.scores_form", "topk.auto", "launch_rows")} == {
-        "moe.fp8_form": "dequant", "fp8_linear.model_form": "dequant", "indexer.auto": "triton",
+        "moe.fp8_form": "w8a8_mosaic", "fp8_linear.model_form": "w8a8_mosaic", "indexer.auto": "triton",
         "indexer.scores_form": "row_block", "topk.auto": "triton", "launch_rows": "rows"}
     assert {rule: chosen[decode, rule] for rule in ("moe.fp8_form", "fp8_linear.model_form", "indexer.auto",
                                                      "indexer.scores_form", "topk.auto", "launch_rows")} == {

@@ -152,7 +152,8 @@ def test_refuses_what_it_does_not_take():
 
 
 def test_rule_picks_mosaic_only_where_asked(monkeypatch):
-    """The GPU default keeps "dequant" / "fp8_linear" (`MOSAIC_ROWS` is empty); GLM_DSA_FP8_LINEAR_MOSAIC names the
+    """The GPU default takes "w8a8_mosaic" for prompt-step rows only (`MOSAIC_ROWS`: {"prefill"}), "fp8_linear" at
+    decode; GLM_DSA_FP8_LINEAR_MOSAIC names the
     row classes that take "w8a8_mosaic" (a GPU, a kernel impl, shards on block boundaries only); batch-invariant
     mode keeps "fp8_linear"; the layout is "grouped" from 64 rows."""
     def form(t, platform="gpu", impl="auto", **offsets):
@@ -160,7 +161,9 @@ def test_rule_picks_mosaic_only_where_asked(monkeypatch):
             return fp8_linear.model_form(jax.ShapeDtypeStruct((t, 2048), jnp.bfloat16), impl=impl, **offsets)
 
     monkeypatch.delenv(fp8_linear.MOSAIC_ENV, raising=False)
-    assert fp8_linear.MOSAIC_ROWS == frozenset()
+    assert fp8_linear.MOSAIC_ROWS == frozenset({"prefill"})
+    assert (form(32), form(8192)) == ("fp8_linear", "w8a8_mosaic")
+    monkeypatch.setenv(fp8_linear.MOSAIC_ENV, "none")
     assert (form(32), form(8192)) == ("fp8_linear", "dequant")
     monkeypatch.setenv(fp8_linear.MOSAIC_ENV, "prefill")
     assert (form(32), form(8192)) == ("fp8_linear", "w8a8_mosaic")
@@ -228,6 +231,10 @@ def test_model_step_takes_mosaic_where_the_switch_says(monkeypatch):
 
     monkeypatch.setenv(fp8_linear.MOSAIC_ENV, "prefill,decode")
     assert decided(4, 4) == {("fp8_linear.model_form", "w8a8_mosaic"), ("fp8_linear.mosaic_layout", "swap_ab")}
+    assert decided(256, 1) == {("fp8_linear.model_form", "w8a8_mosaic"), ("fp8_linear.mosaic_layout", "grouped")}
+    monkeypatch.delenv(fp8_linear.MOSAIC_ENV)  # the default: prompt steps only
+    assert ("fp8_linear.model_form", "fp8_linear") in decided(4, 4)
+    assert not any(rule == "fp8_linear.mosaic_layout" for rule, _ in decided(4, 4))
     assert decided(256, 1) == {("fp8_linear.model_form", "w8a8_mosaic"), ("fp8_linear.mosaic_layout", "grouped")}
 
 

@@ -136,7 +136,8 @@ GLM = (256, 8, 256, 6144, 256)  # E, k and the TP = 8 shard's widths: (n_exp, k)
 
 
 def test_rule_picks_mosaic_only_where_asked(monkeypatch):
-    """The GPU default keeps the Triton forms (`moe.MOSAIC_ROWS` is empty); GLM_DSA_MOE_MOSAIC names the row classes
+    """The GPU default takes "w8a8_mosaic" for prompt steps only (`moe.MOSAIC_ROWS`: {"prefill"}), the Triton
+    "w8a8" at decode; GLM_DSA_MOE_MOSAIC names the row classes
     that take "w8a8_mosaic" (K-major, whole-block shards on a GPU only); batch-invariant decode steps take "w8a8"
     at every row count (no transposed copy of the K-major stacks; "w8a16" for ragged shards) and swap-AB tiles, its
     prompt steps take the default's form and layout for their rows."""
@@ -145,7 +146,9 @@ def test_rule_picks_mosaic_only_where_asked(monkeypatch):
             return moe.fp8_form(t, 8, 256, 6144, i, i_offset, w_layout=w_layout)
 
     monkeypatch.delenv(moe.MOSAIC_ENV, raising=False)
-    assert moe.MOSAIC_ROWS == frozenset()
+    assert moe.MOSAIC_ROWS == frozenset({"prefill"})
+    assert (form(32), form(8192)) == ("w8a8", "w8a8_mosaic")
+    monkeypatch.setenv(moe.MOSAIC_ENV, "none")
     assert (form(32), form(8192)) == ("w8a8", "dequant")
     monkeypatch.setenv(moe.MOSAIC_ENV, "prefill")
     assert (form(32), form(8192)) == ("w8a8", "w8a8_mosaic")
@@ -189,9 +192,10 @@ def test_model_step_takes_mosaic_where_the_rule_says(monkeypatch):
     monkeypatch.setenv(moe.MOSAIC_ENV, "prefill,decode")
     assert decided(4, 4) >= {("moe.fp8_form", "w8a8_mosaic"), ("moe.mosaic_layout", "swap_ab")}
     assert decided(256, 1) >= {("moe.fp8_form", "w8a8_mosaic"), ("moe.mosaic_layout", "grouped")}
-    monkeypatch.delenv(moe.MOSAIC_ENV)
+    monkeypatch.delenv(moe.MOSAIC_ENV)  # the default: prompt steps only
     default = decided(4, 4)
     assert ("moe.fp8_form", "w8a8") in default and not any(r == "moe.mosaic_layout" for r, _ in default)
+    assert decided(256, 1) >= {("moe.fp8_form", "w8a8_mosaic"), ("moe.mosaic_layout", "grouped")}
 
 
 @pytest.mark.gpu
