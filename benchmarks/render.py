@@ -152,7 +152,8 @@ TABLES = {
         ("case", "case"), ("tile", lambda r: f"{r['config']['tile_m']} x {r['config']['tile_n']}"),
         ("stages", lambda r: r["config"]["stages"]), ("compute WGs", lambda r: r["config"]["compute_wgs"]),
         ("m_sub", lambda r: r["config"]["m_sub"]), ("swap AB", lambda r: r["config"]["swap_ab"]),
-        ("chained tiles", lambda r: r["config"].get("chain", False)), ("status", "status"), ("wall ms", "wall_ms"), ("device ms", "dev_ms"), ("GEMM ms", "gemm_ms"),
+        ("chained tiles", lambda r: r["config"].get("chain", False)), ("status", "status"), ("wall ms", "wall_ms"),
+        ("device ms", "dev_ms"), ("GEMM ms", "gemm_ms"),
         ("TFLOP/s (GEMM)", "tflops_gemm"), ("rel. error", lambda r: r.get("check", {}).get("rel_fro")),
         ("smem over limit, Mosaic (repo) bytes",
          lambda r: f"{r['over_mosaic']} ({r['over_repo']})" if r["status"] == "invalid" else None))),
@@ -244,8 +245,9 @@ def _date(s: str) -> str:
 
 def _provenance(src: dict) -> str:
     command = " ".join(src["command"].split())  # one line in the table's heading
-    line = f"{src['device']}, jax {src.get('jax') or '—'}, {_date(src['date'])}, commit `{src['commit']}`: `{command}`"
-    return line + (f" ({src['note']})" if src.get("note") else "")
+    note = f" ({src['note']})" if src.get("note") else ""
+    return (f"{src['device']}, jax {src.get('jax') or '—'}, {_date(src['date'])}, commit `{src['commit']}`: "
+            f"`{command}`{note}")
 
 
 def render_table(name: str, results: str = RESULTS) -> str:

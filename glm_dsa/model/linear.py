@@ -10,7 +10,8 @@ its rank, passing the slice's offset inside its first block to the kernel as a t
 Which FP8 form runs where is the kernels registry's rule "fp8_linear.model_form": decode-sized row counts read
 the e4m3 bytes in the W8A16 kernel; prefill-sized ones dequantise the weight to the activations' dtype and run
 XLA's GEMM; "w8a8_mosaic" (on a GPU for prompt steps by default: `kernels.fp8_linear.MOSAIC_ROWS`,
-GLM_DSA_FP8_LINEAR_MOSAIC) runs the Mosaic GPU W8A8 GEMM, and `swiglu` then computes a SwiGLU MLP's gate and up as one GEMM with the SwiGLU epilogue.
+GLM_DSA_FP8_LINEAR_MOSAIC) runs the Mosaic GPU W8A8 GEMM, and `swiglu` then computes a SwiGLU MLP's gate and up
+as one GEMM with the SwiGLU epilogue.
 impl "xla" is the float32 reference (`fp8_linear_xla`).
 """
 

@@ -165,8 +165,8 @@ DECODE = Fp8GemmConfig(tile_m=16, tile_n=128, stages=6, swap_ab=True)
 PREFILL_SWIGLU = Fp8GemmConfig(tile_n=256, stages=2, swiglu=True)  # 3 stages: 1.3-1.4x slower (H100, H200)
 PREFILL_SWIGLU_NARROW = Fp8GemmConfig(tile_n=128, stages=4, swiglu=True)  # 64 gate + 64 up columns a tile
 #: The routed experts' prompt-step GEMMs (`experts.expert_configs`, layout "grouped"): the narrow fused gate+up tile
-#: and the plain 128 x 128 down tile, each CTA's tiles chained. On the H100 (fp8_gemm_configs sweep, BENCHMARKS.md)
-#: gate+up 4.50 ms against 6.80 for PREFILL_SWIGLU (4.58 unchained), down 2.26 against 2.33 unchained.
+#: and the plain 128 x 128 down tile, each CTA's tiles chained, the fastest of the launch-config sweep
+#: (benchmarks/diagnostics/fp8_gemm_configs.py; BENCHMARKS.md, Experts and FP8 GEMMs).
 EXPERTS_PREFILL_UP = Fp8GemmConfig(tile_n=128, stages=4, swiglu=True, chain=True)
 EXPERTS_PREFILL_DOWN = Fp8GemmConfig(chain=True)
 DECODE_SWIGLU = Fp8GemmConfig(tile_m=16, tile_n=256, stages=4, swap_ab=True, swiglu=True)

@@ -15,9 +15,8 @@ refill the slot (`commit_smem`, while the wgmma runs), waits for the wgmma, and 
 running float32 accumulator (the promotion that keeps fp8 wgmma's short accumulator to one block). Where a K
 block's wgmmas have small partials (the narrow SwiGLU tile's two 64 x 64, swap-AB SwiGLU's at decode) they are
 issued back to back and waited for once (`Fp8GemmConfig.issue_together`): the tensor core gets a plain 64 x 128
-tile's work between two waits. The two
-compute warpgroups interleave: one scales while the other's wgmma runs. The epilogue stores bf16 (or float32)
-through shared memory by TMA. Tiles whose group is -1 store zeros and read nothing.
+tile's work between two waits. The two compute warpgroups interleave: one scales while the other's wgmma runs. The
+epilogue stores bf16 (or float32) through shared memory by TMA. Tiles whose group is -1 store zeros and read nothing.
 
 swap_ab (decode): the weight rows go on wgmma's M side (64 per compute warpgroup) and the few activation rows of
 a group on its N side (8..256), so the tensor core is not 3/4 idle on a 16-row tile; the kernel writes out^T.
@@ -188,7 +187,7 @@ def _kernel(group_ref, ends_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_
                 # wgmmas issued before one wait: all of an m sub-tile's where their partials are small
                 # (`Fp8GemmConfig.issue_together`), else one at a time
                 issues = [tuple(range(n_sub))] if cfg.issue_together else [(s,) for s in range(n_sub)]
-                new = [None] * (cfg.m_sub * n_sub)
+                new = []  # accs' order: m sub-tile i, then wgmma s (the issues cover s in order)
                 for i in range(cfg.m_sub):
                     sa = sas[i]
                     for subs in issues:
@@ -217,7 +216,7 @@ def _kernel(group_ref, ends_ref, a_ref, sa_ref, *refs, config: Fp8GemmConfig, m_
                         parts = pl.run_scoped(mma, *[plgpu.ACC((out_r, out_c), f32) for _ in subs])
                         for s, part in zip(subs, parts):
                             scale = lax.broadcast_in_dim(sa * ws[s][1], (out_r, out_c), [1] if swap else [0])
-                            new[i * n_sub + s] = accs[i * n_sub + s] + part * scale
+                            new.append(accs[i * n_sub + s] + part * scale)
                 return tuple(new)
 
             if chained is not None:

@@ -209,9 +209,9 @@ MODEL_FORMS = ("dequant", "fp8_linear", "w8a8_mosaic")
 #: The row classes for which the rule "fp8_linear.model_form" picks "w8a8_mosaic" (the Mosaic GPU W8A8 GEMM with one
 #: group; a SwiGLU MLP's gate and up fused with the SwiGLU epilogue) on a GPU: "prefill" (DEQUANT_ROWS rows and
 #: more, else "dequant") and "decode" (fewer, else "fp8_linear", the Triton W8A16 kernel): THE switch of the GPU
-#: default for the dense FP8 linears. "prefill": with the routed experts' prompt steps on Mosaic as well, the engine's
-#: FP8 prefill of 8 x 32K on the bench preset took 3.51 s with it against 3.66 s with "dequant" (H100,
-#: BENCHMARKS.md); decode keeps the Triton kernel (not measured faster there). The environment variable GLM_DSA_FP8_LINEAR_MOSAIC ("prefill", "decode",
+#: default for the dense FP8 linears. "prefill": with the routed experts' prompt steps on Mosaic as well, faster
+#: than "dequant" in the engine's FP8 prefill (BENCHMARKS.md, End to end); decode keeps the Triton kernel (not
+#: measured faster there). The environment variable GLM_DSA_FP8_LINEAR_MOSAIC ("prefill", "decode",
 #: "prefill,decode" or "none") overrides it for a run (read when a step is traced). A switch of its own, not the
 #: routed experts' (`kernels.moe.MOSAIC_ROWS`, GLM_DSA_MOE_MOSAIC): the dense linears have other shapes (one group,
 #: the whole row count on one weight), pay a transpose of the model's [in, out] weight per call, and are measured

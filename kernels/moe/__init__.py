@@ -163,11 +163,11 @@ MOSAIC_IMPLS = ("mosaic", "mosaic_interpret")
 
 #: The row classes for which the rule "moe.fp8_form" picks "w8a8_mosaic" (the Mosaic GPU W8A8 grouped GEMM,
 #: kernels/fp8_gemm) on a GPU, for FP8 K-major experts of whole blocks: "prefill" (tiles of 64+ rows per expert, else
-#: "dequant") and "decode" (else "w8a8", the Triton kernels): THE switch of the GPU default. "prefill": the engine's
-#: FP8 prefill of 8 x 32K on the bench preset took 3.66 s with it against 5.09 s with "dequant" (H100, BENCHMARKS.md);
-#: not "decode", where the Triton W8A8 kernels are faster (298 against 457 us at T = 32, TP = 8 shard). The
-#: environment variable GLM_DSA_MOE_MOSAIC ("prefill", "decode", "prefill,decode" or "none") overrides it for a run
-#: (read when a step is traced), so an engine benchmark can compare both forms.
+#: "dequant") and "decode" (else "w8a8", the Triton kernels): THE switch of the GPU default. "prefill": faster than
+#: "dequant" in the engine's FP8 prefill (BENCHMARKS.md, End to end); not "decode", where the Triton W8A8 kernels
+#: are faster (BENCHMARKS.md, Experts and FP8 GEMMs). The environment variable GLM_DSA_MOE_MOSAIC ("prefill",
+#: "decode", "prefill,decode" or "none") overrides it for a run (read when a step is traced), so an engine benchmark
+#: can compare both forms.
 MOSAIC_ROWS: frozenset = frozenset({"prefill"})
 MOSAIC_ENV = "GLM_DSA_MOE_MOSAIC"
 

@@ -433,6 +433,11 @@ def test_configs_and_operands_are_checked():
         fp8_gemm.grouped_matmul(a_q, s_a, w_q, s_w, tg, config=fp8_config.DECODE)
     with pytest.raises(ValueError, match="gate and up alike"):
         fp8_gemm.grouped_matmul(a_q, s_a, (w_q[0], w_q[1][:, :, :128]), s_w, tg, config=fp8_config.DECODE_SWIGLU)
+    from kernels.fp8_gemm import mosaic
+    for bad in (0, 2.0):
+        with pytest.raises(ValueError, match=f"max_ctas must be an int >= 1, got {bad!r}"):
+            mosaic.grouped_matmul_mosaic(a_q, s_a, w_q[0], s_w[0], tg, config=fp8_config.DECODE, interpret=True,
+                                         max_ctas=bad)
 
 
 
